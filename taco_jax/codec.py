@@ -1,0 +1,122 @@
+"""The TACO FP8 codec: configuration, ``compress``, ``decompress``, ``decompress_sum``.
+
+Groups of ``group_size`` contiguous elements run along the last axis. A last dimension that
+is not a multiple of the group size is zero-padded up to one (codes carry the padded
+length; ``decompress`` cuts the padding off again), so any shape works mid-training.
+``None`` means "no compression" everywhere a ``CompressionConfig`` is accepted.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+
+Format = Literal["e4m3", "e5m2"]
+Implementation = Literal["auto", "pallas", "xla"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionConfig:
+  """How one collective compresses what it sends. Hashable, so usable as a static arg."""
+
+  format: Format = "e4m3"  # FP8 format of the codes: e4m3 (max 448) or e5m2 (max 57344).
+  group_size: int = 128  # Elements per group along the last axis; power of two, 32..512.
+  hadamard: bool = True  # Walsh-Hadamard-transform each group before quantizing.
+  dual_scale: bool = True  # RMS pre-scale alpha before the transform (else alpha = 1).
+  lam: float = 1e-6  # Added to mean(x^2) before the RMS pre-scale's square root.
+  implementation: Implementation = "auto"  # auto: Pallas on GPU, the jnp reference elsewhere.
+  min_bytes: int = 0  # Collectives send messages smaller than this (per device) uncompressed.
+
+  def __post_init__(self):
+    if self.format not in pallas_kernels.FP8_DTYPES:
+      raise ValueError(f"format must be one of {sorted(pallas_kernels.FP8_DTYPES)}, "
+                       f"got {self.format!r}")
+    g = self.group_size
+    if not isinstance(g, int) or g < 32 or g > 512 or g & (g - 1):
+      raise ValueError(f"group_size must be a power of two in [32, 512], got {g!r}")
+    if self.implementation not in ("auto", "pallas", "xla"):
+      raise ValueError("implementation must be 'auto', 'pallas' or 'xla', "
+                       f"got {self.implementation!r}")
+    if not self.lam >= 0:
+      raise ValueError(f"lam must be >= 0, got {self.lam!r}")
+    if self.min_bytes < 0:
+      raise ValueError(f"min_bytes must be >= 0, got {self.min_bytes!r}")
+
+  @property
+  def fp8_dtype(self):
+    return pallas_kernels.FP8_DTYPES[self.format]
+
+  @property
+  def bits_per_element(self) -> float:
+    """Wire cost: 8 bits of code plus two fp32 scales per group."""
+    return 8 + 64 / self.group_size
+
+  def resolved_implementation(self) -> str:
+    if self.implementation != "auto":
+      return self.implementation
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Compressed:
+  """FP8 codes and their per-group scales; a pytree, so it can cross collectives.
+
+  ``codes``: x's shape with the last dim padded to a multiple of the group size.
+  ``alpha``/``scale``: fp32, x's leading shape + (padded last dim / group size,).
+  ``size``: x's true last dimension (static).
+  """
+
+  codes: jax.Array
+  alpha: jax.Array
+  scale: jax.Array
+  size: int = dataclasses.field(metadata=dict(static=True))
+
+
+def _check_input(x) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"compress expects a floating-point array, got dtype {x.dtype}")
+  if x.ndim < 1:
+    raise ValueError("compress expects an array with at least one dimension")
+
+
+def compress(x, cfg: CompressionConfig) -> Compressed:
+  """Encodes ``x`` (any leading dims, groups along the last axis) to FP8 + scales."""
+  _check_input(x)
+  g = cfg.group_size
+  size = x.shape[-1]
+  padded = -(-size // g) * g
+  if padded != size:
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - size)])
+  lead = x.shape[:-1]
+  codes, alpha, scale = pallas_kernels.encode(
+      x.reshape(-1, padded), group_size=g, fmt=cfg.format, hadamard=cfg.hadamard,
+      dual_scale=cfg.dual_scale, lam=cfg.lam, implementation=cfg.resolved_implementation())
+  k = padded // g
+  return Compressed(codes.reshape(*lead, padded), alpha.reshape(*lead, k),
+                    scale.reshape(*lead, k), size)
+
+
+def decompress(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
+  """Inverse of ``compress``: returns an array of x's shape in ``dtype``."""
+  *lead, padded = c.codes.shape
+  out = pallas_kernels.decode(
+      c.codes.reshape(-1, padded), c.alpha.reshape(-1, padded // cfg.group_size),
+      c.scale.reshape(-1, padded // cfg.group_size), group_size=cfg.group_size,
+      hadamard=cfg.hadamard, out_dtype=dtype, implementation=cfg.resolved_implementation())
+  return out.reshape(*lead, padded)[..., :c.size]
+
+
+def decompress_sum(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
+  """Decodes N chunks stacked on axis 0 of ``c`` and sums them in fp32, in one pass."""
+  n, *lead, padded = c.codes.shape
+  k = padded // cfg.group_size
+  out = pallas_kernels.decode_sum(
+      c.codes.reshape(n, -1, padded), c.alpha.reshape(n, -1, k), c.scale.reshape(n, -1, k),
+      group_size=cfg.group_size, hadamard=cfg.hadamard, out_dtype=dtype,
+      implementation=cfg.resolved_implementation())
+  return out.reshape(*lead, padded)[..., :c.size]
