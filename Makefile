@@ -1,0 +1,33 @@
+# Set-up and the two everyday jobs. `make train` and `make test` work on a fresh clone:
+# they find Python >= 3.12 (on PATH or through pyenv), make .venv, and install the package.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny.py
+PYTEST_ARGS ?= -n 2
+
+.PHONY: venv install train test clean
+
+$(PY):
+	@py=$$(for c in python3.13 python3.12 python3; do \
+	    command -v $$c >/dev/null && $$c -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { command -v $$c; break; }; \
+	  done); \
+	if [ -z "$$py" ] && command -v pyenv >/dev/null; then \
+	  for v in $$(pyenv versions --bare | grep -E '^3\.1[2-9]' | sort -rV); do \
+	    py="$$(pyenv root)/versions/$$v/bin/python3"; [ -x "$$py" ] && break; done; \
+	fi; \
+	if [ -z "$$py" ]; then echo "No Python >= 3.12 found (PATH or pyenv); install one." >&2; exit 1; fi; \
+	echo "Using $$py"; "$$py" -m venv $(VENV)
+
+install: $(PY)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e ".[test]"
+
+train: install
+	$(PY) -m taco_jax.train --config=$(CONFIG) $(ARGS)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS) $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info
