@@ -1,0 +1,220 @@
+"""Collectives that send FP8 (TACO) instead of the input dtype, inside a manual shard_map.
+
+``compression=None`` (the default) gives exactly the ``jax.lax`` collective (same HLO), so
+the baseline and the compressed run share one code path. With a ``CompressionConfig``:
+
+* all-gather: compress the local shard -> all-gather codes and scales -> decompress.
+* reduce-scatter: compress each of the N destination chunks -> all-to-all codes and
+  scales -> decode the N received chunks and sum them in fp32 -> cast to x.dtype.
+* all-reduce: one-shot (compress -> all-gather -> decode+sum) or two-shot (compressed
+  reduce-scatter over rows, fp32 result recompressed -> compressed all-gather).
+* ppermute: compress -> ppermute codes and scales -> decompress.
+
+FP8 codes are never summed by a collective (every rank has its own scales). Wire format:
+codes bitcast to uint8 (the CPU backend silently widens fp8 collectives to f16, and every
+backend moves u8), and the two fp32 scales stacked as ``[..., groups, 2]``. Groups run
+along the last axis of each message, so gathering or scattering along the last axis never
+makes a group straddle two ranks. Messages smaller than ``compression.min_bytes`` per device
+(the local input's bytes) go through the plain collective.
+
+These functions are for forward computation; they are not differentiable when compressed
+(the payload is a bitcast). Use ``taco_jax.mappings`` for regions with gradients.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax.codec import Compressed, CompressionConfig, compress, decompress, decompress_sum
+
+AxisName = str | tuple[str, ...]
+Algorithm = Literal["one_shot", "two_shot"]
+
+
+def axis_size(axis_name: AxisName, fn: str = "collective", shape=()) -> int:
+  """``jax.lax.axis_size`` with a clear error for an axis that is not in the mesh."""
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise ValueError(
+        f"{fn}: unknown mesh axis {axis_name!r} (input shape {tuple(shape)}); call it "
+        "inside a jax.shard_map whose mesh has this axis") from e
+
+
+def _check_dim(fn: str, axis_name, n: int, shape, dim: int, what: str) -> int:
+  ndim = len(shape)
+  if not -ndim <= dim < ndim:
+    raise ValueError(f"{fn}: {what}={dim} is out of range for an input of shape {shape}")
+  dim %= ndim
+  if shape[dim] % n:
+    raise ValueError(
+        f"{fn}: dimension {dim} of shape {tuple(shape)} has size {shape[dim]}, which is not "
+        f"divisible by the size {n} of mesh axis {axis_name!r}")
+  return dim
+
+
+def _compressed(x, compression: CompressionConfig | None, num_slices: int = 1) -> bool:
+  if not isinstance(num_slices, int) or num_slices < 1:
+    raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
+  return compression is not None and x.size * x.dtype.itemsize >= compression.min_bytes
+
+
+def _slices(x, dim: int, k: int, fn: str):
+  if k == 1:
+    return [x]
+  if x.shape[dim] % k:
+    raise ValueError(f"{fn}: num_slices={k} does not divide dimension {dim} of shape "
+                     f"{x.shape}")
+  return jnp.split(x, k, axis=dim)
+
+
+def _slice_dim(ndim: int, avoid: int, fn: str, k: int) -> int:
+  """First dimension other than ``avoid`` and the grouped last one (slicing runs along it)."""
+  for d in range(ndim - 1):
+    if d != avoid:
+      return d
+  if k == 1:
+    return 0
+  raise ValueError(f"{fn}: num_slices={k} needs a dimension besides the communicated "
+                   "and the last (grouped) one")
+
+
+# --- wire format ---------------------------------------------------------------------
+
+
+def _to_wire(c: Compressed):
+  return jax.lax.bitcast_convert_type(c.codes, jnp.uint8), jnp.stack([c.alpha, c.scale], -1)
+
+
+def _from_wire(codes_u8, scales, size: int, cfg: CompressionConfig) -> Compressed:
+  codes = jax.lax.bitcast_convert_type(codes_u8, cfg.fp8_dtype)
+  return Compressed(codes, scales[..., 0], scales[..., 1], size)
+
+
+def _gather_codes(x, axis_name, cfg, to: str) -> Compressed:
+  """Compresses x and all-gathers codes and scales into a new leading axis [N, ...]."""
+  codes, scales = _to_wire(compress(x, cfg))
+  codes = jax.lax.all_gather(codes, axis_name, axis=0, tiled=False, to=to)
+  scales = jax.lax.all_gather(scales, axis_name, axis=0, tiled=False, to=to)
+  return _from_wire(codes, scales, x.shape[-1], cfg)
+
+
+def _reduce_stacked(chunks, axis_name, cfg, out_dtype):
+  """Compressed reduce-scatter of chunks [N, ...]: rank i gets sum_j chunks_j[i] (fp32 sum)."""
+  codes, scales = _to_wire(compress(chunks, cfg))
+  codes = jax.lax.all_to_all(codes, axis_name, 0, 0, tiled=True)
+  scales = jax.lax.all_to_all(scales, axis_name, 0, 0, tiled=True)
+  return decompress_sum(_from_wire(codes, scales, chunks.shape[-1], cfg), cfg, out_dtype)
+
+
+# --- public collectives ----------------------------------------------------------------
+
+
+def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
+               compression: CompressionConfig | None = None, num_slices: int = 1):
+  """All-gather of ``x`` over ``axis_name`` (``lax.all_gather``; note ``tiled=True`` default).
+
+  forward: all-gather, backward (its transpose): reduce-scatter (see ``mappings``).
+  ``num_slices`` > 1 splits the message along another dimension into that many slices,
+  each compressed and gathered separately, so compressing slice i+1 may overlap sending i.
+  """
+  fn = "all_gather"
+  n = axis_size(axis_name, fn, x.shape)
+  ndim = x.ndim + (0 if tiled else 1)
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"{fn}: axis={axis} is out of range for an input of shape {x.shape}")
+  axis %= ndim
+  if not _compressed(x, compression, num_slices):
+    return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
+  return _all_gather(x, axis_name, axis, tiled, compression, num_slices, "varying", n)
+
+
+def _all_gather(x, axis_name, axis, tiled, compression, num_slices, _to, n):
+  fn = "all_gather"
+  sd = _slice_dim(x.ndim, -1, fn, num_slices)
+  parts = [decompress(_gather_codes(s, axis_name, compression, _to), compression, x.dtype)
+           for s in _slices(x, sd, num_slices, fn)]
+  y = parts[0] if num_slices == 1 else jnp.concatenate(parts, axis=sd + 1)  # [N, *x.shape]
+  y = jnp.moveaxis(y, 0, axis)
+  if tiled:
+    y = y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:])
+  return y
+
+
+def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
+                   compression: CompressionConfig | None = None, num_slices: int = 1):
+  """Sum over ``axis_name``, rank i keeping chunk i of ``scatter_dimension`` (tiled
+  ``lax.psum_scatter``). forward: reduce-scatter, backward (transpose): all-gather.
+
+  Compressed: each of the N chunks is compressed, exchanged with one all-to-all and the
+  N received chunks are decoded and summed in fp32, then cast to x.dtype.
+  """
+  fn = "reduce_scatter"
+  n = axis_size(axis_name, fn, x.shape)
+  d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
+  if not _compressed(x, compression, num_slices):
+    return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
+  return _reduce_scatter(x, axis_name, d, compression, num_slices, x.dtype, n)
+
+
+def _reduce_scatter(x, axis_name, d, compression, num_slices, out_dtype, n):
+  fn = "reduce_scatter"
+  chunks = x.reshape(*x.shape[:d], n, x.shape[d] // n, *x.shape[d + 1:])
+  chunks = jnp.moveaxis(chunks, d, 0)  # [N, *chunk_shape]; groups still on the last axis
+  sd = _slice_dim(x.ndim, d, fn, num_slices)
+  parts = [_reduce_stacked(s, axis_name, compression, out_dtype)
+           for s in _slices(chunks, sd + 1, num_slices, fn)]
+  return parts[0] if num_slices == 1 else jnp.concatenate(parts, axis=sd)
+
+
+def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None = None,
+               algorithm: Algorithm = "two_shot", num_slices: int = 1):
+  """Sum of ``x`` over ``axis_name`` on every rank (``lax.psum``; the result is invariant).
+
+  forward: all-reduce, backward (transpose): identity (see ``mappings``).
+  ``one_shot``: every rank gathers every rank's compressed x and decodes+sums (N-1 chunks
+  received per rank of the full size). ``two_shot``: compressed reduce-scatter over the
+  flattened rows (padded to a multiple of N), the fp32 partial sum recompressed and
+  all-gathered (2 (N-1)/N of the size received per rank, but two rounds of rounding).
+  """
+  fn = "all_reduce"
+  if algorithm not in ("one_shot", "two_shot"):
+    raise ValueError(f"{fn}: algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
+  n = axis_size(axis_name, fn, x.shape)
+  if not _compressed(x, compression, num_slices):
+    return jax.lax.psum(x, axis_name)
+  if x.ndim == 0:
+    raise ValueError(f"{fn}: compression needs an array with at least one dimension")
+  if algorithm == "one_shot":
+    sd = _slice_dim(x.ndim, -1, fn, num_slices)
+    parts = [decompress_sum(_gather_codes(s, axis_name, compression, "invarying"),
+                            compression, x.dtype)
+             for s in _slices(x, sd, num_slices, fn)]
+    return parts[0] if num_slices == 1 else jnp.concatenate(parts, axis=sd)
+  rows = x.reshape(-1, x.shape[-1])
+  r = rows.shape[0]
+  pad = -r % (n * num_slices)
+  if pad:
+    rows = jnp.pad(rows, [(0, pad), (0, 0)])
+  rows = rows.reshape(num_slices, -1, x.shape[-1])  # [slices, rows, D]: scatter the rows
+  part = _reduce_scatter(rows, axis_name, 1, compression, num_slices, jnp.float32, n)
+  out = _all_gather(part, axis_name, 1, True, compression, num_slices, "invarying", n)
+  return out.reshape(-1, x.shape[-1])[:r].astype(x.dtype).reshape(x.shape)
+
+
+def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | None = None):
+  """``lax.ppermute``: rank src sends x to rank dst for each (src, dst) in ``perm``; ranks
+  that receive nothing get zeros. forward: ppermute, backward: ppermute with perm inverted.
+  """
+  axis_size(axis_name, "ppermute", x.shape)
+  if not _compressed(x, compression):
+    return jax.lax.ppermute(x, axis_name, perm)
+  codes, scales = _to_wire(compress(x, compression))
+  codes = jax.lax.ppermute(codes, axis_name, perm)
+  scales = jax.lax.ppermute(scales, axis_name, perm)
+  c = _from_wire(codes, scales, x.shape[-1], compression)
+  # A rank that received nothing holds zero scales: decode 0 / alpha=1 instead of 0 / 0.
+  c = Compressed(c.codes, jnp.where(c.alpha == 0, 1.0, c.alpha), c.scale, c.size)
+  return decompress(c, compression, x.dtype)

@@ -1,0 +1,208 @@
+"""Compressed collectives on 8 fake CPU devices, with rank-valued inputs.
+
+Rank r (along the collective's axis) holds ``x_r = (r + 1) * pattern``, so every answer has
+a closed form. ``compression=None`` must equal the ``jax.lax`` collective exactly; FP8
+answers must lie within ``taco_jax.testing``'s bound, derived from the format.
+"""
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from taco_jax import CompressionConfig
+from taco_jax import collectives as tc
+from taco_jax.testing import assert_within, fp8_roundtrip_bound, fp8_sum_bound
+
+E4M3 = CompressionConfig()
+CONFIGS = {
+    "e4m3": E4M3,
+    "e5m2_g64": CompressionConfig(format="e5m2", group_size=64),
+    "e4m3_nohadamard": CompressionConfig(hadamard=False, dual_scale=False),
+}
+
+
+@functools.cache
+def mesh_1d(n):
+  return jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+@functools.cache
+def mesh_3d():
+  return jax.make_mesh((2, 2, 2), ("data", "pipeline", "tensor"),
+                       axis_types=(AxisType.Auto,) * 3)
+
+
+def pattern(shape, dtype, seed=0):
+  """Random but fixed, with a realistic spread: N(0,1) times a log-normal scale per row."""
+  rng = np.random.default_rng(seed)
+  p = rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[:-1] + (1,)))
+  return jnp.asarray(p, dtype)
+
+
+def rank_inputs(p, n):
+  """What rank r holds: (r + 1) * p, computed exactly as on the device."""
+  return [np.asarray(p * jnp.asarray(r + 1, p.dtype), np.float64) for r in range(n)]
+
+
+def run(mesh, axis, body, p, *, check_vma=True):
+  """Runs body(x_r) on every device; returns [devices, ...] outputs and each device's rank."""
+  names = mesh.axis_names
+
+  def f(p):
+    r = jax.lax.axis_index(axis)
+    return jax.tree.map(lambda y: y[None], body(p * (r + 1).astype(p.dtype)))
+
+  out = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(), out_specs=P(names),
+                              check_vma=check_vma))(p)
+  ranks = np.indices(mesh.devices.shape)[names.index(axis)].ravel()  # P(names) order
+  return jax.tree.map(lambda y: np.asarray(y.astype(jnp.float32), np.float64), out), ranks
+
+
+# --- one case per collective: (body, lax body, local shape, expected(xs, rank), bound) -----
+
+
+def _chunks(a, n, d):
+  return np.split(a, n, axis=d)
+
+
+def case(kind, n, cfg, axis, dtype):
+  """Returns (body, lax_body, pattern, expected_fn, bound_fn) for one collective."""
+  if kind in ("all_gather", "all_gather_last"):
+    dim = 0 if kind == "all_gather" else -1
+    shape = (4, 3, 160) if dim == -1 else (4, 3, 256)
+    body = lambda x, c: tc.all_gather(x, axis, axis=dim, compression=c)
+    lax_body = lambda x: jax.lax.all_gather(x, axis, axis=dim % 3, tiled=True)
+    expect = lambda xs, r: np.concatenate(xs, axis=dim)
+    bound = lambda xs, r: np.concatenate(
+        [fp8_roundtrip_bound(x, cfg, dtype) for x in xs], axis=dim)
+  elif kind in ("reduce_scatter", "reduce_scatter_last"):
+    dim = 1 if kind == "reduce_scatter" else 2
+    shape = (3, 2 * n, 128) if dim == 1 else (3, 2, 40 * n)
+    body = lambda x, c: tc.reduce_scatter(x, axis, scatter_dimension=dim, compression=c)
+    lax_body = lambda x: jax.lax.psum_scatter(x, axis, scatter_dimension=dim, tiled=True)
+    expect = lambda xs, r: _chunks(sum(xs), n, dim)[r]
+    bound = lambda xs, r: fp8_sum_bound(
+        np.stack([_chunks(x, n, dim)[r] for x in xs]), cfg, dtype)
+  elif kind in ("all_reduce_one_shot", "all_reduce_two_shot"):
+    alg = kind[len("all_reduce_"):]
+    shape = (3, 5, 192)  # 15 rows: two-shot pads them to a multiple of the axis size
+    body = lambda x, c: tc.all_reduce(x, axis, compression=c, algorithm=alg)
+    lax_body = lambda x: jax.lax.psum(x, axis)
+    expect = lambda xs, r: sum(xs)
+    bound = lambda xs, r: fp8_sum_bound(np.stack(xs), cfg, dtype,
+                                        recompress=alg == "two_shot")
+  elif kind == "ppermute":
+    perm = [(i, (i + 1) % n) for i in range(n - 1)]  # rank 0 receives nothing
+    src = {d: s for s, d in perm}
+    shape = (4, 96)
+    body = lambda x, c: tc.ppermute(x, axis, perm, compression=c)
+    lax_body = lambda x: jax.lax.ppermute(x, axis, perm)
+    expect = lambda xs, r: xs[src[r]] if r in src else np.zeros_like(xs[0])
+    bound = lambda xs, r: (fp8_roundtrip_bound(xs[src[r]], cfg, dtype) if r in src
+                           else np.zeros_like(xs[0]))
+  else:
+    raise ValueError(kind)
+  return body, lax_body, pattern(shape, dtype), expect, bound
+
+
+KINDS = ["all_gather", "all_gather_last", "reduce_scatter", "reduce_scatter_last",
+         "all_reduce_one_shot", "all_reduce_two_shot", "ppermute"]
+
+
+def _check(mesh, axis, n, kind, cfg, dtype, check_vma):
+  """One program computes the compressed, the uncompressed and the lax collective."""
+  body, lax_body, p, expect, bound = case(kind, n, cfg, axis, dtype)
+  (out, plain, ref), ranks = run(
+      mesh, axis, lambda x: (body(x, cfg), body(x, None), lax_body(x)), p,
+      check_vma=check_vma)
+  np.testing.assert_array_equal(plain, ref)  # compression=None: bit-identical to lax
+  xs = rank_inputs(p, n)
+  rtol = 1e-5 if dtype == jnp.float32 else 2e-2  # the lax collective's own rounding
+  for k, r in enumerate(ranks):
+    np.testing.assert_allclose(plain[k], expect(xs, r), rtol=rtol, atol=1e-5)
+    assert_within(out[k], expect(xs, r), bound(xs, r), f"{kind} rank {r} (device {k})")
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_collective_1d(n, kind):
+  _check(mesh_1d(n), "x", n, kind, E4M3, jnp.float32, True)
+
+
+@pytest.mark.parametrize("axis,check_vma", [("tensor", True), ("data", False)])
+@pytest.mark.parametrize("kind", KINDS)
+def test_collective_one_axis_of_3d_mesh(axis, kind, check_vma):
+  _check(mesh_3d(), axis, 2, kind, E4M3, jnp.float32, check_vma)
+
+
+@pytest.mark.parametrize("cfg", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("kind", ["all_gather_last", "reduce_scatter_last",
+                                  "all_reduce_two_shot"])
+def test_configs_and_bf16(cfg, kind):
+  _check(mesh_1d(4), "x", 4, kind, CONFIGS[cfg], jnp.bfloat16, True)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce_one_shot",
+                                  "all_reduce_two_shot"])
+def test_num_slices_matches_unsliced(kind):
+  body, _, p, _, _ = case(kind, 4, E4M3, "x", jnp.float32)
+  sliced = {"all_gather": lambda x: tc.all_gather(x, "x", compression=E4M3, num_slices=2),
+            "reduce_scatter": lambda x: tc.reduce_scatter(
+                x, "x", scatter_dimension=1, compression=E4M3, num_slices=3),
+            "all_reduce_one_shot": lambda x: tc.all_reduce(
+                x, "x", compression=E4M3, algorithm="one_shot", num_slices=3),
+            "all_reduce_two_shot": lambda x: tc.all_reduce(
+                x, "x", compression=E4M3, num_slices=2)}[kind]
+  a, _ = run(mesh_1d(4), "x", lambda x: body(x, E4M3), p)
+  b, _ = run(mesh_1d(4), "x", sliced, p)
+  if kind == "all_reduce_two_shot":  # rows pad differently; same bound, not same bits
+    _check(mesh_1d(4), "x", 4, kind, E4M3, jnp.float32, True)
+  else:
+    np.testing.assert_array_equal(a, b)  # slicing never changes the groups
+
+
+def test_min_bytes_threshold_uses_plain_collective():
+  cfg = CompressionConfig(min_bytes=4 * 3 * 256 * 4 + 1)  # one byte over the message
+  _, lax_body, p, _, _ = case("all_gather", 4, cfg, "x", jnp.float32)
+  a, _ = run(mesh_1d(4), "x", lambda x: tc.all_gather(x, "x", compression=cfg), p)
+  b, _ = run(mesh_1d(4), "x", lax_body, p)
+  np.testing.assert_array_equal(a, b)
+
+
+def test_all_devices_agree_after_all_reduce():
+  _, _, p, _, _ = case("all_reduce_one_shot", 8, E4M3, "x", jnp.float32)
+  for alg in ("one_shot", "two_shot"):
+    out, _ = run(mesh_1d(8), "x", lambda x: tc.all_reduce(
+        x, "x", compression=E4M3, algorithm=alg), p)
+    chex.assert_trees_all_equal(*list(out))
+
+
+def _shard_map_call(body, shape, n=4):
+  f = jax.shard_map(body, mesh=mesh_1d(n), in_specs=P(), out_specs=P(), check_vma=False)
+  return jax.jit(f)(jnp.ones(shape, jnp.float32))
+
+
+@pytest.mark.parametrize("compression", [None, E4M3])
+def test_error_unknown_axis(compression):
+  with pytest.raises(ValueError, match=r"all_gather: unknown mesh axis 'tensor'.*\(8, 128\)"):
+    _shard_map_call(lambda x: tc.all_gather(x, "tensor", compression=compression), (8, 128))
+
+
+@pytest.mark.parametrize("compression", [None, E4M3])
+def test_error_not_divisible(compression):
+  with pytest.raises(ValueError, match=r"dimension 0 of shape \(6, 128\) has size 6.*"
+                                       r"size 4 of mesh axis 'x'"):
+    _shard_map_call(lambda x: tc.reduce_scatter(x, "x", compression=compression), (6, 128))
+
+
+def test_error_bad_algorithm_and_slices():
+  with pytest.raises(ValueError, match="algorithm"):
+    _shard_map_call(lambda x: tc.all_reduce(x, "x", algorithm="ring"), (8, 128))
+  with pytest.raises(ValueError, match="num_slices=3 does not divide"):
+    _shard_map_call(lambda x: tc.all_gather(x, "x", compression=E4M3, num_slices=3),
+                    (8, 128))
