@@ -1,0 +1,1 @@
+"""Models: a Flax NNX GPT built from injectable (dense or tensor-parallel) linear layers."""

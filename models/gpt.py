@@ -1,0 +1,161 @@
+"""GPT-2 style decoder in Flax NNX, written once with injectable linear layers.
+
+    tokens_BT -> embed (wte + wpe) -> n_layers x Block -> ln_f -> tied head (h @ wte.T)
+    Block:  h += attn_out(attention(qkv(ln1(h))));  h += mlp_out(gelu(mlp_in(ln2(h))))
+
+Parameters are fp32; matmuls run in `GPTConfig.dtype` (bf16 by default); attention
+softmax, LayerNorm statistics, logits and the loss are fp32. The four linear layers of a
+block come from a `models.layers.LinearFactory`; the attention derives its head count
+from the width the QKV projection returns, so a tensor-parallel factory (heads / tp local
+heads) runs the same code. Embedding, head and loss are separate methods for the same
+reason (a TP model makes them vocab-parallel).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers import DenseFactory, Embedding, LinearFactory, layer_norm, normal_init
+
+DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+  vocab_size: int = 256      # token ids are in [0, vocab_size); 256 for the byte tokenizer
+  n_layers: int = 4          # number of transformer blocks
+  d_model: int = 128         # width of the residual stream
+  n_heads: int = 4           # attention heads; d_model must be divisible by it
+  d_ff: int = 512            # MLP hidden width (GPT-2: 4 * d_model)
+  max_seq_len: int = 128     # learned position embeddings; longest input the model takes
+  dtype: str = 'bfloat16'    # compute dtype: float32 | bfloat16 | float16 (params stay fp32)
+  ln_eps: float = 1e-5       # LayerNorm epsilon
+  init_std: float = 0.02     # N(0, std) init; out-projections use std / sqrt(2 n_layers)
+  remat: bool = False        # rematerialize each block in the backward pass (saves memory)
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+  @classmethod
+  def from_dict(cls, d) -> 'GPTConfig':
+    """From a mapping (e.g. `config.model`); unknown keys are an error."""
+    d = dict(d)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+      raise ValueError(f'unknown model config field(s) {unknown}; known: {sorted(names)}')
+    return cls(**d)
+
+
+def causal_attention(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array) -> jax.Array:
+  """Causal softmax attention over however many heads N the inputs carry (fp32 softmax)."""
+  return jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+
+
+class Block(nnx.Module):
+  """Pre-LN transformer block; its linear layers come from `linear` (a LinearFactory)."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, linear: LinearFactory | None = None):
+    linear = linear or DenseFactory(cfg.compute_dtype)
+    dt, d, out_std = cfg.compute_dtype, cfg.d_model, cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    self.head_dim = cfg.head_dim
+    self.ln1 = layer_norm(d, eps=cfg.ln_eps, dtype=dt, rngs=rngs)
+    # Output laid out head-major, [n_heads, 3 (q|k|v), head_dim]: a contiguous shard = whole heads.
+    self.qkv = linear.column(d, 3 * d, init_std=cfg.init_std, rngs=rngs)
+    self.attn_out = linear.row(d, d, init_std=out_std, rngs=rngs)
+    self.ln2 = layer_norm(d, eps=cfg.ln_eps, dtype=dt, rngs=rngs)
+    self.mlp_in = linear.column(d, cfg.d_ff, init_std=cfg.init_std, rngs=rngs)
+    self.mlp_out = linear.row(cfg.d_ff, d, init_std=out_std, rngs=rngs)
+
+  def attention(self, x_BTD: jax.Array) -> jax.Array:
+    qkv_BTF = self.qkv(x_BTD)
+    b, t, f = qkv_BTF.shape
+    n_local = f // (3 * self.head_dim)  # local heads: whatever the projection produced
+    qkv = qkv_BTF.reshape(b, t, n_local, 3, self.head_dim)
+    o_BTNH = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
+    return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
+
+  def mlp(self, x_BTD: jax.Array) -> jax.Array:
+    return self.mlp_out(jax.nn.gelu(self.mlp_in(x_BTD), approximate=True))
+
+  def __call__(self, h_BTD: jax.Array) -> jax.Array:
+    h_BTD = h_BTD + self.attention(self.ln1(h_BTD)).astype(h_BTD.dtype)
+    return h_BTD + self.mlp(self.ln2(h_BTD)).astype(h_BTD.dtype)
+
+
+class GPT(nnx.Module):
+  """The whole model. `linear` is passed to every block (see models.layers)."""
+
+  def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, linear: LinearFactory | None = None):
+    self.cfg = cfg
+    dt = cfg.compute_dtype
+    self.wte = Embedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std, dtype=dt, rngs=rngs)
+    self.wpe = nnx.Param(normal_init(0.01)(rngs.params(), (cfg.max_seq_len, cfg.d_model),
+                                           jnp.float32))
+    self.blocks = nnx.List([Block(cfg, rngs=rngs, linear=linear) for _ in range(cfg.n_layers)])
+    self.ln_f = layer_norm(cfg.d_model, eps=cfg.ln_eps, dtype=dt, rngs=rngs)
+
+  def embed(self, tokens_BT: jax.Array) -> jax.Array:
+    """Token + learned position embeddings -> residual stream h_BTD (compute dtype)."""
+    t = tokens_BT.shape[1]
+    return self.wte(tokens_BT) + self.wpe[...][:t].astype(self.cfg.compute_dtype)
+
+  def trunk(self, h_BTD: jax.Array) -> jax.Array:
+    """All blocks and the final LayerNorm: residual stream in, normalized hidden out."""
+    for block in self.blocks:
+      h_BTD = nnx.remat(lambda b, h: b(h))(block, h_BTD) if self.cfg.remat else block(h_BTD)
+    return self.ln_f(h_BTD)
+
+  def head(self, h_BTD: jax.Array) -> jax.Array:
+    """Tied LM head: logits_BTV (fp32) = h @ wte.T."""
+    return self.wte.attend(h_BTD)
+
+  def token_losses(self, h_BTD: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Per-token cross-entropy (fp32) of the head's logits against `targets_BT`."""
+    logits_BTV = self.head(h_BTD)
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    tgt_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return logz_BT - tgt_BT
+
+  def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+    return self.head(self.trunk(self.embed(tokens_BT)))
+
+
+def loss_fn(model: GPT, tokens_BT: jax.Array) -> tuple[jax.Array, dict]:
+  """Mean next-token cross-entropy (fp32) of a [B, T+1] token batch, and aux metrics."""
+  inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+  losses_BT = model.token_losses(model.trunk(model.embed(inputs_BT)), targets_BT)
+  loss = jnp.mean(losses_BT)
+  return loss, {'loss': loss}
+
+
+def count_params(model: nnx.Module) -> int:
+  """Number of scalar parameters (nnx.Param leaves) in `model`."""
+  return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def num_params(cfg: GPTConfig) -> int:
+  """Closed-form parameter count of `GPT(cfg)` (no model built)."""
+  d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
+  block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+  return cfg.vocab_size * d + cfg.max_seq_len * d + L * block + 2 * d
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
+  """Training FLOPs per token (fwd + bwd): 6 N + 12 L d T (PaLM appendix B).
+
+  N counts the matmul parameters (all but the position table, which is a lookup; the tied
+  token table counts once, for the head). T is the sequence length (cfg.max_seq_len if None).
+  """
+  t = cfg.max_seq_len if seq_len is None else seq_len
+  n = num_params(cfg) - cfg.max_seq_len * cfg.d_model
+  return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * t
