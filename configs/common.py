@@ -1,0 +1,62 @@
+"""Shared defaults for every experiment config; each config file overrides what differs.
+
+Override any field from the command line: `--config.optim.lr=1e-3 --config.data.path=...`.
+"""
+import ml_collections
+
+
+def base_config(name: str) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.name = name                  # experiment name; default workdir is ./workdir/<name>
+  c.seed = 0                     # seeds parameter init and the batch sampler
+
+  c.model = m = ml_collections.ConfigDict()
+  m.vocab_size = 256             # 256 = byte tokenizer; raise it for pre-tokenized uint16 data
+  m.n_layers = 4                 # transformer blocks
+  m.d_model = 128                # residual width; must be divisible by n_heads
+  m.n_heads = 4                  # attention heads
+  m.d_ff = 512                   # MLP hidden width (4 * d_model for GPT-2)
+  m.max_seq_len = 128            # position-table size; data.seq_len must not exceed it
+  m.dtype = 'bfloat16'           # compute dtype: float32 | bfloat16 | float16 (params are fp32)
+  m.ln_eps = 1e-5                # LayerNorm epsilon
+  m.init_std = 0.02              # init std; out-projections use init_std / sqrt(2 n_layers)
+  m.remat = False                # recompute blocks in the backward pass to save memory
+
+  c.data = d = ml_collections.ConfigDict()
+  d.path = ''                    # '' = embedded corpus (this interpreter's stdlib *.py); or a
+                                 # text file, a directory of text files, or a .npy/.bin token array
+  d.bin_dtype = 'uint16'         # element type of a raw .bin token file: uint8 | uint16
+  d.val_fraction = 0.05          # share of files (or of the tail of one file/array) held out
+  d.max_corpus_bytes = 32_000_000  # cap on the embedded corpus size
+  d.cache_dir = ''               # where the embedded corpus .npy is cached; '' = the workdir
+  d.seq_len = 128                # tokens per training sequence (the model sees seq_len inputs)
+  d.batch_size = 32              # sequences per step
+
+  c.optim = o = ml_collections.ConfigDict()
+  o.lr = 3e-4                    # peak learning rate (AdamW)
+  o.min_lr_ratio = 0.1           # cosine decays to lr * min_lr_ratio at train.steps
+  o.warmup_steps = 100           # linear warmup from 0 to lr
+  o.weight_decay = 0.1           # decoupled weight decay on matrices/embeddings (not biases/norms)
+  o.b1 = 0.9                     # Adam beta1
+  o.b2 = 0.95                    # Adam beta2
+  o.eps = 1e-8                   # Adam epsilon
+  o.grad_clip = 1.0              # global-norm gradient clipping; 0 disables it
+
+  c.train = t = ml_collections.ConfigDict()
+  t.steps = 1000                 # total optimizer steps (the LR schedule spans them)
+  t.log_every = 10               # metrics are fetched, checked and written every N steps
+  t.eval_every = 200             # validation every N steps (and at the end); 0 = only at the end
+  t.eval_batches = 8             # validation batches per evaluation (a fixed set)
+  t.checkpoint_every = 500       # checkpoint every N steps (and at the end); 0 = only at the end
+  t.keep_checkpoints = 2         # how many recent checkpoints to keep
+  t.peak_flops = 989e12          # per-device peak FLOP/s for the MFU estimate (H100 bf16 dense)
+  t.progress_bar = True          # show a tqdm progress bar
+
+  c.parallel = p = ml_collections.ConfigDict()
+  p.dp = 1                       # data-parallel degree (mesh axis "data")
+  p.pp = 1                       # pipeline-parallel degree (mesh axis "pipeline")
+  p.tp = 1                       # tensor-parallel degree (mesh axis "tensor")
+
+  c.compression = z = ml_collections.ConfigDict()
+  z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1
+  return c

@@ -1,0 +1,11 @@
+"""GPT-2 small (~125M with a 50k vocab; ~86M with the byte vocab): 12 x 768, 12 heads, 1024."""
+from configs.common import base_config
+
+
+def get_config():
+  c = base_config('gpt_125m')
+  c.model.update(n_layers=12, d_model=768, n_heads=12, d_ff=3072, max_seq_len=1024)
+  c.data.update(seq_len=1024, batch_size=32)
+  c.optim.update(lr=6e-4, warmup_steps=700)
+  c.train.update(steps=20_000, eval_every=1000, checkpoint_every=2000)
+  return c

@@ -1,0 +1,11 @@
+"""GPT-2 medium (~350M with a 50k vocab): 24 x 1024, 16 heads, context 1024."""
+from configs.common import base_config
+
+
+def get_config():
+  c = base_config('gpt_350m')
+  c.model.update(n_layers=24, d_model=1024, n_heads=16, d_ff=4096, max_seq_len=1024)
+  c.data.update(seq_len=1024, batch_size=32)
+  c.optim.update(lr=3e-4, warmup_steps=1000)
+  c.train.update(steps=30_000, eval_every=1000, checkpoint_every=2000)
+  return c
