@@ -1,0 +1,1 @@
+"""Single-device GPT trainer: `train(config, workdir)`; CLI in `taco_jax.train.cli`."""

@@ -1,0 +1,24 @@
+"""AdamW with linear warmup + cosine decay and global-norm clipping, from `config.optim`."""
+from __future__ import annotations
+
+import jax
+import optax
+
+
+def lr_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
+  """0 -> lr over warmup_steps, then cosine to lr * min_lr_ratio at total_steps."""
+  o = optim_cfg
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
+      decay_steps=max(total_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+  """Clip (if grad_clip > 0), then AdamW; no weight decay on vectors (biases, norms)."""
+  o = optim_cfg
+  adamw = optax.adamw(lr_schedule(o, total_steps), b1=o.b1, b2=o.b2, eps=o.eps,
+                      weight_decay=o.weight_decay,
+                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+  if o.grad_clip > 0:
+    return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
+  return adamw

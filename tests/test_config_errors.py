@@ -1,0 +1,101 @@
+"""Config validation and config-file resolution: clear errors before anything is built."""
+import pathlib
+
+import pytest
+
+from configs import gpt_1_3b, gpt_125m, gpt_350m, tiny
+from models.gpt import GPTConfig, num_params
+from taco_jax.train import cli, step as step_lib
+from taco_jax.train.config import check_single_device, resolve_config_path, validate_config
+from taco_jax.train.loop import train
+
+CONFIGS_DIR = pathlib.Path(tiny.__file__).parent
+
+
+@pytest.mark.parametrize('mod', [tiny, gpt_125m, gpt_350m, gpt_1_3b])
+def test_shipped_configs_are_valid(mod):
+  c = mod.get_config()
+  validate_config(c)
+  check_single_device(c)
+  assert c.compression.enabled is False and c.model.vocab_size == 256
+
+
+def test_model_sizes():
+  sizes = {m.__name__.split('.')[-1]: num_params(GPTConfig.from_dict(m.get_config().model))
+           for m in (gpt_125m, gpt_350m, gpt_1_3b)}
+  # byte vocab: no 50k-row embedding table, so ~39M/~51M/~100M below the GPT-2 counts
+  assert 80e6 < sizes['gpt_125m'] < 90e6
+  assert 295e6 < sizes['gpt_350m'] < 310e6
+  assert 1.2e9 < sizes['gpt_1_3b'] < 1.3e9
+
+
+@pytest.mark.parametrize('section,key,value,needle', [
+    ('model', 'd_model', 31, 'model.d_model=31 is not divisible by model.n_heads=2'),
+    ('model', 'n_layers', 0, 'model.n_layers=0 must be a positive integer'),
+    ('model', 'dtype', 'fp8', "model.dtype='fp8' is unknown"),
+    ('data', 'seq_len', 64, 'data.seq_len=64 exceeds model.max_seq_len=32'),
+    ('data', 'batch_size', -1, 'data.batch_size=-1 must be a positive integer'),
+    ('data', 'val_fraction', 1.0, 'data.val_fraction'),
+    ('train', 'steps', 0, 'train.steps=0 must be a positive integer'),
+    ('train', 'eval_every', -5, 'train.eval_every=-5'),
+    ('optim', 'lr', 0.0, 'optim.lr=0.0 must be a positive number'),
+    ('optim', 'warmup_steps', 100, 'optim.warmup_steps=100 must be in [0, train.steps=8]'),
+])
+def test_bad_values_name_the_field(section, key, value, needle):
+  c = tiny.get_micro_config()
+  c[section][key] = value
+  with pytest.raises(ValueError, match='invalid config') as e:
+    validate_config(c)
+  assert needle in str(e.value)
+
+
+def test_unknown_model_field_and_parallel_guard():
+  c = tiny.get_micro_config()
+  c.model.n_kv_heads = 2
+  with pytest.raises(ValueError, match=r"unknown model config field\(s\) \['n_kv_heads'\]"):
+    validate_config(c)
+  c = tiny.get_micro_config()
+  c.parallel.tp = 2
+  validate_config(c)
+  with pytest.raises(ValueError, match='3D-parallel trainer is not yet available'):
+    check_single_device(c)
+
+
+def test_errors_come_before_any_model_is_built(tmp_path, monkeypatch):
+  def boom(*a, **k):
+    raise AssertionError('model built before the error')
+
+  monkeypatch.setattr(step_lib, 'build_model', boom)
+  c = tiny.get_micro_config()
+  c.data.path = str(tmp_path / 'missing.txt')
+  with pytest.raises(FileNotFoundError, match='missing.txt'):
+    train(c, tmp_path / 'wd')
+  c = tiny.get_micro_config()
+  c.parallel.dp = 2
+  with pytest.raises(ValueError, match='parallel.dp'):
+    train(c, tmp_path / 'wd')
+
+
+def test_resolve_config_path(tmp_path):
+  installed = str(CONFIGS_DIR / 'tiny.py')
+  for name in ('configs/tiny.py', 'tiny.py', 'tiny'):
+    assert resolve_config_path(name, cwd=tmp_path) == installed
+  assert resolve_config_path('configs/tiny.py:arg', cwd=tmp_path) == installed + ':arg'
+  mine = tmp_path / 'configs' / 'tiny.py'
+  mine.parent.mkdir()
+  mine.write_text('')
+  assert resolve_config_path('configs/tiny.py', cwd=tmp_path) == 'configs/tiny.py'  # local wins
+  with pytest.raises(FileNotFoundError, match=r"'nope.py' not found.*available: \[.*'tiny'"):
+    resolve_config_path('nope.py', cwd=tmp_path)
+  with pytest.raises(FileNotFoundError):
+    resolve_config_path('elsewhere/tiny.py', cwd=tmp_path)  # only configs/ maps to the package
+
+
+def test_rewrite_config_arg(monkeypatch, tmp_path):
+  monkeypatch.chdir(tmp_path)
+  installed = str(CONFIGS_DIR / 'gpt_125m.py')
+  argv = ['prog', '--config=configs/gpt_125m.py', '--config.seed=3', '--workdir=w']
+  assert cli.rewrite_config_arg(argv) == ['prog', f'--config={installed}', '--config.seed=3',
+                                          '--workdir=w']
+  assert cli.rewrite_config_arg(['prog', '--config', 'gpt_125m']) == ['prog', '--config',
+                                                                      installed]
