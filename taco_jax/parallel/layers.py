@@ -1,0 +1,139 @@
+"""Megatron tensor-parallel layers with sequence parallelism, for use inside the shard_map.
+
+Activations between layers are the residual stream's sequence shard x_BSD (S = T / tp, on
+mesh axis "tensor"). Every byte that crosses devices goes through `taco_jax.mappings`:
+
+  ColumnParallelLinear  x_BSD --gather_from_sp--> x_BTD @ w[:, shard] + b[shard] -> y_BTF/tp
+                        (forward: all-gather over sequence; backward: reduce-scatter)
+  RowParallelLinear     y_BTF/tp @ w[shard, :] --reduce_scatter_to_sp--> x_BSD + b
+                        (forward: reduce-scatter over sequence; backward: all-gather)
+  vocab_parallel_embed  masked lookup in the local V/tp rows --reduce_scatter_to_sp--> h_BSD
+  vocab_parallel_xent   h_BSD --gather_from_sp--> local logits_BTV/tp; max / sum-exp /
+                        target logit reduced over "tensor" (fp32, uncompressed, tiny)
+
+The factory (`TensorParallelFactory`) keeps the `models.layers.LinearFactory` contract, so
+the single-device `Block` runs unchanged on local heads. Each layer records how its
+parameters shard (`SPECS`), which `taco_jax.parallel.model` turns into PartitionSpecs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.layers import normal_init
+from taco_jax import collectives, mappings
+from taco_jax.codec import CompressionConfig
+from taco_jax.parallel.mesh import TENSOR
+
+SEQ = 1  # the sequence axis of [B, T, D] activations
+
+
+@dataclasses.dataclass(frozen=True)
+class TPContext:
+  """What a tensor-parallel layer needs to know besides its sizes."""
+  tp: int                                    # size of mesh axis "tensor"
+  dtype: object = jnp.bfloat16               # compute dtype of the matmuls
+  fwd: CompressionConfig | None = None       # codec of forward TP collectives (None: plain)
+  bwd: CompressionConfig | None = None       # codec of their backward transposes
+
+
+def gather_seq(x_BSD, ctx: TPContext):
+  """Sequence shard -> full sequence. forward: all-gather, backward: reduce-scatter."""
+  return mappings.gather_from_sp(x_BSD, TENSOR, axis=SEQ, fwd_compression=ctx.fwd,
+                                 bwd_compression=ctx.bwd)
+
+
+def scatter_seq(x_BTD, ctx: TPContext):
+  """Partial sums over the full sequence -> summed sequence shard.
+  forward: reduce-scatter, backward: all-gather."""
+  return mappings.reduce_scatter_to_sp(x_BTD, TENSOR, axis=SEQ, fwd_compression=ctx.fwd,
+                                       bwd_compression=ctx.bwd)
+
+
+def _split(d: int, tp: int, what: str) -> int:
+  if d % tp:
+    raise ValueError(f"{what}={d} is not divisible by tensor-parallel size {tp}")
+  return d // tp
+
+
+class ColumnParallelLinear(nnx.Module):
+  """In-projection on a contiguous 1/tp of the outputs; gathers the sequence first."""
+  SPECS = {"kernel": (None, TENSOR), "bias": (TENSOR,)}
+
+  def __init__(self, d_in: int, d_out: int, *, init_std: float, ctx: TPContext,
+               rngs: nnx.Rngs):
+    self.ctx = ctx
+    d_local = _split(d_out, ctx.tp, "column-parallel output width")
+    self.kernel = nnx.Param(normal_init(init_std)(rngs.params(), (d_in, d_local), jnp.float32))
+    self.bias = nnx.Param(jnp.zeros((d_local,), jnp.float32))
+
+  def __call__(self, x_BSD: jax.Array) -> jax.Array:
+    x_BTD = gather_seq(x_BSD.astype(self.ctx.dtype), self.ctx)
+    y = jnp.einsum("...i,io->...o", x_BTD, self.kernel[...].astype(self.ctx.dtype))
+    return y + self.bias[...].astype(self.ctx.dtype)
+
+
+class RowParallelLinear(nnx.Module):
+  """Out-projection from a 1/tp input shard; reduce-scatters the partial sums over sequence."""
+  SPECS = {"kernel": (TENSOR, None), "bias": (None,)}
+
+  def __init__(self, d_in: int, d_out: int, *, init_std: float, ctx: TPContext,
+               rngs: nnx.Rngs):
+    self.ctx = ctx
+    d_local = _split(d_in, ctx.tp, "row-parallel input width")
+    self.kernel = nnx.Param(normal_init(init_std)(rngs.params(), (d_local, d_out), jnp.float32))
+    self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32))
+
+  def __call__(self, y_BTF: jax.Array) -> jax.Array:
+    part_BTD = jnp.einsum("...i,io->...o", y_BTF.astype(self.ctx.dtype),
+                          self.kernel[...].astype(self.ctx.dtype))
+    return scatter_seq(part_BTD, self.ctx) + self.bias[...].astype(self.ctx.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallelFactory:
+  """`models.layers.LinearFactory` of Megatron column/row-parallel layers (sizes are global)."""
+  ctx: TPContext
+
+  def column(self, d_in, d_out, *, init_std, rngs):
+    return ColumnParallelLinear(d_in, d_out, init_std=init_std, ctx=self.ctx, rngs=rngs)
+
+  def row(self, d_in, d_out, *, init_std, rngs):
+    return RowParallelLinear(d_in, d_out, init_std=init_std, ctx=self.ctx, rngs=rngs)
+
+
+def vocab_parallel_embed(w_VD: jax.Array, tokens_BT: jax.Array, ctx: TPContext) -> jax.Array:
+  """Lookup in this rank's rows [r V/tp, (r+1) V/tp) of the table, summed and scattered
+  over sequence: returns the sequence shard h_BSD (compute dtype)."""
+  v_local = w_VD.shape[0]
+  local_BT = tokens_BT - jax.lax.axis_index(TENSOR) * v_local
+  mine_BT = (local_BT >= 0) & (local_BT < v_local)
+  e_BTD = jnp.take(w_VD, jnp.clip(local_BT, 0, v_local - 1), axis=0)
+  e_BTD = jnp.where(mine_BT[..., None], e_BTD, 0).astype(ctx.dtype)
+  return scatter_seq(e_BTD, ctx)
+
+
+def _sum_tp(x):
+  """Sum over "tensor"; forward: all-reduce (plain), backward: identity."""
+  return mappings.reduce_from_tp(x, TENSOR, fwd_compression=None)
+
+
+def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array,
+                        ctx: TPContext) -> jax.Array:
+  """Per-token cross-entropy (fp32) of the tied head h @ w.T, never gathering full logits."""
+  h_BTD = gather_seq(h_BSD.astype(ctx.dtype), ctx)
+  logits_BTV = jnp.einsum("btd,vd->btv", h_BTD, w_VD.astype(ctx.dtype),
+                          preferred_element_type=jnp.float32)
+  v_local = w_VD.shape[0]
+  m_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
+  m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
+  sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1))
+  local_BT = targets_BT - jax.lax.axis_index(TENSOR) * v_local
+  mine_BT = (local_BT >= 0) & (local_BT < v_local)
+  tgt_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, v_local - 1)[..., None],
+                               axis=-1)[..., 0]
+  tgt_BT = _sum_tp(jnp.where(mine_BT, tgt_BT, 0.0))
+  return jnp.log(sumexp_BT) + m_BT - tgt_BT

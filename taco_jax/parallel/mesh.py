@@ -1,0 +1,112 @@
+"""The ("data", "pipeline", "tensor") device mesh, built from `config.parallel`.
+
+`validate_parallel` runs before anything is built or compiled and says which field to
+change. `make_mesh` puts "tensor" innermost (fastest-varying device index), so with devices
+ordered by (process, local id) a tensor group never leaves a host; data and pipeline span
+hosts. `maybe_initialize_distributed` starts multi-process JAX when the environment asks.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import numpy as np
+
+AXES = ("data", "pipeline", "tensor")
+DATA, PIPE, TENSOR = AXES
+
+
+def _model_sizes(m) -> dict:
+  """The model sizes that must split evenly (works for the GPT and the Qwen block)."""
+  n_kv = m.get("n_kv_heads", None) if m.get("block", "gpt") == "qwen" else None
+  return dict(n_heads=m.n_heads, d_model=m.d_model, d_ff=m.d_ff, vocab_size=m.vocab_size,
+              n_layers=m.n_layers, n_kv_heads=n_kv)
+
+
+def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
+                    ) -> list[str]:
+  """Every way `c.parallel` does not fit the model, the batch or the devices."""
+  p, m, d = c.parallel, c.model, c.data
+  mb = p.get("microbatches", 1)
+  errs = []
+  for n, v in (("dp", p.dp), ("pp", p.pp), ("tp", p.tp), ("microbatches", mb)):
+    if not (isinstance(v, int) and v > 0):
+      errs.append(f"parallel.{n}={v!r} must be a positive integer")
+  if errs:
+    return errs
+  dp, pp, tp = p.dp, p.pp, p.tp
+  if n_devices is not None and dp * pp * tp != n_devices:
+    errs.append(f"parallel.dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but there are "
+                f"{n_devices} devices; choose dp, pp, tp whose product is {n_devices}")
+  if n_local_devices is not None and n_devices is not None and n_local_devices < n_devices \
+      and n_local_devices % tp:
+    errs.append(f"parallel.tp={tp} does not divide the {n_local_devices} devices of one host; "
+                "a tensor group must stay inside a host: pick tp dividing it")
+  s = _model_sizes(m)
+  for name, what in (("n_heads", "attention heads"), ("d_model", "hidden width"),
+                     ("d_ff", "MLP width"), ("vocab_size", "vocabulary (vocab-parallel "
+                                             "embedding)"), ("n_kv_heads", "KV heads")):
+    if s[name] is not None and s[name] % tp:
+      errs.append(f"model.{name}={s[name]} ({what}) is not divisible by parallel.tp={tp}; "
+                  f"pick tp dividing it or change model.{name}")
+  if d.seq_len % tp:
+    errs.append(f"data.seq_len={d.seq_len} is not divisible by parallel.tp={tp} (sequence "
+                f"parallelism shards it); use a multiple of {tp}")
+  if s["n_layers"] % pp:
+    errs.append(f"model.n_layers={s['n_layers']} is not divisible by parallel.pp={pp} "
+                "(pipeline stages hold equal numbers of layers); change pp or n_layers")
+  if d.batch_size % (dp * mb):
+    errs.append(f"data.batch_size={d.batch_size} is not divisible by parallel.dp * "
+                f"parallel.microbatches = {dp}*{mb} = {dp * mb}; use a batch size that is a "
+                f"multiple of {dp * mb}")
+  return errs
+
+
+def validate_parallel(c, n_devices: int | None = None) -> None:
+  """Raises ValueError listing every misfit of `c.parallel` (None: skip the device count)."""
+  n_local = None
+  if n_devices is None:
+    n_devices, n_local = jax.device_count(), jax.local_device_count()
+  errs = parallel_errors(c, n_devices, n_local)
+  if errs:
+    raise ValueError("invalid parallel config:\n  " + "\n  ".join(errs))
+
+
+def make_mesh(dp: int, pp: int, tp: int, devices=None) -> jax.sharding.Mesh:
+  """Mesh of shape (dp, pp, tp); devices ordered by (process, id) so "tensor" is inside a host."""
+  devices = list(jax.devices() if devices is None else devices)
+  if dp * pp * tp != len(devices):
+    raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not match the "
+                     f"{len(devices)} devices")
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(dp, pp, tp), AXES)
+
+
+def mesh_from_config(c, devices=None) -> jax.sharding.Mesh:
+  """Validates `c.parallel` against the devices, then builds the mesh."""
+  devs = list(jax.devices() if devices is None else devices)
+  errs = parallel_errors(c, len(devs), None if devices is not None else jax.local_device_count())
+  if errs:
+    raise ValueError("invalid parallel config:\n  " + "\n  ".join(errs))
+  return make_mesh(c.parallel.dp, c.parallel.pp, c.parallel.tp, devs)
+
+
+def maybe_initialize_distributed(c=None) -> bool:
+  """Calls `jax.distributed.initialize()` when started as one of several processes.
+
+  Triggered by `parallel.distributed=True` or by JAX_COORDINATOR_ADDRESS with
+  JAX_NUM_PROCESSES > 1 in the environment (JAX_PROCESS_ID names this process). Must run
+  before anything touches a JAX backend. Returns whether it initialized.
+  """
+  flag = bool(c is not None and c.parallel.get("distributed", False))
+  n = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
+  if not (flag or (os.environ.get("JAX_COORDINATOR_ADDRESS") and n > 1)):
+    return False
+  if jax.distributed.is_initialized():
+    return True
+  kw = {}
+  if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+    kw = dict(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"], num_processes=n,
+              process_id=int(os.environ["JAX_PROCESS_ID"]))
+  jax.distributed.initialize(**kw)
+  return True

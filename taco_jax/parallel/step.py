@@ -1,0 +1,161 @@
+"""The 3D-parallel loss, gradients and train step: one fully manual `jax.shard_map`.
+
+Per device (data rank d, stage s, tensor rank r), for its B/dp sequences split into m
+micro-batches:
+
+    embed:  vocab-parallel lookup -> reduce-scatter over sequence (+ positions of shard r)
+    trunk:  GPipe over "pipeline" of this stage's L/pp blocks (TP + SP linears)
+    loss:   final norm -> vocab-parallel cross-entropy; counted on the last stage only
+    grads:  jax.grad of the above, then summed over every mesh axis a parameter is
+            replicated on: "tensor" (norms / biases / positions see only their sequence
+            shard), "pipeline" (embedding, final norm: used by the first and last stage),
+            and averaged over "data" (compressible by `compression.dp`).
+
+The optimizer update runs on the global arrays outside the shard_map, in the same jit.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from taco_jax import collectives
+from taco_jax.parallel import layers, model as model_lib, pipeline
+from taco_jax.parallel.compression import CompressionPlan
+from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
+
+_BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSpec:
+  """Everything static about one parallel layout of one model."""
+  cfg: object                        # GPTConfig | QwenConfig
+  dp: int                            # mesh axis "data"
+  pp: int                            # mesh axis "pipeline"
+  tp: int                            # mesh axis "tensor"
+  microbatches: int = 1              # GPipe micro-batches per step (per data rank)
+  plan: CompressionPlan = CompressionPlan()  # codec per collective family
+
+  @property
+  def ctx(self) -> layers.TPContext:
+    return layers.TPContext(tp=self.tp, dtype=self.cfg.compute_dtype,
+                            fwd=self.plan.tp_forward, bwd=self.plan.tp_backward)
+
+
+def _local_loss(spec: ParallelSpec, params, tokens_BT1):
+  """Mean token loss of this device's batch on the last stage, 0 on the others."""
+  cfg, ctx, m = spec.cfg, spec.ctx, spec.microbatches
+  block_gd, _ = model_lib.block_template(cfg, ctx)
+  norm_gd, _ = model_lib.norm_template(cfg)
+  b, t1 = tokens_BT1.shape
+  inputs = tokens_BT1[:, :-1].reshape(m, b // m, t1 - 1)
+  targets = tokens_BT1[:, 1:].reshape(m, b // m, t1 - 1)
+
+  h_BSD = layers.vocab_parallel_embed(params["wte"], inputs.reshape(b, t1 - 1), ctx)
+  if "wpe" in params:
+    s = h_BSD.shape[1]
+    pos_SD = jax.lax.dynamic_slice_in_dim(params["wpe"], jax.lax.axis_index(TENSOR) * s, s)
+    h_BSD = h_BSD + pos_SD.astype(ctx.dtype)
+  h_MBSD = h_BSD.reshape(m, b // m, *h_BSD.shape[1:])
+
+  def layer(h, p):
+    return nnx.merge(block_gd, nnx.State(p))(h), None
+
+  if cfg.remat:
+    layer = jax.checkpoint(layer)
+
+  def stage(h):
+    return jax.lax.scan(layer, h, params["blocks"])[0]
+
+  out_MBSD = pipeline.gpipe(stage, h_MBSD, pp=spec.pp, compression=spec.plan.pp)
+
+  @jax.checkpoint  # do not keep the [b, T, V/tp] logits for the backward pass
+  def head(h_BSD, tgt_BT):
+    h_BSD = nnx.merge(norm_gd, nnx.State(params["ln_f"]))(h_BSD)
+    return jnp.mean(layers.vocab_parallel_xent(h_BSD, params["wte"], tgt_BT, ctx))
+
+  loss = jnp.mean(jax.lax.map(lambda a: head(*a), (out_MBSD, targets)))
+  return jnp.where(jax.lax.axis_index(PIPE) == spec.pp - 1, loss, 0.0)
+
+
+def _fused_all_reduce(leaves, axis, compression):
+  """Sum of every leaf over `axis`, as one collective on a [rows, _BUCKET] buffer."""
+  if not leaves:
+    return []
+  flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
+  n = flat.shape[0]
+  flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
+  flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
+  out, i = [], 0
+  for x in leaves:
+    out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))
+    i += x.size
+  return out
+
+
+def reduce_grads(spec: ParallelSpec, grads, specs):
+  """Sums each gradient over the axes its parameter is replicated on; means over "data"."""
+  leaves, treedef = jax.tree.flatten(grads)
+  spec_leaves = treedef.flatten_up_to(specs)
+  for axis, size in ((TENSOR, spec.tp), (PIPE, spec.pp)):
+    if size == 1:
+      continue
+    idx = [i for i, s in enumerate(spec_leaves) if axis not in jax.tree.leaves(tuple(s))]
+    for i, g in zip(idx, _fused_all_reduce([leaves[i] for i in idx], axis, None)):
+      leaves[i] = g
+  if spec.dp > 1:
+    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.dp)]
+  return treedef.unflatten(leaves)
+
+
+def loss_and_grads_fn(spec: ParallelSpec, mesh) -> Callable:
+  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out."""
+  specs = model_lib.param_specs(spec.cfg)
+
+  def local(params, tokens_BT1):
+    loss, grads = jax.value_and_grad(lambda p: _local_loss(spec, p, tokens_BT1))(params)
+    return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
+                    out_specs=(P(DATA, PIPE), specs), check_vma=False)
+
+  def loss_and_grads(params, tokens_BT1):
+    loss_DP, grads = f(params, tokens_BT1)
+    return jnp.mean(jnp.sum(loss_DP, axis=1)), grads  # the last stage's loss, mean over data
+
+  return loss_and_grads
+
+
+def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation) -> Callable:
+  """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics); jit it with donation."""
+  loss_and_grads = loss_and_grads_fn(spec, mesh)
+
+  def train_step(params, opt_state, tokens_BT1):
+    loss, grads = loss_and_grads(params, tokens_BT1)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+  return train_step
+
+
+def make_eval_step(spec: ParallelSpec, mesh) -> Callable:
+  """(params, tokens_BT1) -> mean loss (no gradients; same layout and collectives)."""
+  specs = model_lib.param_specs(spec.cfg)
+
+  def local(params, tokens_BT1):
+    return _local_loss(spec, params, tokens_BT1).reshape(1, 1)
+
+  f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
+                    out_specs=P(DATA, PIPE), check_vma=False)
+  return lambda params, tokens: jnp.mean(jnp.sum(f(params, tokens), axis=1))
+
+
+def batch_sharding(mesh):
+  return jax.sharding.NamedSharding(mesh, P(DATA, None))
