@@ -1,0 +1,128 @@
+"""What goes on the wire: collectives and their payload bytes in the HLO.
+
+Compressed collectives are checked in the *compiled* module (what really runs: codes as
+u8, scales as small f32 collectives, nothing wider). The CPU backend widens bf16
+collectives to f32 when compiling, so the bf16 baseline is read from the *lowered* HLO.
+Wire bytes per device are modelled from result sizes: all-gather and all-to-all move
+about their result, reduce-scatter about N times its result, all-reduce twice its result
+(ring), a collective-permute its result (the common (N-1)/N factor cancels in ratios).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from taco_jax import CompressionConfig
+from taco_jax import collectives as tc
+from taco_jax import mappings as tm
+from taco_jax.testing import hlo_collectives
+
+N = 4
+CFG = CompressionConfig(group_size=128)
+RATIO = CFG.bits_per_element / 16  # 8.5 / 16 at G = 128
+X = jnp.zeros((N * 64, 1024), jnp.bfloat16)  # local [64, 1024] bf16: 128 KiB per device
+
+
+@functools.cache
+def mesh():
+  return jax.make_mesh((N,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:N])
+
+
+def wire_bytes(ops):
+  factor = {"all-gather": 1, "all-to-all": 1, "reduce-scatter": N, "all-reduce": 2,
+            "collective-permute": 1}
+  return sum(o["bytes"] * factor[o["op"]] for o in ops)
+
+
+COLLECTIVES = {
+    "all_gather": lambda x, c: tc.all_gather(x, "x", compression=c),
+    "all_gather_last": lambda x, c: tc.all_gather(x, "x", axis=1, compression=c),
+    "reduce_scatter": lambda x, c: tc.reduce_scatter(x, "x", compression=c),
+    "reduce_scatter_last": lambda x, c: tc.reduce_scatter(x, "x", scatter_dimension=1,
+                                                          compression=c),
+    "all_reduce_two_shot": lambda x, c: tc.all_reduce(x, "x", compression=c),
+    "ppermute": lambda x, c: tc.ppermute(x, "x", [(i, (i + 1) % N) for i in range(N)],
+                                         compression=c),
+}
+PLAIN_OP = {"all_gather": "all-gather", "all_gather_last": "all-gather",
+            "reduce_scatter": "reduce-scatter", "reduce_scatter_last": "reduce-scatter",
+            "all_reduce_two_shot": "all-reduce", "all_reduce_one_shot": "all-reduce",
+            "ppermute": "collective-permute"}
+
+
+def lowered(fn, compression):
+  f = jax.jit(jax.shard_map(lambda x: fn(x, compression), mesh=mesh(), in_specs=P("x"),
+                            out_specs=P("x")))
+  return f.lower(X)
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_compressed_moves_u8_at_8_5_over_16_of_bf16(name):
+  plain = hlo_collectives(lowered(COLLECTIVES[name], None).as_text(dialect="hlo"))
+  assert [(o["op"], o["dtypes"]) for o in plain] == [(PLAIN_OP[name], {"bf16"})]
+  ops = hlo_collectives(lowered(COLLECTIVES[name], CFG).compile().as_text())
+  assert ops and all(o["dtypes"] <= {"u8", "f32"} for o in ops), ops
+  payload = sum(o["bytes"] for o in ops if o["dtypes"] == {"u8"})
+  scales = sum(o["bytes"] for o in ops if o["dtypes"] == {"f32"})
+  assert payload > 0 and scales <= payload * 8 / CFG.group_size, ops  # 2 fp32 per group
+  ratio = wire_bytes(ops) / wire_bytes(plain)
+  assert ratio == pytest.approx(RATIO, rel=0.02), (ratio, ops)
+
+
+def test_one_shot_all_reduce_gathers_u8():
+  name = "all_reduce_one_shot"
+  fn = lambda x, c: tc.all_reduce(x, "x", compression=c, algorithm="one_shot")
+  plain = hlo_collectives(lowered(fn, None).as_text(dialect="hlo"))
+  assert [(o["op"], o["dtypes"]) for o in plain] == [(PLAIN_OP[name], {"bf16"})]
+  ops = hlo_collectives(lowered(fn, CFG).compile().as_text())
+  assert {o["op"] for o in ops} == {"all-gather"}
+  assert all(o["dtypes"] <= {"u8", "f32"} for o in ops), ops
+  # Every rank receives every rank's full message: N/2 times a ring all-reduce's bytes.
+  assert wire_bytes(ops) / wire_bytes(plain) == pytest.approx(RATIO * N / 2, rel=0.02)
+
+
+@pytest.mark.parametrize("name", list(COLLECTIVES))
+def test_uncompressed_is_the_plain_lax_collective(name):
+  text = lowered(COLLECTIVES[name], None).as_text(dialect="hlo")
+  lax_fn = {"all_gather": lambda x: jax.lax.all_gather(x, "x", tiled=True),
+            "all_gather_last": lambda x: jax.lax.all_gather(x, "x", axis=1, tiled=True),
+            "reduce_scatter": lambda x: jax.lax.psum_scatter(x, "x", tiled=True),
+            "reduce_scatter_last": lambda x: jax.lax.psum_scatter(
+                x, "x", scatter_dimension=1, tiled=True),
+            "all_reduce_two_shot": lambda x: jax.lax.psum(x, "x"),
+            "ppermute": lambda x: jax.lax.ppermute(
+                x, "x", [(i, (i + 1) % N) for i in range(N)])}[name]
+  ref = lowered(lambda x, _: lax_fn(x), None).as_text(dialect="hlo")
+  assert "f8" not in text and "u8[" not in text
+  assert hlo_collectives(text) == hlo_collectives(ref)
+
+
+def test_min_bytes_keeps_small_messages_plain():
+  cfg = CompressionConfig(min_bytes=64 * 1024 * 2 + 1)  # just over the local message
+  text = lowered(COLLECTIVES["all_gather"], cfg).as_text(dialect="hlo")
+  assert [(o["op"], o["dtypes"]) for o in hlo_collectives(text)] == [("all-gather", {"bf16"})]
+
+
+@pytest.mark.parametrize("bwd", [None, CFG])
+def test_region_backward_compression_is_separate(bwd):
+  """gather_from_sp with FP8 forward: the backward reduce-scatter is bf16 or u8 by bwd."""
+  def loss(x):
+    f = jax.shard_map(
+        lambda x: tm.gather_from_sp(x, "x", axis=0, fwd_compression=CFG, bwd_compression=bwd),
+        mesh=mesh(), in_specs=P("x"), out_specs=P("x"))
+    return jnp.sum(f(x).astype(jnp.float32) ** 2)
+
+  low = jax.jit(jax.grad(loss)).lower(X)
+  ops = hlo_collectives(low.as_text(dialect="hlo"))
+  ag = [o for o in ops if o["op"] == "all-gather"]
+  assert ag and all(o["dtypes"] <= {"u8", "f32"} for o in ag)  # forward: compressed
+  if bwd is None:
+    assert [o["dtypes"] for o in ops if o["op"] == "reduce-scatter"] == [{"bf16"}]
+    assert not [o for o in ops if o["op"] == "all-to-all"]
+  else:
+    a2a = [o for o in ops if o["op"] == "all-to-all"]
+    assert a2a and all(o["dtypes"] <= {"u8", "f32"} for o in a2a)
+    assert not [o for o in ops if o["op"] == "reduce-scatter"]
