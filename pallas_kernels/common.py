@@ -1,6 +1,8 @@
 """Constants and small pieces shared by the encode and decode kernels and references."""
 import functools
+import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,17 +15,120 @@ SCALE_MIN, SCALE_MAX = 1e-12, 1e6
 
 
 @functools.cache
-def hadamard_matrix(group_size: int) -> np.ndarray:
-  """The Sylvester Hadamard matrix H_G (entries +-1, symmetric), float32."""
+def hadamard_matrix(group_size: int, repeat: int = 1) -> np.ndarray:
+  """The Sylvester Hadamard matrix H_G (entries +-1, symmetric), float32.
+
+  ``repeat=2`` repeats every row twice (``[2G, G]``), for ``hadamard_dot(two_term=True)``.
+  """
   if group_size < 1 or group_size & (group_size - 1):
     raise ValueError(f"Hadamard size must be a power of two, got {group_size}")
   h = np.ones((1, 1), np.float32)
   while h.shape[0] < group_size:
     h = np.block([[h, h], [h, -h]])
-  return h
+  return np.repeat(h, repeat, axis=0)
 
 
 def check_2d(x, group_size: int, what: str) -> None:
   if x.ndim != 2 or x.shape[1] % group_size:
     raise ValueError(
         f"{what} expects [rows, groups * {group_size}], got shape {x.shape}")
+
+
+# jax 0.11 warns once per pallas_call site that its Triton backend is deprecated. The
+# backend is an implementation detail behind `implementation="pallas"`; keep the noise out.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
+
+
+def hadamard_dot(u_MG, h_GG, *, two_term: bool = False):
+  """``u_MG @ H_G`` with bf16 operands and fp32 accumulation: the transform of both codecs.
+
+  The kernels and the references call this same function, so they compute the transform
+  identically. bf16 operands run on tensor cores on GPU; H's entries are exact in bf16 and
+  the products are exact, so the dot is exact up to the fp32 sum when ``u`` is
+  bf16-exact (bf16 inputs, fp8 codes). Otherwise (``two_term``, e.g. fp32 inputs) ``u`` is
+  split as ``hi + lo`` (two bf16 terms, 16 significant bits, relative error <= 2^-17) and
+  ``[hi_0, lo_0, hi_1, lo_1, ...] @ [H_0; H_0; H_1; H_1; ...]`` runs as one dot
+  (``h_GG`` must then be ``hadamard_matrix(G, repeat=2)``, shape ``[2G, G]``).
+  """
+  if not two_term:
+    return jnp.dot(u_MG.astype(jnp.bfloat16), h_GG.astype(jnp.bfloat16),
+                   preferred_element_type=jnp.float32)
+  m, g = u_MG.shape
+  hi_MG = u_MG.astype(jnp.bfloat16)
+  lo_MG = (u_MG - hi_MG.astype(jnp.float32)).astype(jnp.bfloat16)
+  u_M2G = jnp.stack([hi_MG, lo_MG], axis=-1).reshape(m, 2 * g)
+  return jnp.dot(u_M2G, h_GG.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+
+def needs_two_terms(dtype) -> bool:
+  """Whether values of ``dtype`` lose bits when cast to bf16 (see ``hadamard_dot``)."""
+  return jnp.finfo(dtype).nmant > jnp.finfo(jnp.bfloat16).nmant
+
+
+def pow2_floor_f32(v):
+  """2^floor(log2 v) for positive normal fp32 ``v``, exactly (masks the mantissa bits)."""
+  bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+  return jax.lax.bitcast_convert_type(bits & jnp.int32(0x7F800000), jnp.float32)
+
+
+def pow2_floor(n: int) -> int:
+  return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def pow2_ceil(n: int) -> int:
+  return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def choose_blocks(rows: int, groups: int, block_rows: int, block_groups: int,
+                  min_groups: int = 16):
+  """Power-of-two tile ``[block_rows, block_groups * G]`` for ``rows x groups`` groups.
+
+  ``block_groups`` is the largest power of two <= the request that divides ``groups`` (so
+  no tile straddles the end of a row); ``block_rows`` is cut to cover ``rows`` but kept
+  large enough that a tile holds >= ``min_groups`` groups (Triton's dot needs M >= 16);
+  rows past the end are masked.
+  """
+  if block_rows < 1 or block_rows & (block_rows - 1):
+    raise ValueError(f"block_rows must be a power of two, got {block_rows}")
+  if block_groups < 1 or block_groups & (block_groups - 1):
+    raise ValueError(f"block_groups must be a power of two, got {block_groups}")
+  bk = min(block_groups, groups & -groups)  # groups & -groups: largest pow2 dividing it
+  br = min(block_rows, pow2_ceil(rows))
+  br = max(br, pow2_ceil(-(-min_groups // bk)))
+  return br, bk
+
+
+def pairwise_sum(v_MG):
+  """Sums the rows of ``v_MG`` in a fixed pairwise tree (adjacent pairs first).
+
+  ``jnp.sum``'s order is the compiler's choice (XLA CPU picks it by shape, Triton by
+  layout); this order is part of the spec, so the kernel in interpret mode and the
+  reference agree bit for bit. The last dim must be a power of two.
+  """
+  m, g = v_MG.shape
+  while g > 1:
+    g //= 2
+    # An explicit add of the two halves of each pair, not a reduce: XLA would merge
+    # chained reduces into one and pick its own order again.
+    a_MG1, b_MG1 = jnp.split(v_MG.reshape(m, g, 2), 2, axis=-1)
+    v_MG = (a_MG1 + b_MG1).reshape(m, g)
+  return v_MG.reshape(m)
+
+
+def hadamard_iota(group_size: int, repeat: int = 1):
+  """H_G built in registers from iotas: H[i, j] = (-1)^popcount(i & j), as bf16.
+
+  Equal to ``hadamard_matrix(group_size, repeat)`` entry for entry (``repeat`` is 1 or 2);
+  lets a kernel skip loading H from memory.
+  """
+  shape = (repeat * group_size, group_size)
+  rows = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  if repeat == 2:
+    rows = jax.lax.shift_right_logical(rows, jnp.int32(1))
+  v = rows & jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  shift = 16
+  while shift:
+    v = v ^ jax.lax.shift_right_logical(v, jnp.int32(shift))
+    shift //= 2
+  return (1 - 2 * (v & 1)).astype(jnp.float32).astype(jnp.bfloat16)

@@ -1,23 +1,39 @@
 """TACO decode and fused decode-and-sum: the inverse of ``encode``.
 
-``x_hat = H_G(q * s) / sqrt(G) / alpha`` per group (H is symmetric and orthogonal after
-the 1/sqrt(G)). ``decode_sum_reference`` decodes N stacked chunks and sums them in fp32:
-the receive side of a compressed reduce-scatter.
+``x_hat = (H_G q) * (s / sqrt(G) / alpha)`` per group (H is symmetric and orthogonal after
+the 1/sqrt(G); the scales are applied after the transform, where they are one multiply per
+element, so the dot sees the fp8 codes themselves, exact in bf16). ``decode_sum_reference``
+decodes N stacked chunks and sums them in fp32: the receive side of a compressed
+reduce-scatter. The kernels ``decode_pallas``/``decode_sum_pallas`` run the same
+``decode_groups`` on one tile per program.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import check_2d, hadamard_matrix
+from pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadamard_iota,
+                                   hadamard_matrix)
+
+
+def decode_groups(codes_MG, alpha_M, scale_M, h_GG):
+  """Decodes M groups to fp32 ``[M, G]``; ``h_GG`` is None for no transform."""
+  g = codes_MG.shape[-1]
+  q_MG = codes_MG.astype(jnp.float32)
+  if h_GG is None:
+    return q_MG * (scale_M / alpha_M)[:, None]
+  return hadamard_dot(q_MG, h_GG) * (scale_M * (g**-0.5) / alpha_M)[:, None]
 
 
 def _decode_f32(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool):
   rows, d = codes_RD.shape
-  q_RKG = codes_RD.astype(jnp.float32).reshape(rows, d // group_size, group_size)
-  y_RKG = q_RKG * scale_RK[..., None]
-  if hadamard:
-    h_GG = jnp.asarray(hadamard_matrix(group_size))
-    y_RKG = jnp.dot(y_RKG, h_GG, precision=jax.lax.Precision.HIGHEST) * (group_size**-0.5)
-  return (y_RKG / alpha_RK[..., None]).reshape(rows, d)
+  k = d // group_size
+  h_GG = jnp.asarray(hadamard_matrix(group_size)) if hadamard else None
+  out_MG = decode_groups(codes_RD.reshape(rows * k, group_size), alpha_RK.reshape(rows * k),
+                         scale_RK.reshape(rows * k), h_GG)
+  return out_MG.reshape(rows, d)
 
 
 def decode_reference(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool = True,
@@ -30,7 +46,9 @@ def decode_reference(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard:
 
 def decode_sum_reference(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int,
                          hadamard: bool = True, out_dtype=jnp.bfloat16):
-  """Decodes N stacked encoded chunks and returns their fp32 sum cast to ``out_dtype``."""
+  """Decodes N stacked encoded chunks and returns their fp32 sum (chunk 0 first) cast to
+  ``out_dtype``."""
+  check_2d(codes_NRD[0], group_size, "decode_sum_reference")
   n = codes_NRD.shape[0]
   total = jnp.zeros(codes_NRD.shape[1:], jnp.float32)
   for i in range(n):
@@ -39,19 +57,136 @@ def decode_sum_reference(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int,
   return total.astype(out_dtype)
 
 
+def _row_mask(rows: int, shape):
+  """True for the tile's rows that lie inside the array (the last row block may overhang)."""
+  row_ids = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  return row_ids < rows
+
+
+def _load(ref, rows, ragged, other):
+  """Loads a ``[block_rows, cols]`` tile; with ``ragged``, rows past the end read ``other``."""
+  if not ragged:
+    return ref[...]
+  return plgpu.load(ref, mask=_row_mask(rows, ref.shape[-2:]),
+                    other=jnp.full((), other, ref.dtype))
+
+
+def _decode_sum_kernel(codes_ref, alpha_ref, scale_ref, *refs, rows, group_size, hadamard,
+                       n, stacked, h_iota):
+  """Decodes the tile of each of the ``n`` chunks and sums them in fp32 (chunk 0 first)."""
+  if hadamard and not h_iota:
+    h_ref, out_ref = refs
+    h = h_ref[...]
+  else:
+    (out_ref,) = refs
+    h = hadamard_iota(group_size) if hadamard else None
+  br, bkg = out_ref.shape
+  bk = bkg // group_size
+  ragged = rows % br != 0
+  total = jnp.zeros((br * bk, group_size), jnp.float32)
+  for i in range(n):
+    chunk = [ref.at[jnp.int32(i)] if stacked else ref for ref in (codes_ref, alpha_ref, scale_ref)]
+    # Rows past the end load alpha = scale = 1 and decode to zeros (never stored).
+    codes, alpha, scale = (_load(ref, rows, ragged, other)
+                           for ref, other in zip(chunk, (0.0, 1.0, 1.0)))
+    total = total + decode_groups(codes.reshape(br * bk, group_size), alpha.reshape(br * bk),
+                                  scale.reshape(br * bk), h)
+  out = total.reshape(br, bkg).astype(out_ref.dtype)
+  if ragged:
+    plgpu.store(out_ref, out, mask=_row_mask(rows, (br, bkg)))
+  else:
+    out_ref[...] = out
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "group_size", "hadamard", "out_dtype", "interpret", "block_rows", "block_groups",
+    "num_warps", "num_stages", "stacked", "h_iota"))
+def _decode_sum_call(codes, alpha, scale, *, group_size, hadamard, out_dtype, interpret,
+                     block_rows, block_groups, num_warps, num_stages, stacked, h_iota):
+  n = codes.shape[0] if stacked else 1
+  rows, d = codes.shape[-2:]
+  k = d // group_size
+  br, bk = choose_blocks(rows, k, block_rows, block_groups)
+  lead = (n,) if stacked else ()
+  tile = (lambda i, j: (0, i, j)) if stacked else (lambda i, j: (i, j))
+  in_specs = [pl.BlockSpec(lead + (br, bk * group_size), tile),
+              pl.BlockSpec(lead + (br, bk), tile), pl.BlockSpec(lead + (br, bk), tile)]
+  operands = [codes, alpha, scale]
+  if hadamard and not h_iota:
+    in_specs.append(pl.BlockSpec((group_size, group_size), lambda i, j: (0, 0)))
+    operands.append(jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
+  kernel = functools.partial(_decode_sum_kernel, rows=rows, group_size=group_size,
+                             hadamard=hadamard, n=n, stacked=stacked, h_iota=h_iota)
+  return pl.pallas_call(
+      kernel,
+      out_shape=jax.ShapeDtypeStruct((rows, d), out_dtype),
+      grid=(pl.cdiv(rows, br), k // bk),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((br, bk * group_size), lambda i, j: (i, j)),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"taco_decode{'_sum' if stacked else ''}_g{group_size}",
+  )(*operands)
+
+
+def decode_pallas(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool = True,
+                  out_dtype=jnp.bfloat16, interpret: bool = False, block_rows: int = 16,
+                  block_groups: int = 8, num_warps: int = 4, num_stages: int = 2,
+                  h_iota: bool = False):
+  """Fused decode, one pass: reads codes and scales once, writes x_hat once.
+
+  Reference: ``decode_reference``. Tiling as in ``encode_pallas``.
+  """
+  check_2d(codes_RD, group_size, "decode_pallas")
+  return _decode_sum_call(codes_RD, alpha_RK, scale_RK, group_size=group_size,
+                          hadamard=hadamard, out_dtype=jnp.dtype(out_dtype),
+                          interpret=interpret, block_rows=block_rows,
+                          block_groups=block_groups, num_warps=num_warps,
+                          num_stages=num_stages, stacked=False, h_iota=h_iota)
+
+
+def decode_sum_pallas(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int,
+                      hadamard: bool = True, out_dtype=jnp.bfloat16, interpret: bool = False,
+                      block_rows: int = 16, block_groups: int = 8, num_warps: int = 4,
+                      num_stages: int = 2, h_iota: bool = False):
+  """Fused decode-and-sum of N stacked chunks: each tile of every chunk is decoded and
+  accumulated in fp32 registers, and the sum is written once.
+
+  Reference: ``decode_sum_reference`` (same order of the fp32 sum: chunk 0 first).
+  """
+  if codes_NRD.ndim != 3:
+    raise ValueError(f"decode_sum expects [N, rows, D] codes, got shape {codes_NRD.shape}")
+  check_2d(codes_NRD[0], group_size, "decode_sum_pallas")
+  return _decode_sum_call(codes_NRD, alpha_NRK, scale_NRK, group_size=group_size,
+                          hadamard=hadamard, out_dtype=jnp.dtype(out_dtype),
+                          interpret=interpret, block_rows=block_rows,
+                          block_groups=block_groups, num_warps=num_warps,
+                          num_stages=num_stages, stacked=True, h_iota=h_iota)
+
+
 def decode(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool = True,
-           out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False):
+           out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False,
+           **block_kwargs):
   """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``)."""
   if implementation == "xla":
     return decode_reference(codes_RD, alpha_RK, scale_RK, group_size=group_size,
                             hadamard=hadamard, out_dtype=out_dtype)
+  if implementation == "pallas":
+    return decode_pallas(codes_RD, alpha_RK, scale_RK, group_size=group_size,
+                         hadamard=hadamard, out_dtype=out_dtype, interpret=interpret,
+                         **block_kwargs)
   raise NotImplementedError(f"decode implementation {implementation!r}")
 
 
 def decode_sum(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int, hadamard: bool = True,
-               out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False):
+               out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False,
+               **block_kwargs):
   """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``)."""
   if implementation == "xla":
     return decode_sum_reference(codes_NRD, alpha_NRK, scale_NRK, group_size=group_size,
                                 hadamard=hadamard, out_dtype=out_dtype)
+  if implementation == "pallas":
+    return decode_sum_pallas(codes_NRD, alpha_NRK, scale_NRK, group_size=group_size,
+                             hadamard=hadamard, out_dtype=out_dtype, interpret=interpret,
+                             **block_kwargs)
   raise NotImplementedError(f"decode_sum implementation {implementation!r}")

@@ -1,48 +1,177 @@
 """TACO encode: per-group RMS pre-scale, Hadamard transform, absmax post-scale, FP8 cast.
 
 ``encode_reference`` is the specification (and the CPU path); the fused Pallas kernel
-must produce the same codes bit for bit and the same scales.
+``encode_pallas`` must produce the same codes bit for bit and the same scales. Both run
+the per-group math of ``encode_groups`` on ``[groups, G]`` tiles: the reference on the
+whole array, the kernel on one ``[block_rows * block_groups, G]`` tile per program.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
-                                   SCALE_MIN, check_2d, hadamard_matrix)
+                                   SCALE_MIN, check_2d, choose_blocks, hadamard_dot,
+                                   hadamard_iota, hadamard_matrix, needs_two_terms,
+                                   pairwise_sum, pow2_floor_f32)
+
+
+def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
+                  two_term: bool = False):
+  """Encodes M groups (rows of ``x_MG``, fp32); returns ``(codes_MG, alpha_M, scale_M)``.
+
+  ``h_GG``: the Hadamard matrix (``[2G, G]`` row-repeated with ``two_term``, see
+  ``hadamard_dot``), or None for no transform. The math, in this order:
+
+    alpha = clip(sqrt(M^2 / (mean(bf16(x)^2) + lam)), 1e-3, 1e3)   (1 if not dual_scale)
+    p     = 2^floor(log2 alpha)                  exact power of two, alpha / p in [1, 2)
+    y     = (H_G bf16(p x)) * ((alpha / p) / sqrt(G))   = H_G (alpha x) / sqrt(G)
+    s     = clip(max|y| / M, 1e-12, 1e6)
+    q     = fp8(clip(y / s, -M, M))
+
+  Scaling by p (exact) before the dot keeps H x from overflowing fp32 for huge x and keeps
+  the dot's operands bf16-exact for bf16 inputs. A group holding NaN or Inf gets NaN
+  alpha, NaN scale and NaN codes, so it decodes to NaN, never to finite numbers. Every
+  step lowers to Triton and means the same there: the finiteness test is a sum
+  (NaN-propagating), not a max (Triton's max drops NaNs); sums run in a fixed order.
+  """
+  g = x_MG.shape[-1]
+  fp8_max = FP8_MAX[fmt]
+  finite_M = jnp.sum(x_MG * 0.0, axis=-1) == 0.0  # x * 0 is NaN exactly for NaN and Inf
+  if dual_scale:
+    # Squares of bf16(x) are exact in fp32, so no FMA contraction can change them, and
+    # the fixed pairwise order makes the sum the same on every backend.
+    xb_MG = x_MG.astype(jnp.bfloat16).astype(jnp.float32)
+    mean_sq_M = pairwise_sum(xb_MG * xb_MG) * (1.0 / g)
+    # sqrt(M^2 / ms), not M / sqrt(ms): XLA rewrites the latter to M * rsqrt(ms), whose
+    # last bit depends on vectorization; IEEE division and sqrt do not.
+    alpha_M = jnp.clip(jnp.sqrt((fp8_max * fp8_max) / (mean_sq_M + lam)), ALPHA_MIN,
+                       ALPHA_MAX)
+  else:
+    alpha_M = jnp.ones(x_MG.shape[:1], jnp.float32)
+  if h_GG is None:
+    y_MG = x_MG * alpha_M[:, None]
+  else:
+    p_M = pow2_floor_f32(alpha_M)
+    t_MG = hadamard_dot(x_MG * p_M[:, None], h_GG, two_term=two_term)
+    y_MG = t_MG * ((alpha_M / p_M) * (g**-0.5))[:, None]
+  scale_M = jnp.clip(jnp.max(jnp.abs(y_MG), axis=-1) * (1.0 / fp8_max), SCALE_MIN, SCALE_MAX)
+  q_MG = jnp.clip(y_MG / scale_M[:, None], -fp8_max, fp8_max)
+  q_MG = jnp.where(finite_M[:, None], q_MG, jnp.nan)
+  alpha_M = jnp.where(finite_M, alpha_M, jnp.nan)
+  scale_M = jnp.where(finite_M, scale_M, jnp.nan)
+  return q_MG.astype(FP8_DTYPES[fmt]), alpha_M, scale_M
 
 
 def encode_reference(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
                      dual_scale: bool = True, lam: float = 1e-6):
   """Encodes ``x_RD`` group by group; returns ``(codes_RD fp8, alpha_RK, scale_RK)``.
 
-  K = D / group_size groups per row. A group holding NaN or Inf gets a NaN scale, so it
-  decodes to NaN rather than to plausible finite numbers.
+  K = D / group_size groups per row; see ``encode_groups`` for the math.
   """
   check_2d(x_RD, group_size, "encode_reference")
   rows, d = x_RD.shape
-  fp8_max = FP8_MAX[fmt]
-  x_RKG = x_RD.astype(jnp.float32).reshape(rows, d // group_size, group_size)
-  finite_RK = jnp.isfinite(jnp.max(jnp.abs(x_RKG), axis=-1))
-  if dual_scale:
-    mean_sq_RK = jnp.mean(x_RKG * x_RKG, axis=-1)
-    alpha_RK = jnp.clip(fp8_max / jnp.sqrt(mean_sq_RK + lam), ALPHA_MIN, ALPHA_MAX)
+  k = d // group_size
+  two_term = needs_two_terms(x_RD.dtype)
+  h_GG = jnp.asarray(hadamard_matrix(group_size, 1 + two_term)) if hadamard else None
+  codes_MG, alpha_M, scale_M = encode_groups(
+      x_RD.astype(jnp.float32).reshape(rows * k, group_size), h_GG, fmt=fmt,
+      dual_scale=dual_scale, lam=lam, two_term=two_term)
+  return codes_MG.reshape(rows, d), alpha_M.reshape(rows, k), scale_M.reshape(rows, k)
+
+
+def _row_mask(rows: int, shape):
+  """True for the tile's rows that lie inside the array (the last row block may overhang)."""
+  row_ids = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  return row_ids < rows
+
+
+def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, lam, h_iota):
+  two_term = needs_two_terms(x_ref.dtype)
+  if hadamard and not h_iota:
+    h_ref, codes_ref, alpha_ref, scale_ref = refs
+    h = h_ref[...]
   else:
-    alpha_RK = jnp.ones((rows, d // group_size), jnp.float32)
-  y_RKG = x_RKG * alpha_RK[..., None]
-  if hadamard:
-    h_GG = jnp.asarray(hadamard_matrix(group_size))
-    y_RKG = jnp.dot(y_RKG, h_GG, precision=jax.lax.Precision.HIGHEST) * (group_size**-0.5)
-  scale_RK = jnp.clip(jnp.max(jnp.abs(y_RKG), axis=-1) / fp8_max, SCALE_MIN, SCALE_MAX)
-  scale_RK = jnp.where(finite_RK, scale_RK, jnp.nan)
-  q_RKG = jnp.clip(y_RKG / scale_RK[..., None], -fp8_max, fp8_max)
-  codes_RD = q_RKG.astype(FP8_DTYPES[fmt]).reshape(rows, d)
-  return codes_RD, alpha_RK, scale_RK
+    codes_ref, alpha_ref, scale_ref = refs
+    h = hadamard_iota(group_size, 1 + two_term) if hadamard else None
+  br, bkg = x_ref.shape
+  bk = bkg // group_size
+  ragged = rows % br != 0
+  if ragged:
+    x = plgpu.load(x_ref, mask=_row_mask(rows, (br, bkg)), other=0.0)
+  else:
+    x = x_ref[...]
+  codes, alpha, scale = encode_groups(
+      x.astype(jnp.float32).reshape(br * bk, group_size), h, fmt=fmt, dual_scale=dual_scale,
+      lam=lam, two_term=two_term)
+  codes, alpha, scale = codes.reshape(br, bkg), alpha.reshape(br, bk), scale.reshape(br, bk)
+  if ragged:
+    plgpu.store(codes_ref, codes, mask=_row_mask(rows, (br, bkg)))
+    plgpu.store(alpha_ref, alpha, mask=_row_mask(rows, (br, bk)))
+    plgpu.store(scale_ref, scale, mask=_row_mask(rows, (br, bk)))
+  else:
+    codes_ref[...], alpha_ref[...], scale_ref[...] = codes, alpha, scale
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "group_size", "fmt", "hadamard", "dual_scale", "lam", "interpret", "block_rows",
+    "block_groups", "num_warps", "num_stages", "h_iota"))
+def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
+                  dual_scale: bool = True, lam: float = 1e-6, interpret: bool = False,
+                  block_rows: int = 16, block_groups: int = 8, num_warps: int = 4,
+                  num_stages: int = 2, h_iota: bool = False):
+  """Fused encode, one pass: reads x once, writes codes and both scales once.
+
+  Reference: ``encode_reference`` (same outputs; codes bit-exact in interpret mode).
+  Grid over ``[block_rows, block_groups * G]`` tiles (powers of two; ``choose_blocks``);
+  a last row block that overhangs is masked. ``interpret=True`` runs on CPU. H is read
+  from memory (L2-resident) by every program, or with ``h_iota`` built in registers.
+  """
+  check_2d(x_RD, group_size, "encode_pallas")
+  if not jnp.issubdtype(x_RD.dtype, jnp.floating):
+    raise TypeError(f"encode expects a floating-point array, got dtype {x_RD.dtype}")
+  rows, d = x_RD.shape
+  k = d // group_size
+  br, bk = choose_blocks(rows, k, block_rows, block_groups)
+  tile = lambda i, j: (i, j)  # noqa: E731
+  in_specs = [pl.BlockSpec((br, bk * group_size), tile)]
+  operands = [x_RD]
+  if hadamard and not h_iota:
+    h = hadamard_matrix(group_size, 1 + needs_two_terms(x_RD.dtype))
+    in_specs.append(pl.BlockSpec(h.shape, lambda i, j: (0, 0)))
+    operands.append(jnp.asarray(h, jnp.bfloat16))
+  kernel = functools.partial(_encode_kernel, rows=rows, group_size=group_size, fmt=fmt,
+                             hadamard=hadamard, dual_scale=dual_scale, lam=lam,
+                             h_iota=h_iota)
+  return pl.pallas_call(
+      kernel,
+      out_shape=(jax.ShapeDtypeStruct((rows, d), FP8_DTYPES[fmt]),
+                 jax.ShapeDtypeStruct((rows, k), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, k), jnp.float32)),
+      grid=(pl.cdiv(rows, br), k // bk),
+      in_specs=in_specs,
+      out_specs=(pl.BlockSpec((br, bk * group_size), tile), pl.BlockSpec((br, bk), tile),
+                 pl.BlockSpec((br, bk), tile)),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+      interpret=interpret,
+      name=f"taco_encode_{fmt}_g{group_size}",
+  )(*operands)
 
 
 def encode(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
            dual_scale: bool = True, lam: float = 1e-6, implementation: str = "xla",
-           interpret: bool = False):
-  """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``)."""
+           interpret: bool = False, **block_kwargs):
+  """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``).
+
+  ``block_kwargs`` (``block_rows``, ``block_groups``, ``num_warps``, ``num_stages``) tune
+  the kernel and are ignored by the reference.
+  """
   if implementation == "xla":
     return encode_reference(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
                             dual_scale=dual_scale, lam=lam)
+  if implementation == "pallas":
+    return encode_pallas(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
+                         dual_scale=dual_scale, lam=lam, interpret=interpret, **block_kwargs)
   raise NotImplementedError(f"encode implementation {implementation!r}")

@@ -60,6 +60,13 @@ class CompressionConfig:
       return self.implementation
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
+  def kernel_kwargs(self) -> dict:
+    """``implementation``/``interpret`` for the dispatchers: the Pallas kernels run through
+    Triton on GPU and in interpret mode (slow, for tests) on any other backend."""
+    impl = self.resolved_implementation()
+    return dict(implementation=impl,
+                interpret=impl == "pallas" and jax.default_backend() != "gpu")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +102,7 @@ def compress(x, cfg: CompressionConfig) -> Compressed:
   lead = x.shape[:-1]
   codes, alpha, scale = pallas_kernels.encode(
       x.reshape(-1, padded), group_size=g, fmt=cfg.format, hadamard=cfg.hadamard,
-      dual_scale=cfg.dual_scale, lam=cfg.lam, implementation=cfg.resolved_implementation())
+      dual_scale=cfg.dual_scale, lam=cfg.lam, **cfg.kernel_kwargs())
   k = padded // g
   return Compressed(codes.reshape(*lead, padded), alpha.reshape(*lead, k),
                     scale.reshape(*lead, k), size)
@@ -107,7 +114,7 @@ def decompress(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
   out = pallas_kernels.decode(
       c.codes.reshape(-1, padded), c.alpha.reshape(-1, padded // cfg.group_size),
       c.scale.reshape(-1, padded // cfg.group_size), group_size=cfg.group_size,
-      hadamard=cfg.hadamard, out_dtype=dtype, implementation=cfg.resolved_implementation())
+      hadamard=cfg.hadamard, out_dtype=dtype, **cfg.kernel_kwargs())
   return out.reshape(*lead, padded)[..., :c.size]
 
 
@@ -118,5 +125,5 @@ def decompress_sum(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
   out = pallas_kernels.decode_sum(
       c.codes.reshape(n, -1, padded), c.alpha.reshape(n, -1, k), c.scale.reshape(n, -1, k),
       group_size=cfg.group_size, hadamard=cfg.hadamard, out_dtype=dtype,
-      implementation=cfg.resolved_implementation())
+      **cfg.kernel_kwargs())
   return out.reshape(*lead, padded)[..., :c.size]
