@@ -206,3 +206,23 @@ def test_error_bad_algorithm_and_slices():
   with pytest.raises(ValueError, match="num_slices=3 does not divide"):
     _shard_map_call(lambda x: tc.all_gather(x, "x", compression=E4M3, num_slices=3),
                     (8, 128))
+
+
+def test_benchmark_smoke(tmp_path):
+  """benchmarks/bench_collectives.py --smoke, cut to one tiny size and one repetition."""
+  import importlib.util
+  import json
+  import pathlib
+  path = pathlib.Path(__file__).parents[1] / "benchmarks" / "bench_collectives.py"
+  spec = importlib.util.spec_from_file_location("bench_collectives", path)
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  args = bench.parse_args(["--smoke", "--out-dir", str(tmp_path)])
+  args.sizes_mib, args.iters = "0.0625", 1
+  report = bench.run(args)
+  assert {(r["collective"], r["variant"]) for r in report["results"]} == {
+      (c, v) for c in ("all_gather", "reduce_scatter", "all_reduce")
+      for v in ("bf16", "raw_fp8", "compressed")}
+  assert all(r["median_ms"] > 0 for r in report["results"])
+  json.dumps(report)  # serializable
+  assert "threshold" in bench.table(report)
