@@ -20,12 +20,15 @@ from models.gpt import GPT, GPTConfig
 from taco_jax import data
 from taco_jax.train import checkpoint, step as step_lib
 
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Workdir of a training run (has config.json).')
-_PROMPT = flags.DEFINE_string('prompt', 'def ', 'Text to continue.')
-_MAX_NEW = flags.DEFINE_integer('max_new_tokens', 256, 'Tokens (bytes) to generate.')
-_TEMP = flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 = greedy.')
-_TOP_K = flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; 0 = all.')
-_SEED = flags.DEFINE_integer('seed', 0, 'Sampling seed.')
+
+def define_flags() -> None:
+  """Defines the sampler's flags (in run(), so importing this module defines no flags)."""
+  flags.DEFINE_string('workdir', None, 'Workdir of a training run (has config.json).')
+  flags.DEFINE_string('prompt', 'def ', 'Text to continue.')
+  flags.DEFINE_integer('max_new_tokens', 256, 'Tokens (bytes) to generate.')
+  flags.DEFINE_float('temperature', 0.8, 'Softmax temperature; 0 = greedy.')
+  flags.DEFINE_integer('top_k', 0, 'Sample among the k most likely tokens; 0 = all.')
+  flags.DEFINE_integer('seed', 0, 'Sampling seed.')
 
 
 def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
@@ -77,24 +80,26 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:  # orbax logs every checkpoint step at INFO
     logging.set_verbosity(logging.WARNING)
-  if not _WORKDIR.value:
+  f = flags.FLAGS
+  if not f.workdir:
     raise app.UsageError('--workdir is required (a training workdir, e.g. workdir/tiny)')
   try:
-    model, step = load_model(_WORKDIR.value)
+    model, step = load_model(f.workdir)
   except (FileNotFoundError, ValueError) as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   if model.cfg.vocab_size != data.VOCAB_SIZE:
     print(f'warning: vocab_size={model.cfg.vocab_size}: tokens are decoded as bytes',
           file=sys.stderr)
-  out = generate(model, data.encode(_PROMPT.value), _MAX_NEW.value, temperature=_TEMP.value,
-                 top_k=_TOP_K.value, seed=_SEED.value)
+  out = generate(model, data.encode(f.prompt), f.max_new_tokens, temperature=f.temperature,
+                 top_k=f.top_k, seed=f.seed)
   print(f'# step {step}', file=sys.stderr)
   print(data.decode(np.clip(out, 0, 255)))
 
 
 def run():
   """Console-script entry point (`taco-sample`)."""
+  define_flags()
   app.run(main)
 
 

@@ -13,10 +13,12 @@ from ml_collections import config_flags
 
 from taco_jax.train.config import resolve_config_path
 
-_CONFIG = config_flags.DEFINE_config_file('config', None, 'Experiment config file.',
-                                          lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and config.json go here '
-                               '(default ./workdir/<config.name>); resumes if it has checkpoints.')
+
+def define_flags() -> None:
+  """Defines --config and --workdir (in run(), so importing this module defines no flags)."""
+  config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
+  flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and config.json go here '
+                      '(default ./workdir/<config.name>); resumes if it has checkpoints.')
 
 
 def rewrite_config_arg(argv: list[str]) -> list[str]:
@@ -39,10 +41,10 @@ def main(argv):
   if not flags.FLAGS['verbosity'].present:  # orbax logs every checkpoint step at INFO
     logging.set_verbosity(logging.WARNING)
   from taco_jax.train.loop import NonFiniteLossError, train  # heavy imports after flag parsing
-  config = _CONFIG.value
+  config = flags.FLAGS.config
   if config is None:
     raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
-  workdir = _WORKDIR.value or f'./workdir/{config.name}'
+  workdir = flags.FLAGS.workdir or f'./workdir/{config.name}'
   try:
     summary = train(config, workdir)
   except (ValueError, FileNotFoundError, PermissionError) as e:
@@ -63,4 +65,5 @@ def run():
   except FileNotFoundError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
+  define_flags()
   app.run(main, argv=argv)
