@@ -42,6 +42,8 @@ class TPContext:
 
 def gather_seq(x_BSD, ctx: TPContext):
   """Sequence shard -> full sequence. forward: all-gather, backward: reduce-scatter."""
+  if ctx.tp == 1:
+    return x_BSD
   return mappings.gather_from_sp(x_BSD, TENSOR, axis=SEQ, fwd_compression=ctx.fwd,
                                  bwd_compression=ctx.bwd)
 
@@ -49,6 +51,8 @@ def gather_seq(x_BSD, ctx: TPContext):
 def scatter_seq(x_BTD, ctx: TPContext):
   """Partial sums over the full sequence -> summed sequence shard.
   forward: reduce-scatter, backward: all-gather."""
+  if ctx.tp == 1:
+    return x_BTD
   return mappings.reduce_scatter_to_sp(x_BTD, TENSOR, axis=SEQ, fwd_compression=ctx.fwd,
                                        bwd_compression=ctx.bwd)
 
@@ -116,8 +120,10 @@ def vocab_parallel_embed(w_VD: jax.Array, tokens_BT: jax.Array, ctx: TPContext) 
   return scatter_seq(e_BTD, ctx)
 
 
-def _sum_tp(x):
+def _sum_tp(x, ctx: TPContext):
   """Sum over "tensor"; forward: all-reduce (plain), backward: identity."""
+  if ctx.tp == 1:
+    return x
   return mappings.reduce_from_tp(x, TENSOR, fwd_compression=None)
 
 
@@ -129,11 +135,12 @@ def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array
                           preferred_element_type=jnp.float32)
   v_local = w_VD.shape[0]
   m_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
-  m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
-  sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1))
+  if ctx.tp > 1:  # any common shift >= each local max keeps exp() finite; no gradient
+    m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
+  sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1), ctx)
   local_BT = targets_BT - jax.lax.axis_index(TENSOR) * v_local
   mine_BT = (local_BT >= 0) & (local_BT < v_local)
   tgt_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, v_local - 1)[..., None],
                                axis=-1)[..., 0]
-  tgt_BT = _sum_tp(jnp.where(mine_BT, tgt_BT, 0.0))
+  tgt_BT = _sum_tp(jnp.where(mine_BT, tgt_BT, 0.0), ctx)
   return jnp.log(sumexp_BT) + m_BT - tgt_BT

@@ -123,6 +123,11 @@ def init_params(cfg, mesh, seed: int = 0) -> dict:
   return jax.jit(init, out_shardings=shardings(cfg, mesh))()
 
 
+def shard_params(cfg, params: dict, mesh) -> dict:
+  """Places parallel-layout params (e.g. `to_parallel` of a single-device model) on `mesh`."""
+  return jax.device_put(params, shardings(cfg, mesh))
+
+
 def abstract_params(cfg, mesh) -> dict:
   """ShapeDtypeStructs with shardings: a restore target on `mesh`, nothing allocated."""
   shapes = jax.eval_shape(lambda: to_parallel(

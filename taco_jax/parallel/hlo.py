@@ -1,0 +1,94 @@
+"""Which collectives a compiled step runs, over which mesh axes, moving which dtype.
+
+Parses `jax.jit(f).lower(...).compile().as_text()`. Replica groups print either as
+`mesh['data'=2,'pipeline'=2,'tensor'=2] {'tensor'}` or as explicit/iota device groups;
+collective-permutes list source-target pairs. Device ids are positions in `mesh.devices`
+(flattened), which map back to mesh coordinates, hence to the axes a collective spans.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+_KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) +
+                 r")(?:-start)?\(")
+_ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]")
+_MESH_AXES = re.compile(r"replica_groups=mesh\[[^\]]*\]\s*\{(?P<axes>[^}]*)\}")
+_GROUPS = re.compile(r"replica_groups=\{(?P<g>(?:\{[\d,]*\},?)*)\}")
+_IOTA = re.compile(r"replica_groups=\[(?P<shape>[\d,]+)\]<=\[(?P<src>[\d,]+)\]"
+                   r"(?:T\((?P<perm>[\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{(?P<p>(?:\{\d+,\d+\},?)*)\}")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+          "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+FP8_WIRE = ("u8", "s8", "f8e4m3fn", "f8e5m2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str                  # all-gather | all-reduce | reduce-scatter | all-to-all | ...
+  dtype: str                 # HLO element type of the result array
+  shape: tuple               # its dimensions
+  elements: int              # elements of the result array
+  bytes: int                 # bytes of the result array
+  axes: frozenset            # mesh axes the participating groups span
+  line: str                  # the HLO instruction, for messages
+
+  @property
+  def fp8(self) -> bool:
+    return self.dtype in FP8_WIRE
+
+  @property
+  def codec_scales(self) -> bool:
+    """The fp32 (alpha, scale) pairs of a compressed message: wire shape [..., groups, 2]."""
+    return self.dtype == "f32" and len(self.shape) >= 2 and self.shape[-1] == 2
+
+
+def _axes_of_groups(groups, mesh_shape, names) -> frozenset:
+  axes = set()
+  for g in groups:
+    coords = np.array([np.unravel_index(i, mesh_shape) for i in g])
+    axes |= {names[a] for a in range(len(names)) if len(set(coords[:, a])) > 1}
+  return frozenset(axes)
+
+
+def _groups(line: str, n: int):
+  if m := _GROUPS.search(line):
+    return [[int(v) for v in g.split(",") if v] for g in re.findall(r"\{([\d,]*)\}", m["g"])]
+  if m := _IOTA.search(line):
+    shape = [int(v) for v in m["shape"].split(",")]
+    src = [int(v) for v in m["src"].split(",")]
+    ids = np.arange(math.prod(src)).reshape(src)
+    if m["perm"]:
+      ids = ids.transpose([int(v) for v in m["perm"].split(",")])
+    return ids.reshape(shape).tolist()
+  if m := _PAIRS.search(line):
+    return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", m["p"])]
+  return [list(range(n))]
+
+
+def collectives(hlo_text: str, mesh) -> list[Collective]:
+  """Every message of every collective instruction of `hlo_text` (async pairs counted once,
+  at -start; a combined collective with a tuple result gives one entry per array)."""
+  names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+  out = []
+  for line in hlo_text.splitlines():
+    m = _OP.search(line)
+    if not m:
+      continue
+    arrays = [(a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
+              for a in _ARRAY.finditer(m["type"])]
+    arrays = [a for a in arrays if a[0] in _BYTES]
+    if not arrays:
+      continue
+    if am := _MESH_AXES.search(line):
+      axes = frozenset(re.findall(r"'([^']+)'", am["axes"]))
+    else:
+      axes = _axes_of_groups(_groups(line, math.prod(shape)), shape, names)
+    for dtype, dims in arrays:  # a combined (tuple) collective: one message per array
+      n = math.prod(dims)
+      out.append(Collective(m["kind"], dtype, dims, n, n * _BYTES[dtype], axes, line.strip()))
+  return out

@@ -1,0 +1,123 @@
+"""The 3D-parallel step against the single-device model, and the collectives it compiles to.
+
+One tiny fp32 GPT, one batch; per mesh the loss-and-gradients function is compiled twice
+(compression off / on) and every test of that mesh reuses the two compiled programs.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models.gpt import loss_fn
+from taco_jax import testing
+from taco_jax.codec import CompressionConfig
+from taco_jax.parallel import hlo, model as model_lib, step as step_lib
+from taco_jax.parallel.compression import CompressionPlan
+from taco_jax.parallel.mesh import make_mesh
+
+MESHES = [(1, 1, 8), (2, 2, 2), (1, 2, 4), (8, 1, 1), (2, 1, 4)]  # (dp, pp, tp)
+CFG = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=128, n_heads=8,
+                                  d_ff=256, max_seq_len=32, dtype="float32"))
+BATCH, SEQ, MICRO = 16, 32, 2
+CODEC = CompressionConfig(format="e4m3", group_size=32)
+ON = CompressionPlan(tp_forward=CODEC, tp_backward=CODEC, pp=CODEC, dp=CODEC)
+# fp32 agreement: a few units of roundoff per reduction level, relative to the leaf's scale.
+F32_TOL = 64 * testing.unit_roundoff(jnp.float32)
+# Each compressed message has relative L2 error <= eps (one fp8 unit roundoff; see
+# taco_jax.testing). To first order the loss sees the forward messages only (<= eps); a
+# gradient is an activation times a cotangent (<= 2 eps), and a compressed two-shot DP
+# all-reduce rounds it twice more (<= 2 eps).
+EPS = testing.unit_roundoff(CODEC.fp8_dtype)
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # CPU codegen effort; same HLO
+
+
+def _leaves(tree):
+  return [(jax.tree_util.keystr(p), np.asarray(x, np.float64))
+          for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def _tokens():
+  return jax.random.randint(jax.random.key(1), (BATCH, SEQ + 1), 0, CFG.vocab_size)
+
+
+def _parallel(state):
+  return model_lib.to_parallel(nnx.state(state, nnx.Param).to_pure_dict())
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """(params, loss, grads) of the single-device model, params/grads in the parallel layout."""
+  model = model_lib.single_device_model(CFG, seed=0)
+  (loss, _), grads = jax.value_and_grad(lambda m: loss_fn(m, _tokens()), has_aux=True)(model)
+  return _parallel(model), float(loss), jax.device_get(_parallel(grads))
+
+
+@pytest.fixture(scope="module", params=MESHES, ids=lambda m: "dp%d-pp%d-tp%d" % m)
+def run(request, reference):
+  dp, pp, tp = request.param
+  mesh = make_mesh(dp, pp, tp)
+  params = model_lib.shard_params(CFG, reference[0], mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  out = {"mesh": mesh, "layout": request.param,
+         "shard_elems": BATCH // dp // MICRO * SEQ // tp * CFG.d_model}
+  for name, plan in (("off", CompressionPlan()), ("on", ON)):
+    spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan)
+    exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
+        compiler_options=FAST_COMPILE)
+    loss, grads = exe(params, tokens)
+    out[name] = (float(loss), jax.device_get(grads), hlo.collectives(exe.as_text(), mesh))
+  return out
+
+
+def test_uncompressed_matches_single_device(run, reference):
+  _, ref_loss, ref_grads = reference
+  loss, grads, _ = run["off"]
+  np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
+  for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
+    err = np.max(np.abs(g - r))
+    assert err <= F32_TOL * np.max(np.abs(r)), (path, err, np.max(np.abs(r)))
+
+
+def test_compressed_within_fp8_bound(run, reference):
+  _, ref_loss, ref_grads = reference
+  loss, grads, _ = run["on"]
+  assert abs(loss - ref_loss) <= EPS * abs(ref_loss)
+  bound = EPS * (2 + (2 if run["layout"][0] > 1 else 0))
+  for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
+    rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+    assert rel <= bound, (path, rel, bound)
+
+
+def _activation_messages(colls, axis, threshold):
+  """Messages over exactly `axis` of at least one activation shard's elements, other than
+  all-reduces (over "tensor": the per-token softmax sums and the sequence-parallel sums of
+  replicated parameters' gradients, uncompressed by design) and codec scales."""
+  kinds = ("all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+  return [c for c in colls if c.axes == {axis} and c.kind in kinds and
+          c.elements >= threshold and not c.codec_scales]
+
+
+def test_hlo_compressed_moves_fp8(run):
+  """Every activation-sized TP / PP / DP message is u8 (FP8 codes) and the fp32 scales
+  add 8 bytes per group of G code bytes; no large fp32 all-reduce over "data" remains."""
+  dp, pp, tp = run["layout"]
+  colls = run["on"][2]
+  for axis, size in (("tensor", tp), ("pipeline", pp), ("data", dp)):
+    msgs = _activation_messages(colls, axis, run["shard_elems"])
+    assert bool(msgs) == (size > 1), (axis, msgs)
+    bad = [c.line for c in msgs if not c.fp8]
+    assert not bad, f"uncompressed {axis} messages:\n" + "\n".join(bad)
+    codes = sum(c.bytes for c in colls if c.axes == {axis} and c.fp8)
+    scales = sum(c.bytes for c in colls if c.axes == {axis} and c.codec_scales)
+    assert scales == pytest.approx(8 / CODEC.group_size * codes, rel=1e-9), axis
+  assert not [c for c in colls if c.axes == {"data"} and c.kind == "all-reduce" and
+              c.elements >= run["shard_elems"]]
+
+
+def test_hlo_uncompressed_moves_no_fp8(run):
+  dp, pp, tp = run["layout"]
+  colls = run["off"][2]
+  assert not [c.line for c in colls if c.fp8]
+  for axis, size in (("tensor", tp), ("pipeline", pp)):
+    assert bool(_activation_messages(colls, axis, run["shard_elems"])) == (size > 1)
