@@ -38,7 +38,7 @@ dec = sys.modules["pallas_kernels.decode"]
 
 @dataclasses.dataclass(frozen=True)
 class Params:
-  block_rows: int = 16
+  block_rows: int = 8
   block_groups: int = 8
   num_warps: int = 4
   num_stages: int = 2
@@ -46,7 +46,7 @@ class Params:
 
 
 SWEEP = ([Params(br, bk, w) for (br, bk), w in itertools.product(
-    [(8, 8), (16, 8), (32, 8), (16, 16), (64, 4), (32, 16)], [4, 8])])
+    [(4, 4), (8, 4), (16, 4), (8, 8), (16, 8), (32, 8), (16, 16), (64, 4)], [4, 8])])
 
 
 def _inputs(size_bytes: int, d: int, seed: int = 0):
@@ -68,36 +68,47 @@ def _bytes(kind: str, rows: int, d: int, g: int, n: int = 1) -> int:
   return n * (elems + groups * 8) + elems * 2  # decode_sum
 
 
+@jax.jit
+def _encode_diff(got, want):  # on the device: the outputs can be GiBs
+  def bits(codes):  # -0 (0x80) counts as +0
+    u = jax.lax.bitcast_convert_type(codes, jnp.uint8).astype(jnp.int32)
+    return jnp.where(u == 0x80, 0, u)
+
+  step = jnp.abs(bits(got[0]) - bits(want[0]))
+  rel = lambda a, b: jnp.max(jnp.abs(a - b) / jnp.abs(b))  # noqa: E731
+  return dict(codes_mismatch_frac=jnp.mean((step != 0).astype(jnp.float32)),
+              codes_max_step=jnp.max(step), alpha_max_rel=rel(got[1], want[1]),
+              scale_max_rel=rel(got[2], want[2]))
+
+
+@jax.jit
+def _decode_diff(got, want):
+  o, r = got.astype(jnp.float32), want.astype(jnp.float32)
+  return dict(rel_l2_vs_reference=jnp.linalg.norm(o - r) / jnp.maximum(jnp.linalg.norm(r),
+                                                                         1e-30),
+              all_finite=jnp.all(jnp.isfinite(o)).astype(jnp.float32))
+
+
 def _check(kind: str, got, want, what: str) -> dict:
   """Kernel vs reference on the benchmark inputs. On CPU (interpret mode) they must be
   bit-identical; on GPU, fp32 reductions, Triton's approximate division and the MMA's
   accumulation order may move a value across an fp8 rounding boundary, so a small fraction
   of codes may differ by one fp8 step; anything more fails."""
   if kind == "encode":
-    c, a, s = (np.asarray(v) for v in got)
-    cr, ar, sr = (np.asarray(v) for v in want)
-    cu = np.asarray(jax.lax.bitcast_convert_type(got[0], jnp.uint8)).astype(np.int32)
-    cru = np.asarray(jax.lax.bitcast_convert_type(want[0], jnp.uint8)).astype(np.int32)
-    diff = np.abs(cu - cru)
-    frac = float(np.mean(diff != 0))
-    scale_rel = float(np.max(np.abs(s - sr) / np.abs(sr)))
-    alpha_rel = float(np.max(np.abs(a - ar) / np.abs(ar)))
-    ok = diff.max() <= 1 and frac <= 1e-3 and scale_rel <= 1e-5 and alpha_rel <= 1e-5
-    info = dict(codes_mismatch_frac=frac, codes_max_step=int(diff.max()),
-                scale_max_rel=scale_rel, alpha_max_rel=alpha_rel)
+    info = {k: float(v) for k, v in _encode_diff(got, want).items()}
+    ok = (info["codes_max_step"] <= 1 and info["codes_mismatch_frac"] <= 1e-3
+          and info["scale_max_rel"] <= 1e-5 and info["alpha_max_rel"] <= 1e-5)
   else:
-    o, r = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    rel = float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-30))
-    ok = rel <= 1e-3 and np.isfinite(o).all()
-    info = dict(rel_l2_vs_reference=rel)
+    info = {k: float(v) for k, v in _decode_diff(got, want).items()}
+    ok = info["rel_l2_vs_reference"] <= 1e-3 and info["all_finite"] == 1.0
   if jax.default_backend() != "gpu" and ok:
-    ok = all(v == 0 for k, v in info.items() if k != "codes_max_step")
+    ok = all(v == 0 for k, v in info.items() if k not in ("codes_max_step", "all_finite"))
   if not ok:
     raise AssertionError(f"{what}: Pallas kernel disagrees with the reference: {info}")
   return info
 
 
-def _fns(p: Params, g: int, interpret: bool, n: int | None = None):
+def _fns(p: Params, g: int, interpret: bool):
   kw = dict(dataclasses.asdict(p), interpret=interpret)
   return dict(
       encode=(functools.partial(enc.encode_pallas, group_size=g, **kw),
@@ -280,7 +291,8 @@ def main(argv=None):
                 timing=common.__doc__.strip().splitlines()[2:])
   path = common.write_results("codec", dict(
       config=config, copy=copy, matmul=mm,
-      sweep=dict(records=sweep_records, best={k: dataclasses.asdict(v) for k, v in best.items()}),
+      sweep=dict(records=sweep_records,
+                 best={k: dataclasses.asdict(v) for k, v in best.items()}),
       bandwidth=bw, fidelity=fid), args.out_dir)
 
   print()

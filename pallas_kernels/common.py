@@ -72,10 +72,6 @@ def pow2_floor_f32(v):
   return jax.lax.bitcast_convert_type(bits & jnp.int32(0x7F800000), jnp.float32)
 
 
-def pow2_floor(n: int) -> int:
-  return 1 << (max(int(n), 1).bit_length() - 1)
-
-
 def pow2_ceil(n: int) -> int:
   return 1 << (max(int(n), 1) - 1).bit_length()
 

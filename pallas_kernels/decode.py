@@ -85,7 +85,8 @@ def _decode_sum_kernel(codes_ref, alpha_ref, scale_ref, *refs, rows, group_size,
   ragged = rows % br != 0
   total = jnp.zeros((br * bk, group_size), jnp.float32)
   for i in range(n):
-    chunk = [ref.at[jnp.int32(i)] if stacked else ref for ref in (codes_ref, alpha_ref, scale_ref)]
+    chunk = [ref.at[jnp.int32(i)] if stacked else ref
+             for ref in (codes_ref, alpha_ref, scale_ref)]
     # Rows past the end load alpha = scale = 1 and decode to zeros (never stored).
     codes, alpha, scale = (_load(ref, rows, ragged, other)
                            for ref, other in zip(chunk, (0.0, 1.0, 1.0)))
@@ -130,7 +131,7 @@ def _decode_sum_call(codes, alpha, scale, *, group_size, hadamard, out_dtype, in
 
 
 def decode_pallas(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool = True,
-                  out_dtype=jnp.bfloat16, interpret: bool = False, block_rows: int = 16,
+                  out_dtype=jnp.bfloat16, interpret: bool = False, block_rows: int = 8,
                   block_groups: int = 8, num_warps: int = 4, num_stages: int = 2,
                   h_iota: bool = False):
   """Fused decode, one pass: reads codes and scales once, writes x_hat once.
@@ -147,7 +148,7 @@ def decode_pallas(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bo
 
 def decode_sum_pallas(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int,
                       hadamard: bool = True, out_dtype=jnp.bfloat16, interpret: bool = False,
-                      block_rows: int = 16, block_groups: int = 8, num_warps: int = 4,
+                      block_rows: int = 8, block_groups: int = 8, num_warps: int = 4,
                       num_stages: int = 2, h_iota: bool = False):
   """Fused decode-and-sum of N stacked chunks: each tile of every chunk is decoded and
   accumulated in fp32 registers, and the sum is written once.

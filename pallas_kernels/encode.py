@@ -120,7 +120,7 @@ def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, la
     "block_groups", "num_warps", "num_stages", "h_iota"))
 def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
                   dual_scale: bool = True, lam: float = 1e-6, interpret: bool = False,
-                  block_rows: int = 16, block_groups: int = 8, num_warps: int = 4,
+                  block_rows: int = 8, block_groups: int = 8, num_warps: int = 4,
                   num_stages: int = 2, h_iota: bool = False):
   """Fused encode, one pass: reads x once, writes codes and both scales once.
 

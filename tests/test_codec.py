@@ -159,6 +159,20 @@ def test_config_and_input_errors():
 def test_bits_per_element_and_auto_dispatch():
   assert CompressionConfig(group_size=128).bits_per_element == 8.5
   cfg = CompressionConfig()
-  assert cfg.resolved_implementation() == ("pallas" if jax.default_backend() == "gpu" else "xla")
+  on_gpu = jax.default_backend() == "gpu"
+  assert cfg.resolved_implementation() == ("pallas" if on_gpu else "xla")
   assert codec.CompressionConfig(implementation="pallas").kernel_kwargs()["interpret"] == (
       jax.default_backend() != "gpu")
+
+
+@pytest.mark.slow
+def test_bench_codec_smoke(tmp_path):
+  """The benchmark runs end to end on CPU (interpret mode) and writes its JSON (~40 s)."""
+  import json
+
+  from benchmarks import bench_codec
+  path = bench_codec.main(["--smoke", "--out-dir", str(tmp_path)])
+  result = json.load(open(path))
+  assert {"environment", "config", "copy", "matmul", "sweep", "bandwidth",
+          "fidelity"} <= set(result)
+  assert all(r["check"] for r in result["bandwidth"])

@@ -35,7 +35,7 @@ IDS = [f"r{c[0]}-d{c[1]}-g{c[2]}-{jnp.dtype(c[3]).name}-{c[4]}-h{int(c[5])}-ds{i
 
 
 def _activations(seed, rows, d, dtype):
-  """Heavy-tailed values with per-row magnitudes spread over ~6 decades and an outlier column."""
+  """Heavy-tailed values, per-row magnitudes spread over ~6 decades, an outlier column."""
   rng = np.random.default_rng(seed)
   x = rng.standard_t(2, size=(rows, d)) * np.exp(rng.normal(0.0, 3.0, size=(rows, 1)))
   x[:, rng.integers(d)] *= 100.0
