@@ -63,8 +63,11 @@ def parse_args(argv=None):
   args = p.parse_args(argv)
   args.warmup = max(args.warmup, 1)
   if args.smoke:
-    args.sizes_mib, args.iters, args.inner, args.warmup, args.hidden = "0.0625,0.25", 3, 2, 1, 512
-    args.label = "smoke" if args.label == "default" else args.label
+    smoke = dict(sizes_mib="0.0625,0.25", iters=3, inner=2, warmup=1, hidden=512,
+                 label="smoke")
+    for k, v in smoke.items():  # only where not given on the command line
+      if getattr(args, k) == p.get_default(k):
+        setattr(args, k, v)
   return args
 
 

@@ -17,8 +17,9 @@ along the last axis of each message, so gathering or scattering along the last a
 makes a group straddle two ranks. Messages smaller than ``compression.min_bytes`` per device
 (the local input's bytes) go through the plain collective.
 
-These functions are for forward computation; they are not differentiable when compressed
-(the payload is a bitcast). Use ``taco_jax.mappings`` for regions with gradients.
+Compressed, these functions are forward-only (differentiating one raises a TypeError):
+use ``taco_jax.mappings`` for regions with gradients. Uncompressed, they are the lax ops
+and differentiate as those do.
 """
 from __future__ import annotations
 
@@ -81,6 +82,22 @@ def _slice_dim(ndim: int, avoid: int, fn: str, k: int) -> int:
                    "and the last (grouped) one")
 
 
+def _forward_only(fn: str, f, x):
+  """Runs ``f(x)``; differentiating it raises a clear error instead of silently taking the
+  gradient of the codec's own arithmetic (the u8 codes carry no tangent)."""
+  @jax.custom_vjp
+  def g(x):
+    return f(x)
+
+  def bwd(_, ct):
+    raise TypeError(f"{fn}: a compressed collective has no gradient of its own; "
+                    "differentiate through taco_jax.mappings (custom_vjp regions whose "
+                    "backward collective is compressed separately)")
+
+  g.defvjp(lambda x: (f(x), None), bwd)
+  return g(x)
+
+
 # --- wire format ---------------------------------------------------------------------
 
 
@@ -128,7 +145,8 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   axis %= ndim
   if not _compressed(x, compression, num_slices):
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-  return _all_gather(x, axis_name, axis, tiled, compression, num_slices, "varying", n)
+  return _forward_only(fn, lambda x: _all_gather(
+      x, axis_name, axis, tiled, compression, num_slices, "varying", n), x)
 
 
 def _all_gather(x, axis_name, axis, tiled, compression, num_slices, _to, n):
@@ -156,7 +174,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
   if not _compressed(x, compression, num_slices):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
-  return _reduce_scatter(x, axis_name, d, compression, num_slices, x.dtype, n)
+  return _forward_only(fn, lambda x: _reduce_scatter(
+      x, axis_name, d, compression, num_slices, x.dtype, n), x)
 
 
 def _reduce_scatter(x, axis_name, d, compression, num_slices, out_dtype, n):
@@ -187,6 +206,12 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
     return jax.lax.psum(x, axis_name)
   if x.ndim == 0:
     raise ValueError(f"{fn}: compression needs an array with at least one dimension")
+  return _forward_only(fn, lambda x: _all_reduce(x, axis_name, compression, algorithm,
+                                                 num_slices, n), x)
+
+
+def _all_reduce(x, axis_name, compression, algorithm, num_slices, n):
+  fn = "all_reduce"
   if algorithm == "one_shot":
     sd = _slice_dim(x.ndim, -1, fn, num_slices)
     parts = [decompress_sum(_gather_codes(s, axis_name, compression, "invarying"),
@@ -211,6 +236,10 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
   axis_size(axis_name, "ppermute", x.shape)
   if not _compressed(x, compression):
     return jax.lax.ppermute(x, axis_name, perm)
+  return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
+
+
+def _ppermute(x, axis_name, perm, compression):
   codes, scales = _to_wire(compress(x, compression))
   codes = jax.lax.ppermute(codes, axis_name, perm)
   scales = jax.lax.ppermute(scales, axis_name, perm)

@@ -220,3 +220,10 @@ def test_benchmark_smoke(tmp_path):
   assert all(r["median_ms"] > 0 for r in report["results"])
   json.dumps(report)  # serializable
   assert "threshold" in bench.table(report)
+
+
+def test_compressed_collective_refuses_grad():
+  f = jax.shard_map(lambda x: tc.all_gather(x, "x", compression=E4M3), mesh=mesh_1d(4),
+                    in_specs=P("x"), out_specs=P("x"))
+  with pytest.raises(TypeError, match="all_gather: a compressed collective has no gradient"):
+    jax.grad(lambda x: f(x).sum())(jnp.ones((8, 128)))
