@@ -1,0 +1,216 @@
+"""3D-parallel trainer: `python -m taco_jax.parallel.train --config=configs/parallel_tiny.py`.
+
+Same data, optimizer schedule, metrics and checkpoints as the single-device trainer
+(`taco_jax.train`, imported, not copied); the step is `taco_jax.parallel.step`. Params and
+optimizer state are global jax.Arrays with NamedShardings, so a checkpoint written on one
+mesh resumes on another (orbax reshards on restore). Started as one of several processes
+(JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or parallel.distributed),
+it calls `jax.distributed.initialize()` first; each process feeds its own batch shards.
+"""
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+from models.gpt import flops_per_token
+from taco_jax import data
+from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step_lib
+from taco_jax.parallel.compression import plan_from_config
+from taco_jax.train import checkpoint, metrics, optim
+from taco_jax.train.config import validate_config
+from taco_jax.train.loop import NonFiniteLossError, _sigint_as_flag, load_data, store_config
+
+_QWEN_FIELDS = ("block", "n_kv_heads", "rope_theta")
+
+
+def validate(config, n_devices: int | None = None) -> None:
+  """Raises ValueError naming every bad field: the shared checks, model block, parallel
+  layout (against `n_devices`, or the running devices if None) and compression sections."""
+  plain = ml_collections.ConfigDict(config.to_dict())
+  for k in _QWEN_FIELDS:
+    if k in plain.model:
+      del plain.model[k]
+  errs = []
+  try:
+    validate_config(plain)
+  except ValueError as e:
+    errs.append(str(e))
+  try:
+    model_lib.model_config(config.model)
+    plan_from_config(config.compression)
+  except (TypeError, ValueError) as e:
+    errs.append(str(e))
+  if n_devices is None:
+    n_devices = jax.device_count()
+  errs += mesh_lib.parallel_errors(config, n_devices, jax.local_device_count()
+                                   if n_devices == jax.device_count() else None)
+  if errs:
+    raise ValueError("invalid config:\n  " + "\n  ".join(errs))
+
+
+def spec_from_config(config) -> step_lib.ParallelSpec:
+  p = config.parallel
+  return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
+                               p.get("microbatches", 1), plan_from_config(config.compression))
+
+
+def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
+  """`taco_jax.train.optim`'s AdamW, with a decay mask that knows stacked layer params."""
+  o = optim_cfg
+  adamw = optax.adamw(optim.lr_schedule(o, total_steps), b1=o.b1, b2=o.b2, eps=o.eps,
+                      weight_decay=o.weight_decay, mask=model_lib.decay_mask)
+  return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 \
+      else adamw
+
+
+def opt_state_target(tx, params_target, mesh):
+  """ShapeDtypeStructs of tx.init(params) on `mesh`: moments sharded like their params,
+  everything else (step counts) replicated."""
+  shapes = jax.eval_shape(tx.init, params_target)
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return optax.tree_map_params(
+      tx, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), shapes,
+      params_target, transform_non_params=lambda x: jax.ShapeDtypeStruct(
+          x.shape, x.dtype, sharding=rep))
+
+
+def global_batch(tokens_BT1: np.ndarray, mesh) -> jax.Array:
+  """The global batch as a jax.Array sharded over "data"; each process fills its shards."""
+  sharding = step_lib.batch_sharding(mesh)
+  return jax.make_array_from_callback(tokens_BT1.shape, sharding, lambda i: tokens_BT1[i])
+
+
+def train(config, workdir) -> dict:
+  """Trains (or resumes, on any mesh) per `config` in `workdir`; returns a summary dict."""
+  mesh_lib.maybe_initialize_distributed(config)
+  validate(config)
+  workdir = pathlib.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  d, t, lead = config.data, config.train, jax.process_index() == 0
+  mesh, spec = mesh_lib.mesh_from_config(config), spec_from_config(config)
+  corpus = load_data(config, workdir)
+  ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
+  start = ckpt.latest_step() or 0
+  if lead:
+    store_config(config, workdir, has_checkpoint=start > 0)
+  tx = make_optimizer(config.optim, t.steps)
+  p_abs = model_lib.abstract_params(spec.cfg, mesh)
+  o_abs = opt_state_target(tx, p_abs, mesh)
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  if start:
+    params, opt_state, _ = ckpt.restore(start, p_abs, o_abs)
+  else:
+    params = model_lib.init_params(spec.cfg, mesh, config.seed)
+    opt_state = jax.jit(tx.init, out_shardings=shardings(o_abs))(params)
+  batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
+      src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
+  t0 = time.perf_counter()
+  train_step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
+                       out_shardings=(shardings(p_abs), shardings(o_abs), None))
+  train_step = train_step.lower(params, opt_state, batch(start)).compile()
+  eval_step = jax.jit(step_lib.make_eval_step(spec, mesh))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
+  fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
+  summary = dict(workdir=str(workdir), start_step=start, n_params=n_params, mesh=dict(
+      mesh.shape), compile_s=time.perf_counter() - t0, train_loss=math.nan, val_loss=math.nan,
+                 tokens_per_s=math.nan, mfu=math.nan)
+  if lead:
+    print(f"{config.name}: {n_params:,} params on mesh {dict(mesh.shape)}, compression "
+          f"{spec.plan}, step compiled in {summary['compile_s']:.1f}s", flush=True)
+  metrics.truncate_after(workdir / "metrics.jsonl", start)
+  writer = metrics.MetricsWriter(workdir) if lead else None
+  schedule, pending, clock = optim.lr_schedule(config.optim, t.steps), [], [time.perf_counter()]
+
+  def flush():
+    if not pending:
+      return
+    host = jax.device_get([m for _, m in pending])
+    tps = len(pending) * tok / (time.perf_counter() - clock[0])
+    for (s, _), m in zip(pending, host):
+      rec = {k: float(v) for k, v in m.items()}
+      rec.update(lr=float(schedule(s - 1)), tokens_per_s=tps,
+                 mfu=metrics.mfu(tps, fpt, t.peak_flops, mesh.size))
+      if writer:
+        writer.write(s, **rec)
+      if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
+        raise NonFiniteLossError(f"loss={rec['loss']} grad_norm={rec['grad_norm']} at step "
+                                 f"{s}; last good checkpoint: step {ckpt.latest_step()}")
+    summary.update(train_loss=rec["loss"], tokens_per_s=tps, mfu=rec["mfu"])
+    pending.clear()
+    clock[0] = time.perf_counter()
+
+  def evaluate(s):
+    losses = [eval_step(params, batch(i, 1, corpus.val)) for i in range(t.eval_batches)]
+    summary["val_loss"] = float(np.mean(jax.device_get(losses)))
+    if writer:
+      writer.write(s, val_loss=summary["val_loss"])
+
+  s, status = start, "completed"
+  try:
+    with _sigint_as_flag() as stop:
+      while s < t.steps and not stop.is_set():
+        params, opt_state, m = train_step(params, opt_state, batch(s))
+        s += 1
+        pending.append((s, m))
+        if s % t.log_every == 0:
+          flush()
+        if t.eval_every and s % t.eval_every == 0 and s < t.steps:
+          flush()
+          evaluate(s)
+          clock[0] = time.perf_counter()
+        if t.checkpoint_every and s % t.checkpoint_every == 0 and s < t.steps:
+          flush()
+          ckpt.save(s, params, opt_state, {"step": s, "mesh": dict(mesh.shape)})
+          clock[0] = time.perf_counter()
+      status = "interrupted" if stop.is_set() else status
+      flush()
+      evaluate(s)
+      ckpt.save(s, params, opt_state, {"step": s, "mesh": dict(mesh.shape)})
+  finally:
+    ckpt.wait()
+    ckpt.close()
+    if writer:
+      writer.close()
+  summary.update(status=status, step=s, last_checkpoint=ckpt.latest_step())
+  if lead:
+    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+  return summary
+
+
+def main(argv=None):
+  from absl import app, flags
+  from ml_collections import config_flags
+  from taco_jax.train.cli import rewrite_config_arg
+  cfg_flag = config_flags.DEFINE_config_file("config", None, "Parallel experiment config.")
+  wd_flag = flags.DEFINE_string("workdir", None, "Default ./workdir/<config.name>.")
+  cpu_flag = flags.DEFINE_integer("cpu_devices", 0, "Run on this many fake CPU devices "
+                                  "(e.g. 8 to try a 2x2x2 mesh on a laptop); 0 = real devices.")
+
+  def run(_):
+    if cpu_flag.value:
+      jax.config.update("jax_platforms", "cpu")
+      jax.config.update("jax_num_cpu_devices", cpu_flag.value)
+    config = cfg_flag.value
+    if config is None:
+      raise app.UsageError("--config is required, e.g. --config=configs/parallel_tiny.py")
+    try:
+      summary = train(config, wd_flag.value or f"./workdir/{config.name}")
+    except (ValueError, FileNotFoundError, NonFiniteLossError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2 if not isinstance(e, NonFiniteLossError) else 1)
+    if jax.process_index() == 0:
+      print(json.dumps(summary, indent=2))
+
+  app.run(run, argv=rewrite_config_arg(argv or sys.argv))
+
+
+if __name__ == "__main__":
+  main()
