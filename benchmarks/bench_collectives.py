@@ -17,6 +17,8 @@ hoisted or deleted); host wall-clock around ``block_until_ready`` of one such ca
 divided by ``--inner``; median over ``--iters`` interleaved repetitions after warm-up.
 The whole SPMD program is timed, so no max over devices is needed. Bus bandwidth uses
 NCCL's conventions on the *bf16* bytes (so compressed variants show effective bandwidth).
+Ceilings measured in the same run with ``benchmarks/common.py``: device copy bandwidth and
+bf16 matmul rate (the plain bf16 collective is the third ceiling).
 
 GPU (the lead's runs; NVLink multicast is always off, see NCCL_NVLS_ENABLE below):
   python benchmarks/bench_collectives.py --label nvlink
@@ -85,7 +87,9 @@ def run(args) -> dict:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+  here = pathlib.Path(__file__).resolve().parent
+  sys.path[:0] = [str(here.parent), str(here)]
+  import common  # benchmarks/common.py: ceilings and environment (timing here is interleaved)
   from taco_jax import CompressionConfig
   from taco_jax import collectives as tc
 
@@ -196,6 +200,11 @@ def run(args) -> dict:
           f"{v} {med[v] * 1e3:8.3f} ms" for v in progs), flush=True)
     del x
 
+  small = args.smoke
+  ceilings = dict(
+      copy_one_device=common.copy_bandwidth(int(max(sizes) * 2**20), samples=3 if small else 20),
+      matmul_bf16=common.matmul_rate(256 if small else 8192, samples=3 if small else 20))
+
   thresholds = {}
   for coll in colls:
     sp = sorted((r["size_mib"], r["speedup_vs_bf16"]) for r in results
@@ -213,7 +222,8 @@ def run(args) -> dict:
                                           "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
       config=dict(vars(args), compression=dataclasses.asdict(cfg),
                   resolved_implementation=cfg.resolved_implementation()),
-      results=results, threshold_mib=thresholds)
+      environment=common.environment(), ceilings=ceilings, results=results,
+      threshold_mib=thresholds)
 
 
 def table(report: dict) -> str:
@@ -229,6 +239,9 @@ def table(report: dict) -> str:
     lines.append(f"{coll:15s} {size:8.3f} {b['median_ms']:9.3f} {w['median_ms']:9.3f} "
                  f"{c['median_ms']:9.3f} {b['busbw_GBps']:9.2f} {c['busbw_GBps']:9.2f} "
                  f"{c['speedup_vs_bf16']:7.2f}x {c['speedup_vs_raw_fp8']:6.2f}x")
+  c = report["ceilings"]
+  lines.append(f"ceilings: device copy {c['copy_one_device']['gbps']:.1f} GB/s (read+write), "
+               f"bf16 matmul {c['matmul_bf16']['tflops']:.1f} TFLOP/s")
   lines.append("threshold (smallest MiB/dev from which compressed beats bf16 at every "
                "larger size): " + ", ".join(f"{k}={v}" for k, v in
                                             report["threshold_mib"].items()))
