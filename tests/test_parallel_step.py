@@ -121,3 +121,22 @@ def test_hlo_uncompressed_moves_no_fp8(run):
   assert not [c.line for c in colls if c.fp8]
   for axis, size in (("tensor", tp), ("pipeline", pp)):
     assert bool(_activation_messages(colls, axis, run["shard_elems"])) == (size > 1)
+
+
+def test_qwen_block_matches_single_device():
+  """The Qwen-style block (RMSNorm, SwiGLU, rotary, GQA with 4 KV heads) on (1, 2, 4)."""
+  cfg = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=8,
+                                    n_kv_heads=4, d_ff=128, max_seq_len=32, dtype="float32",
+                                    block="qwen"))
+  model = model_lib.single_device_model(cfg, seed=0)
+  tokens = _tokens()
+  (ref_loss, _), ref = jax.value_and_grad(lambda m: loss_fn(m, tokens), has_aux=True)(model)
+  mesh = make_mesh(1, 2, 4)
+  spec = step_lib.ParallelSpec(cfg, 1, 2, 4, MICRO)
+  loss, grads = jax.jit(step_lib.loss_and_grads_fn(spec, mesh))(
+      model_lib.shard_params(cfg, _parallel(model), mesh),
+      jax.device_put(tokens, step_lib.batch_sharding(mesh)))
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=F32_TOL)
+  for (path, g), (_, r) in zip(_leaves(jax.device_get(grads)), _leaves(_parallel(ref)),
+                               strict=True):
+    assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
