@@ -15,7 +15,7 @@ import numpy as np
 
 _KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _OP = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) +
-                 r")(?:-start)?\(")
+                 r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]")
 _MESH_AXES = re.compile(r"replica_groups=mesh\[[^\]]*\]\s*\{(?P<axes>[^}]*)\}")
 _GROUPS = re.compile(r"replica_groups=\{(?P<g>(?:\{[\d,]*\},?)*)\}")
@@ -81,7 +81,9 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
       continue
     arrays = [(a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
               for a in _ARRAY.finditer(m["type"])]
-    arrays = [a for a in arrays if a[0] in _BYTES]
+    arrays = [a for a in arrays if a[0] in _BYTES and a[1]]
+    if m["start"] and m["kind"] in ("all-gather", "collective-permute"):
+      arrays = arrays[len(arrays) // 2:]  # async start: (operands..., results...)
     if not arrays:
       continue
     if am := _MESH_AXES.search(line):

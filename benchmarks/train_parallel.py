@@ -1,0 +1,214 @@
+"""End-to-end: 3D-parallel GPT training, TACO compression off vs on, per (dp, pp, tp) layout.
+
+For each layout, both variants start from the same parameters and train on the same
+batches (the embedded byte corpus; model vocab padded to a realistic 50304 so the
+vocab-parallel head costs what it would with a BPE vocab), steps interleaved off/on (the
+order alternates every step). Timing: host wall-clock around `block_until_ready` of each
+step (steps are well over 10 ms on the target GPUs); tokens/s from the median step time
+after `--warmup` steps. Ceiling measured in the same run: the bf16 matmul rate (MFU =
+model FLOP/s / (devices x that rate)). The compiled program's collectives are summarized
+per mesh axis and dtype (bytes per step per device), so the JSON shows what moved as fp8.
+
+GPU (the lead's 4xH200 run; about 6 minutes including 6 compiles; NVLink multicast off):
+  python benchmarks/train_parallel.py
+CPU smoke test (8 fake devices, tiny model, < 1 minute):
+  python benchmarks/train_parallel.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+# (n_layers, d_model, n_heads, d_ff)
+SIZES = {"tiny": (2, 64, 8, 256), "125m": (12, 768, 12, 3072), "350m": (24, 1024, 16, 4096),
+         "760m": (24, 1536, 16, 6144), "1.3b": (24, 2048, 16, 8192)}
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="350m", choices=sorted(SIZES))
+  p.add_argument("--layouts", default="1,1,4;1,2,2;2,1,2", help="dp,pp,tp;... (product = "
+                 "number of devices)")
+  p.add_argument("--steps", type=int, default=200, help="training steps per variant")
+  p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
+  p.add_argument("--seq", type=int, default=1024)
+  p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+  p.add_argument("--microbatches", type=int, default=4, help="GPipe micro-batches (pp > 1)")
+  p.add_argument("--vocab", type=int, default=50304)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--remat", action="store_true")
+  p.add_argument("--lr", type=float, default=6e-4)
+  p.add_argument("--compress", default="tp_forward,tp_backward,pp",
+                 help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
+  p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
+  p.add_argument("--group-size", type=int, default=128)
+  p.add_argument("--min-bytes", type=int, default=0)
+  p.add_argument("--time-budget-s", type=float, default=180.0,
+                 help="stop stepping once the training loops have used this much in total")
+  p.add_argument("--label", default="nvlink")
+  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
+  p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny model")
+  args = p.parse_args(argv)
+  if args.smoke:
+    smoke = dict(model="tiny", layouts="2,1,4;2,2,2;4,1,2", steps=4, warmup=1, seq=32,
+                 batch=8, microbatches=2, vocab=256, dtype="float32", group_size=32,
+                 label="smoke")
+    for k, v in smoke.items():
+      if getattr(args, k) == p.get_default(k):
+        setattr(args, k, v)
+  return args
+
+
+def _setup_smoke():
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+
+def comm_summary(colls) -> dict:
+  """Bytes per device per step moved by the compiled step, by mesh axis and dtype."""
+  out = {}
+  for c in colls:
+    key = "+".join(sorted(c.axes)) or "none"
+    out.setdefault(key, {}).setdefault(c.dtype, 0)
+    out[key][c.dtype] += c.bytes
+  return out
+
+
+def run_layout(layout, args, cfg, corpus, budget_s):
+  import jax
+  import ml_collections
+  from taco_jax import data
+  from taco_jax.codec import CompressionConfig
+  from taco_jax.parallel import hlo, model as model_lib, step as step_lib
+  from taco_jax.parallel.compression import CompressionPlan
+  from taco_jax.parallel.mesh import make_mesh
+  from taco_jax.parallel.train import global_batch, make_optimizer, opt_state_target
+
+  dp, pp, tp = layout
+  mesh = make_mesh(dp, pp, tp)
+  m = args.microbatches if pp > 1 else 1
+  codec = CompressionConfig(format=args.format, group_size=args.group_size,
+                            min_bytes=args.min_bytes)
+  on = CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
+  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
+      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
+  tx = make_optimizer(optim, args.steps)
+  p_abs = model_lib.abstract_params(cfg, mesh)
+  o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
+  p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
+  batch = lambda i: global_batch(data.batch_at(corpus, i, seed=0, batch_size=args.batch,
+                                               seq_len=args.seq), mesh)
+  runs = {}
+  for name, plan in (("off", CompressionPlan()), ("on", on)):
+    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan)
+    params = model_lib.init_params(cfg, mesh, seed=0)
+    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+    t0 = time.perf_counter()
+    exe = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
+                  out_shardings=(p_sh, o_sh, None)).lower(params, opt_state, batch(0)).compile()
+    runs[name] = dict(exe=exe, state=(params, opt_state), compile_s=time.perf_counter() - t0,
+                      times=[], losses=[], plan=plan,
+                      comm=comm_summary(hlo.collectives(exe.as_text(), mesh)))
+  t_start = time.perf_counter()
+  for i in range(args.steps):
+    b = batch(i)
+    for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+      r = runs[name]
+      t0 = time.perf_counter()
+      params, opt_state, met = r["exe"](*r["state"], b)
+      loss = float(jax.block_until_ready(met["loss"]))
+      r["times"].append(time.perf_counter() - t0)
+      r["losses"].append(loss)
+      r["state"] = (params, opt_state)
+    if time.perf_counter() - t_start > budget_s and i + 1 > args.warmup + 2:
+      break
+  out = []
+  for name, r in runs.items():
+    timed = r["times"][args.warmup:] or r["times"]
+    med = statistics.median(timed)
+    tail = r["losses"][-10:]
+    out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, microbatches=m,
+                    compression=name, plan=dataclasses.asdict(r["plan"]),
+                    steps=len(r["times"]), compile_s=r["compile_s"], step_ms=med * 1e3,
+                    step_ms_min=min(timed) * 1e3, step_ms_max=max(timed) * 1e3,
+                    tokens_per_s=args.batch * args.seq / med, step_times_s=r["times"],
+                    loss_curve=r["losses"], final_loss=statistics.fmean(tail),
+                    comm_bytes_per_step=r["comm"]))
+    del r["exe"], r["state"]
+  return out
+
+
+def main(argv=None) -> pathlib.Path:
+  args = parse_args(argv)
+  if args.smoke:
+    _setup_smoke()
+  import jax
+  from benchmarks import common
+  from models.gpt import flops_per_token
+  from taco_jax import data
+  from taco_jax.parallel.model import model_config
+
+  n_layers, d, h, f = SIZES[args.model]
+  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
+                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=args.remat))
+  layouts = [tuple(int(v) for v in s.split(",")) for s in args.layouts.split(";") if s]
+  n = jax.device_count()
+  bad = [lay for lay in layouts if lay[0] * lay[1] * lay[2] != n]
+  if bad:
+    raise SystemExit(f"layouts {bad} do not multiply to the {n} devices")
+  corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
+                            max_corpus_bytes=8_000_000).train
+  ceiling = common.matmul_rate(256 if args.smoke else 8192, samples=3 if args.smoke else 20)
+  fpt = flops_per_token(cfg, args.seq)
+  rows, t0 = [], time.perf_counter()
+  for k, lay in enumerate(layouts):
+    budget = (args.time_budget_s - (time.perf_counter() - t0)) / (len(layouts) - k)
+    for r in run_layout(lay, args, cfg, corpus, max(budget, 1.0)):
+      r["mfu"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
+      rows.append(r)
+      print(f"{r['layout']:>7s} {r['compression']:>3s}: {r['step_ms']:8.2f} ms/step "
+            f"{r['tokens_per_s']:10.0f} tok/s  loss {r['final_loss']:.4f}", flush=True)
+  for r in rows:
+    base = next(b for b in rows if b["layout"] == r["layout"] and b["compression"] == "off")
+    r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+    r["accuracy_cost"] = (r["final_loss"] - base["final_loss"]) / base["final_loss"]
+  env = common.environment()
+  report = dict(benchmark="train_parallel", label=args.label, device=env["device_kind"],
+                num_devices=n, jax_version=jax.__version__, date=env["date"],
+                timing="host wall-clock around block_until_ready per step; median after "
+                       "warm-up; off/on interleaved step by step on the same batches",
+                env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+                                                    "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+                config=dict(vars(args), model_cfg=dataclasses.asdict(cfg),
+                            flops_per_token=fpt),
+                environment=env, ceilings=dict(matmul_bf16=ceiling), results=rows,
+                wall_s=time.perf_counter() - t0)
+  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
+                                          pathlib.Path(__file__).parent / "results"))
+  out_dir.mkdir(parents=True, exist_ok=True)
+  kind = "gpu" if env["platform"] == "gpu" else env["platform"]
+  path = out_dir / f"train_parallel_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
+  path.write_text(json.dumps(report, indent=1))
+  print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
+        f"bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s")
+  print(common.table(rows, ["layout", "compression", "steps", "compile_s", "step_ms",
+                            "tokens_per_s", "speedup", "mfu", "final_loss", "accuracy_cost"]))
+  print(f"wrote {path}")
+  return path
+
+
+if __name__ == "__main__":
+  main()
