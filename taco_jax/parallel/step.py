@@ -65,7 +65,7 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
   h_MBSD = h_BSD.reshape(m, b // m, *h_BSD.shape[1:])
 
   def layer(h, p):
-    return nnx.merge(block_gd, nnx.State(p))(h), None
+    return nnx.merge(block_gd, p)(h), None
 
   if cfg.remat:
     layer = jax.checkpoint(layer)
@@ -77,7 +77,7 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
 
   @jax.checkpoint  # do not keep the [b, T, V/tp] logits for the backward pass
   def head(h_BSD, tgt_BT):
-    h_BSD = nnx.merge(norm_gd, nnx.State(params["ln_f"]))(h_BSD)
+    h_BSD = nnx.merge(norm_gd, params["ln_f"])(h_BSD)
     return jnp.mean(layers.vocab_parallel_xent(h_BSD, params["wte"], tgt_BT, ctx))
 
   loss = jnp.mean(jax.lax.map(lambda a: head(*a), (out_MBSD, targets)))
