@@ -41,8 +41,8 @@ def validate(config, n_devices: int | None = None) -> None:
   errs = []
   try:
     validate_config(plain)
-  except ValueError as e:
-    errs.append(str(e))
+  except ValueError as e:  # "invalid config:\n  a\n  b" -> [a, b]
+    errs += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
   try:
     model_lib.model_config(config.model)
     plan_from_config(config.compression)
