@@ -9,7 +9,8 @@ after `--warmup` steps. Ceiling measured in the same run: the bf16 matmul rate (
 model FLOP/s / (devices x that rate)). The compiled program's collectives are summarized
 per mesh axis and dtype (bytes per step per device), so the JSON shows what moved as fp8.
 
-GPU (the lead's 4xH200 run; about 6 minutes including 6 compiles; NVLink multicast off):
+GPU (the lead's 4xH200 run; --deadline-s keeps it under ~6 minutes including 6 compiles;
+NVLink multicast off):
   python benchmarks/train_parallel.py
 CPU smoke test (8 fake devices, tiny model, < 1 minute):
   python benchmarks/train_parallel.py --smoke
@@ -54,8 +55,9 @@ def parse_args(argv=None):
   p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
   p.add_argument("--group-size", type=int, default=128)
   p.add_argument("--min-bytes", type=int, default=0)
-  p.add_argument("--time-budget-s", type=float, default=180.0,
-                 help="stop stepping once the training loops have used this much in total")
+  p.add_argument("--deadline-s", type=float, default=320.0,
+                 help="wall-clock budget of the whole run (compiles included): each layout "
+                      "steps until its share of what is left (fewer steps are recorded)")
   p.add_argument("--label", default="nvlink")
   p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
   p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny model")
@@ -87,7 +89,9 @@ def comm_summary(colls) -> dict:
   return out
 
 
-def run_layout(layout, args, cfg, corpus, budget_s):
+def run_layout(layout, args, cfg, corpus, step_until):
+  """Compiles both variants, then steps them interleaved until `args.steps` or the time
+  `step_until(compile_s)` returns (an absolute perf_counter deadline)."""
   import jax
   import ml_collections
   from taco_jax import data
@@ -122,7 +126,7 @@ def run_layout(layout, args, cfg, corpus, budget_s):
     runs[name] = dict(exe=exe, state=(params, opt_state), compile_s=time.perf_counter() - t0,
                       times=[], losses=[], plan=plan,
                       comm=comm_summary(hlo.collectives(exe.as_text(), mesh)))
-  t_start = time.perf_counter()
+  t_end = step_until(sum(r["compile_s"] for r in runs.values()))
   for i in range(args.steps):
     b = batch(i)
     for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
@@ -133,7 +137,7 @@ def run_layout(layout, args, cfg, corpus, budget_s):
       r["times"].append(time.perf_counter() - t0)
       r["losses"].append(loss)
       r["state"] = (params, opt_state)
-    if time.perf_counter() - t_start > budget_s and i + 1 > args.warmup + 2:
+    if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
       break
   out = []
   for name, r in runs.items():
@@ -173,10 +177,18 @@ def main(argv=None) -> pathlib.Path:
                             max_corpus_bytes=8_000_000).train
   ceiling = common.matmul_rate(256 if args.smoke else 8192, samples=3 if args.smoke else 20)
   fpt = flops_per_token(cfg, args.seq)
-  rows, t0 = [], time.perf_counter()
+  rows, t0, compile_est = [], time.perf_counter(), [0.0]
+
+  def step_until(left_after, compile_s):
+    """This layout's share of the time left, after reserving the later layouts' compiles."""
+    compile_est[0] = max(compile_est[0], compile_s)
+    now = time.perf_counter()
+    left = t0 + args.deadline_s - now - compile_est[0] * left_after
+    return now + max(left, 0.0) / (left_after + 1)
+
   for k, lay in enumerate(layouts):
-    budget = (args.time_budget_s - (time.perf_counter() - t0)) / (len(layouts) - k)
-    for r in run_layout(lay, args, cfg, corpus, max(budget, 1.0)):
+    until = lambda c, k=k: step_until(len(layouts) - k - 1, c)
+    for r in run_layout(lay, args, cfg, corpus, until):
       r["mfu"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
       rows.append(r)
       print(f"{r['layout']:>7s} {r['compression']:>3s}: {r['step_ms']:8.2f} ms/step "
