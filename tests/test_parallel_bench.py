@@ -12,5 +12,5 @@ def test_train_parallel_smoke(tmp_path):
   report = json.loads(path.read_text())
   rows = {r["compression"]: r for r in report["results"]}
   assert set(rows) == {"off", "on"} and all(r["steps"] == 3 for r in rows.values())
-  assert "u8" in rows["on"]["comm_bytes_per_step"]["tensor"]
-  assert "u8" not in rows["off"]["comm_bytes_per_step"]["tensor"]
+  assert "u8" in rows["on"]["comm_bytes_static"]["tensor"]
+  assert "u8" not in rows["off"]["comm_bytes_static"]["tensor"]
