@@ -61,6 +61,19 @@ def hadamard_dot(u_MG, h_GG, *, two_term: bool = False):
   return jnp.dot(u_M2G, h_GG.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
 
 
+def sum_of_squares(xb_MG, *, fixed_order: bool = True):
+  """Per-row sum of squares of bf16-exact values (the squares are exact in fp32).
+
+  ``fixed_order``: ``pairwise_sum``'s order, so the reference and the kernel in interpret
+  mode agree bit for bit. The compiled GPU kernel passes False and lets Triton reduce in
+  its own tree order: the fixed order costs 2.6x the whole encode there (its reshapes
+  shuffle registers through shared memory; measured in docs/codec.md), and a different
+  fp32 summation order moves alpha by a few ulps at most.
+  """
+  sq_MG = xb_MG * xb_MG
+  return pairwise_sum(sq_MG) if fixed_order else jnp.sum(sq_MG, axis=-1)
+
+
 def needs_two_terms(dtype) -> bool:
   """Whether values of ``dtype`` lose bits when cast to bf16 (see ``hadamard_dot``)."""
   return jnp.finfo(dtype).nmant > jnp.finfo(jnp.bfloat16).nmant

@@ -15,11 +15,11 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
                                    SCALE_MIN, check_2d, choose_blocks, hadamard_dot,
                                    hadamard_iota, hadamard_matrix, needs_two_terms,
-                                   pairwise_sum, pow2_floor_f32)
+                                   pairwise_sum, pow2_floor_f32, sum_of_squares)
 
 
 def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
-                  two_term: bool = False):
+                  two_term: bool = False, fixed_order: bool = True):
   """Encodes M groups (rows of ``x_MG``, fp32); returns ``(codes_MG, alpha_M, scale_M)``.
 
   ``h_GG``: the Hadamard matrix (``[2G, G]`` row-repeated with ``two_term``, see
@@ -35,16 +35,16 @@ def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
   the dot's operands bf16-exact for bf16 inputs. A group holding NaN or Inf gets NaN
   alpha, NaN scale and NaN codes, so it decodes to NaN, never to finite numbers. Every
   step lowers to Triton and means the same there: the finiteness test is a sum
-  (NaN-propagating), not a max (Triton's max drops NaNs); sums run in a fixed order.
+  (NaN-propagating), not a max (Triton's max drops NaNs). ``fixed_order`` (see
+  ``sum_of_squares``) is off only in the compiled GPU kernel.
   """
   g = x_MG.shape[-1]
   fp8_max = FP8_MAX[fmt]
   finite_M = jnp.sum(x_MG * 0.0, axis=-1) == 0.0  # x * 0 is NaN exactly for NaN and Inf
   if dual_scale:
-    # Squares of bf16(x) are exact in fp32, so no FMA contraction can change them, and
-    # the fixed pairwise order makes the sum the same on every backend.
+    # Squares of bf16(x) are exact in fp32, so no FMA contraction can change them.
     xb_MG = x_MG.astype(jnp.bfloat16).astype(jnp.float32)
-    mean_sq_M = pairwise_sum(xb_MG * xb_MG) * (1.0 / g)
+    mean_sq_M = sum_of_squares(xb_MG, fixed_order=fixed_order) * (1.0 / g)
     # sqrt(M^2 / ms), not M / sqrt(ms): XLA rewrites the latter to M * rsqrt(ms), whose
     # last bit depends on vectorization; IEEE division and sqrt do not.
     alpha_M = jnp.clip(jnp.sqrt((fp8_max * fp8_max) / (mean_sq_M + lam)), ALPHA_MIN,
@@ -88,7 +88,8 @@ def _row_mask(rows: int, shape):
   return row_ids < rows
 
 
-def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, lam, h_iota):
+def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, lam, h_iota,
+                   fixed_order):
   two_term = needs_two_terms(x_ref.dtype)
   if hadamard and not h_iota:
     h_ref, codes_ref, alpha_ref, scale_ref = refs
@@ -105,7 +106,7 @@ def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, la
     x = x_ref[...]
   codes, alpha, scale = encode_groups(
       x.astype(jnp.float32).reshape(br * bk, group_size), h, fmt=fmt, dual_scale=dual_scale,
-      lam=lam, two_term=two_term)
+      lam=lam, two_term=two_term, fixed_order=fixed_order)
   codes, alpha, scale = codes.reshape(br, bkg), alpha.reshape(br, bk), scale.reshape(br, bk)
   if ragged:
     plgpu.store(codes_ref, codes, mask=_row_mask(rows, (br, bkg)))
@@ -144,7 +145,7 @@ def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = 
     operands.append(jnp.asarray(h, jnp.bfloat16))
   kernel = functools.partial(_encode_kernel, rows=rows, group_size=group_size, fmt=fmt,
                              hadamard=hadamard, dual_scale=dual_scale, lam=lam,
-                             h_iota=h_iota)
+                             h_iota=h_iota, fixed_order=interpret)
   return pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((rows, d), FP8_DTYPES[fmt]),
