@@ -56,6 +56,7 @@ def parse_args(argv=None):
                  help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
   p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
   p.add_argument("--group-size", type=int, default=128)
+  p.add_argument("--no-hadamard", action="store_true", help="codec without the transform")
   p.add_argument("--min-bytes", type=int, default=0)
   p.add_argument("--deadline-s", type=float, default=320.0,
                  help="wall-clock budget of the whole run (compiles included): each layout "
@@ -108,7 +109,7 @@ def run_layout(layout, args, cfg, corpus, step_until):
   mesh = make_mesh(dp, pp, tp)
   m = args.microbatches if pp > 1 else 1
   codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                            min_bytes=args.min_bytes)
+                            hadamard=not args.no_hadamard, min_bytes=args.min_bytes)
   on = CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
   optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
       20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
@@ -215,7 +216,7 @@ def main(argv=None) -> pathlib.Path:
                                           pathlib.Path(__file__).parent / "results"))
   out_dir.mkdir(parents=True, exist_ok=True)
   kind = "gpu" if env["platform"] == "gpu" else env["platform"]
-  path = out_dir / f"train_parallel_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
+  path = out_dir / f"train_parallel_{args.label}_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
   path.write_text(json.dumps(report, indent=1))
   print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
         f"bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s")

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU measurements, in the order of their issues, for one lent machine:
+#   bash benchmarks/gpu_suite.sh codec collectives   # one call (~8 min on 4xH200)
+#   bash benchmarks/gpu_suite.sh train               # another (~6 min)
+# Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
+# .whl/. Results land in benchmarks/results/ and, when $OUT is set, are copied there.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0   # never NVLink multicast
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
+nvidia-smi topo -m 2>/dev/null | head -8
+out=${OUT:-/tmp/taco_out}; mkdir -p "$out"
+sizes=${SIZES:-1,4,16,64,256}
+for job in "$@"; do
+  case $job in
+    codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
+             --sweep-size-mib 64 ;;
+    collectives)
+      timeout 200 python3 benchmarks/bench_collectives.py --label nvlink --sizes-mib "$sizes"
+      NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_collectives.py \
+        --label p2p_disabled --sizes-mib "$sizes" ;;
+    train) timeout 420 python3 benchmarks/train_parallel.py ;;
+    *) echo "unknown job $job" >&2 ;;
+  esac 2>&1 | grep -v -E "DeprecationWarning|warnings.warn" | tee -a "$out/suite.log"
+done
+cp benchmarks/results/*.json "$out/" 2>/dev/null
+ls "$out"
