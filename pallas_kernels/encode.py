@@ -29,7 +29,7 @@ def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
     p     = 2^floor(log2 alpha)                  exact power of two, alpha / p in [1, 2)
     y     = (H_G bf16(p x)) * ((alpha / p) / sqrt(G))   = H_G (alpha x) / sqrt(G)
     s     = clip(max|y| / M, 1e-12, 1e6)
-    q     = fp8(clip(y / s, -M, M))
+    q     = fp8(clip(y * (1 / s), -M, M))
 
   Scaling by p (exact) before the dot keeps H x from overflowing fp32 for huge x and keeps
   the dot's operands bf16-exact for bf16 inputs. A group holding NaN or Inf gets NaN
@@ -58,7 +58,9 @@ def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
     t_MG = hadamard_dot(x_MG * p_M[:, None], h_GG, two_term=two_term)
     y_MG = t_MG * ((alpha_M / p_M) * (g**-0.5))[:, None]
   scale_M = jnp.clip(jnp.max(jnp.abs(y_MG), axis=-1) * (1.0 / fp8_max), SCALE_MIN, SCALE_MAX)
-  q_MG = jnp.clip(y_MG / scale_M[:, None], -fp8_max, fp8_max)
+  # One reciprocal per group, not a division per element (IEEE division is a long
+  # instruction sequence on GPU); the rounding is the reference's too.
+  q_MG = jnp.clip(y_MG * (1.0 / scale_M)[:, None], -fp8_max, fp8_max)
   q_MG = jnp.where(finite_M[:, None], q_MG, jnp.nan)
   alpha_M = jnp.where(finite_M, alpha_M, jnp.nan)
   scale_M = jnp.where(finite_M, scale_M, jnp.nan)
