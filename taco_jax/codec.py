@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from taco_jax import _measured
 
 Format = Literal["e4m3", "e5m2"]
 Implementation = Literal["auto", "pallas", "xla"]
@@ -30,6 +31,7 @@ class CompressionConfig:
   lam: float = 1e-6  # Added to mean(x^2) before the RMS pre-scale's square root.
   implementation: Implementation = "auto"  # auto: Pallas on GPU, the jnp reference elsewhere.
   min_bytes: int = 0  # Collectives send messages smaller than this (per device) uncompressed.
+  link: str | None = None  # Or: use the sizes measured on this link (see `pays_for`).
 
   def __post_init__(self):
     if self.format not in pallas_kernels.FP8_DTYPES:
@@ -45,6 +47,24 @@ class CompressionConfig:
       raise ValueError(f"lam must be >= 0, got {self.lam!r}")
     if self.min_bytes < 0:
       raise ValueError(f"min_bytes must be >= 0, got {self.min_bytes!r}")
+    if self.link is not None and self.link not in _measured.MIN_BYTES:
+      raise ValueError(f"link must be None or one of {sorted(_measured.MIN_BYTES)} (links "
+                       f"benchmarked in benchmarks/results), got {self.link!r}")
+
+  def pays_for(self, collective: str, nbytes: int) -> bool:
+    """Whether ``collective`` should compress a message of ``nbytes`` per device.
+
+    Without ``link``: from ``min_bytes`` on. With ``link`` (a label of a collective
+    benchmark run, e.g. "nvlink" or "p2p_disabled"): from the size at which the measured
+    compressed collective beat bf16 (never, where it never did); collectives that run
+    was not measured on (ppermute) fall back to ``min_bytes``. The larger bound wins.
+    """
+    if nbytes < self.min_bytes:
+      return False
+    measured = _measured.MIN_BYTES.get(self.link, {}) if self.link else {}
+    if collective not in measured:
+      return True
+    return measured[collective] is not None and nbytes >= measured[collective]
 
   @property
   def fp8_dtype(self):

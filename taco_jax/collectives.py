@@ -14,8 +14,10 @@ FP8 codes are never summed by a collective (every rank has its own scales). Wire
 codes bitcast to uint8 (the CPU backend silently widens fp8 collectives to f16, and every
 backend moves u8), and the two fp32 scales stacked as ``[..., groups, 2]``. Groups run
 along the last axis of each message, so gathering or scattering along the last axis never
-makes a group straddle two ranks. Messages smaller than ``compression.min_bytes`` per device
-(the local input's bytes) go through the plain collective.
+makes a group straddle two ranks. Messages for which compression does not pay go through
+the plain collective: smaller than ``compression.min_bytes`` per device (the local input's
+bytes) or, with ``compression.link`` set, below the size measured for that collective on
+that kind of link (``CompressionConfig.pays_for``).
 
 Compressed, these functions are forward-only (differentiating one raises a TypeError):
 use ``taco_jax.mappings`` for regions with gradients. Uncompressed, they are the lax ops
@@ -56,10 +58,10 @@ def _check_dim(fn: str, axis_name, n: int, shape, dim: int, what: str) -> int:
   return dim
 
 
-def _compressed(x, compression: CompressionConfig | None, num_slices: int = 1) -> bool:
+def _compressed(fn: str, x, compression: CompressionConfig | None, num_slices: int = 1) -> bool:
   if not isinstance(num_slices, int) or num_slices < 1:
     raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
-  return compression is not None and x.size * x.dtype.itemsize >= compression.min_bytes
+  return compression is not None and compression.pays_for(fn, x.size * x.dtype.itemsize)
 
 
 def _slices(x, dim: int, k: int, fn: str):
@@ -143,7 +145,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   if not -ndim <= axis < ndim:
     raise ValueError(f"{fn}: axis={axis} is out of range for an input of shape {x.shape}")
   axis %= ndim
-  if not _compressed(x, compression, num_slices):
+  if not _compressed(fn, x, compression, num_slices):
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
   return _forward_only(fn, lambda x: _all_gather(
       x, axis_name, axis, tiled, compression, num_slices, "varying", n), x)
@@ -172,7 +174,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   fn = "reduce_scatter"
   n = axis_size(axis_name, fn, x.shape)
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
-  if not _compressed(x, compression, num_slices):
+  if not _compressed(fn, x, compression, num_slices):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
   return _forward_only(fn, lambda x: _reduce_scatter(
       x, axis_name, d, compression, num_slices, x.dtype, n), x)
@@ -202,7 +204,7 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   if algorithm not in ("one_shot", "two_shot"):
     raise ValueError(f"{fn}: algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
   n = axis_size(axis_name, fn, x.shape)
-  if not _compressed(x, compression, num_slices):
+  if not _compressed(fn, x, compression, num_slices):
     return jax.lax.psum(x, axis_name)
   if x.ndim == 0:
     raise ValueError(f"{fn}: compression needs an array with at least one dimension")
@@ -234,7 +236,7 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
   that receive nothing get zeros. forward: ppermute, backward: ppermute with perm inverted.
   """
   axis_size(axis_name, "ppermute", x.shape)
-  if not _compressed(x, compression):
+  if not _compressed("ppermute", x, compression):
     return jax.lax.ppermute(x, axis_name, perm)
   return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
 

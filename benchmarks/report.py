@@ -1,0 +1,167 @@
+"""Regenerates what the repo states about measurements from ``benchmarks/results/*.json``:
+
+* README.md's results section (between the ``results:begin`` / ``results:end`` markers);
+* ``taco_jax/_measured.py``: per link and collective, the message size from which the
+  compressed collective beat bf16 (what ``CompressionConfig(link=...)`` applies).
+
+    python -m benchmarks.report          # rewrite both
+    python -m benchmarks.report --check  # exit 1 if either is stale (used by the tests)
+
+No figure in those two places is typed by hand: edit this script, not its output.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import pathlib
+import pprint
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+MEASURED = ROOT / "taco_jax" / "_measured.py"
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+MIB = 1 << 20
+
+
+def _load(pattern: str) -> list[tuple[str, dict]]:
+  return [(os.path.basename(p), json.loads(pathlib.Path(p).read_text()))
+          for p in sorted(glob.glob(str(RESULTS / pattern)))]
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+  fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("–" if v is None else str(v))  # noqa: E731
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+  return "\n".join(lines)
+
+
+def codec_section() -> str:
+  runs = _load("codec_*.json")
+  if not runs:
+    return ""
+  name, d = runs[-1]  # newest (names sort by date-time)
+  env, copy, mm = d["environment"], d["copy"]["gbps"], d["matmul"]["tflops"]
+  rows = [[r["op"], r["size_mib"], r["pallas_ms"], r["xla_ms"], r["pallas_gbps"],
+           r["frac_of_copy"], r["speedup"]] for r in d["bandwidth"]]
+  fid = {}
+  for r in d["fidelity"]:
+    fid.setdefault(r["variant"], {})[r["dist"]] = r["rel_l2"]
+  dists = ["gaussian", "student_t3", "outlier_channels", "lognormal"]
+  g128 = [[v] + [fid[v].get(k) for k in dists] for v in fid if v.endswith("128")
+          or v == "per_tensor"]
+  return (f"### Codec kernels (`{name}`: {env['device_kind']}, jax {env['jax_version']})\n\n"
+          f"Ceilings measured in the same run: XLA elementwise copy {copy:.0f} GB/s (read + "
+          f"write), bf16 matmul {mm:.0f} TFLOP/s. Bandwidth = bytes read + written / time; "
+          "`frac` is of that copy; `speedup` is over the jitted jnp reference.\n\n"
+          + _table(["op", "MiB (bf16 in)", "Pallas ms", "jnp ms", "Pallas GB/s", "frac",
+                    "speedup"], rows)
+          + "\n\nRelative L2 error of the round trip at group size 128 (synthetic inputs):\n\n"
+          + _table(["variant"] + dists, g128) + "\n")
+
+
+def thresholds(d: dict) -> dict:
+  """Smallest size (bytes per device) from which compressed beat bf16 at every larger
+  measured size, per collective; None where it never did."""
+  out = {}
+  for coll in sorted({r["collective"] for r in d["results"]}):
+    pts = sorted((r["size_mib"], r["speedup_vs_bf16"]) for r in d["results"]
+                 if r["collective"] == coll and r["variant"] == "compressed")
+    wins = [s for i, (s, _) in enumerate(pts) if all(v > 1.0 for _, v in pts[i:])]
+    out[coll] = int(wins[0] * MIB) if wins else None
+  return out
+
+
+def collectives_section() -> str:
+  parts = []
+  for name, d in _load("collectives_*.json"):
+    if d.get("platform") != "gpu":
+      continue
+    by = {}
+    for r in d["results"]:
+      by.setdefault((r["collective"], r["size_mib"]), {})[r["variant"]] = r
+    rows = [[c, s, v["bf16"]["median_ms"], v["raw_fp8"]["median_ms"],
+             v["compressed"]["median_ms"], v["compressed"]["speedup_vs_bf16"],
+             v["raw_fp8"]["median_ms"] / v["compressed"]["median_ms"]]
+            for (c, s), v in sorted(by.items())]
+    th = ", ".join(f"{c} {'never' if b is None else f'{b / MIB:g} MiB'}"
+                   for c, b in thresholds(d).items())
+    parts.append(f"#### `{d['label']}`: {d['num_devices']}x {d['device']} (`{name}`)\n\n"
+                 + _table(["collective", "MiB/device", "bf16 ms", "raw fp8 ms", "TACO ms",
+                           "speedup vs bf16", "TACO / raw-fp8 speed"], rows)
+                 + f"\n\nCompression pays from: {th}.\n")
+  if not parts:
+    return ""
+  return ("### Collectives (compress + communicate + decompress, all included)\n\n"
+          "`raw fp8` is a bare cast with no scales and no codec: the bound for a free codec.\n\n"
+          + "\n".join(parts))
+
+
+def train_section() -> str:
+  rows = []
+  for name, d in _load("train_parallel_*.json"):
+    if d.get("environment", {}).get("platform", "gpu") != "gpu":
+      continue
+    c = d["config"]
+    what = c.get("compress", "") + (" no-Hadamard" if c.get("no_hadamard") else "")
+    for r in d["results"]:
+      if r["compression"] == "on":
+        off = next(o for o in d["results"] if o["layout"] == r["layout"] and
+                   o["compression"] == "off")
+        rows.append([d["label"], r["layout"], what, r["steps"], off["tokens_per_s"],
+                     r["tokens_per_s"], r["speedup"], off["mfu"], off["final_loss"],
+                     r["final_loss"], 100 * r["accuracy_cost"]])
+  if not rows:
+    return ""
+  c = d["config"]
+  return (f"### Training ({c.get('model')} GPT, seq {c.get('seq')}, global batch "
+          f"{c.get('batch')}, {d['num_devices']}x {d['device']}, e4m3 G="
+          f"{c.get('group_size')})\n\nOff and on start from the same parameters and see the "
+          "same batches, steps interleaved. `loss +%` is the relative difference of the "
+          "final training loss.\n\n"
+          + _table(["run", "dp,pp,tp", "compressed", "steps", "tok/s off", "tok/s on",
+                    "speedup", "MFU off", "loss off", "loss on", "loss +%"], rows) + "\n")
+
+
+def measured_module() -> str:
+  table = {}
+  for name, d in _load("collectives_*.json"):
+    if d.get("platform") == "gpu":
+      table[d["label"]] = dict(thresholds(d), source=name)
+  return ('"""Generated by `python -m benchmarks.report` from benchmarks/results: do not edit.\n\n'
+          "Per link label (as benchmarked), per collective: the smallest message (bytes per\n"
+          "device) from which the compressed collective beat bf16 at every larger measured\n"
+          'size; None where it never did."""\n\nMIN_BYTES = ' + pprint.pformat(table, width=88)
+          + "\n")
+
+
+def readme_text(old: str) -> str:
+  body = "\n".join(s for s in (codec_section(), collectives_section(), train_section()) if s)
+  head, _, rest = old.partition(BEGIN)
+  _, _, tail = rest.partition(END)
+  return (f"{head}{BEGIN}\n<!-- generated by `python -m benchmarks.report`; do not edit -->\n\n"
+          f"{body}\n{END}{tail}")
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--check", action="store_true", help="fail if an output is stale")
+  args = ap.parse_args(argv)
+  stale = []
+  for path, new in [(README, readme_text(README.read_text())), (MEASURED, measured_module())]:
+    old = path.read_text() if path.exists() else ""
+    if old != new:
+      stale.append(path.name)
+      if not args.check:
+        path.write_text(new)
+  if args.check and stale:
+    print(f"stale: {', '.join(stale)}; run python -m benchmarks.report", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
