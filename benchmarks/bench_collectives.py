@@ -121,20 +121,26 @@ def run(args) -> dict:
     return raw_ag(raw_rs(x, jnp.float32)).astype(x.dtype)
 
   ns = args.num_slices
+
+  def sliceable(x):  # [rows, d] -> [ns, rows / ns, d]: slices need a dim of their own
+    return x.reshape(ns, -1, d) if ns > 1 else x
+
+  ax = 1 if ns > 1 else 0  # the communicated dim of sliceable(x)
   variants = {
       "all_gather": {
           "bf16": lambda x: tc.all_gather(x, "x"),
           "raw_fp8": raw_ag,
-          "compressed": lambda x: tc.all_gather(x, "x", compression=cfg, num_slices=ns)},
+          "compressed": lambda x: tc.all_gather(sliceable(x), "x", axis=ax, compression=cfg,
+                                                num_slices=ns)},
       "reduce_scatter": {
           "bf16": lambda x: tc.reduce_scatter(x, "x"),
           "raw_fp8": lambda x: raw_rs(x, x.dtype),
-          "compressed": lambda x: tc.reduce_scatter(x, "x", compression=cfg,
-                                                    num_slices=ns)},
+          "compressed": lambda x: tc.reduce_scatter(sliceable(x), "x", scatter_dimension=ax,
+                                                    compression=cfg, num_slices=ns)},
       "all_reduce": {
           "bf16": lambda x: tc.all_reduce(x, "x"),
           "raw_fp8": raw_ar,
-          "compressed": lambda x: tc.all_reduce(x, "x", compression=cfg,
+          "compressed": lambda x: tc.all_reduce(sliceable(x), "x", compression=cfg,
                                                 algorithm=args.algorithm, num_slices=ns)},
   }
   # NCCL bus-bandwidth conventions, on the bf16 bytes S of each device's input.

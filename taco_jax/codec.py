@@ -51,20 +51,25 @@ class CompressionConfig:
       raise ValueError(f"link must be None or one of {sorted(_measured.MIN_BYTES)} (links "
                        f"benchmarked in benchmarks/results), got {self.link!r}")
 
-  def pays_for(self, collective: str, nbytes: int) -> bool:
-    """Whether ``collective`` should compress a message of ``nbytes`` per device.
+  def pays_for(self, collective: str, nbytes: int, axis_size: int | None = None) -> bool:
+    """Whether ``collective`` over ``axis_size`` devices should compress ``nbytes`` per device.
 
-    Without ``link``: from ``min_bytes`` on. With ``link`` (a label of a collective
+    Without ``link``: from ``min_bytes`` on. With ``link`` (the label of a collective
     benchmark run, e.g. "nvlink" or "p2p_disabled"): from the size at which the measured
-    compressed collective beat bf16 (never, where it never did); collectives that run
-    was not measured on (ppermute) fall back to ``min_bytes``. The larger bound wins.
+    compressed collective beat bf16, never where it never did. An axis size that was not
+    measured on that link takes the most cautious of the measured ones; a collective that
+    was not measured (ppermute) falls back to ``min_bytes``. The larger bound wins.
     """
     if nbytes < self.min_bytes:
       return False
-    measured = _measured.MIN_BYTES.get(self.link, {}) if self.link else {}
-    if collective not in measured:
+    by_size = _measured.MIN_BYTES.get(self.link, {}) if self.link else {}
+    rows = [by_size[axis_size]] if axis_size in by_size else list(by_size.values())
+    found = [r[collective] for r in rows if collective in r]
+    if not found:
       return True
-    return measured[collective] is not None and nbytes >= measured[collective]
+    if any(t is None for t in found):
+      return False
+    return nbytes >= max(found)
 
   @property
   def fp8_dtype(self):

@@ -6,37 +6,47 @@ from benchmarks import report
 from taco_jax import CompressionConfig, _measured
 
 MIB = 1 << 20
+MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.MIN_BYTES.items())
+            for n, row in sorted(by_n.items()) for coll, t in sorted(row.items())]
 
 
 def test_without_link_min_bytes_decides():
   cfg = CompressionConfig(min_bytes=MIB)
-  assert not cfg.pays_for("reduce_scatter", MIB - 1)
-  assert cfg.pays_for("reduce_scatter", MIB)
+  assert not cfg.pays_for("reduce_scatter", MIB - 1, 4)
+  assert cfg.pays_for("reduce_scatter", MIB, 4)
   assert CompressionConfig().pays_for("all_reduce", 1)
 
 
-@pytest.mark.parametrize("link", sorted(_measured.MIN_BYTES))
-@pytest.mark.parametrize("collective", ["all_gather", "reduce_scatter", "all_reduce"])
-def test_link_applies_the_measured_size(link, collective):
+@pytest.mark.parametrize("link,n,collective,threshold", MEASURED)
+def test_link_applies_the_measured_size(link, n, collective, threshold):
   cfg = CompressionConfig(link=link)
-  threshold = _measured.MIN_BYTES[link][collective]
-  if threshold is None:  # never paid on this link: always the plain collective
-    assert not any(cfg.pays_for(collective, 1 << k) for k in range(40))
+  if threshold is None:  # never paid there: always the plain collective
+    assert not any(cfg.pays_for(collective, 1 << k, n) for k in range(40))
   else:
-    assert not cfg.pays_for(collective, threshold - 1)
-    assert cfg.pays_for(collective, threshold)
+    assert not cfg.pays_for(collective, threshold - 1, n)
+    assert cfg.pays_for(collective, threshold, n)
+
+
+def test_unmeasured_axis_size_takes_the_most_cautious_measured_one():
+  for link, by_n in _measured.MIN_BYTES.items():
+    cfg = CompressionConfig(link=link)
+    for coll in next(iter(by_n.values())):
+      ts = [row[coll] for row in by_n.values()]
+      if any(t is None for t in ts):
+        assert not cfg.pays_for(coll, 1 << 39, 1000)
+      else:
+        assert not cfg.pays_for(coll, max(ts) - 1, 1000) and cfg.pays_for(coll, max(ts), 1000)
 
 
 def test_unmeasured_collective_falls_back_to_min_bytes():
   cfg = CompressionConfig(link="nvlink", min_bytes=10)
-  assert cfg.pays_for("ppermute", 10) and not cfg.pays_for("ppermute", 9)
+  assert cfg.pays_for("ppermute", 10, 4) and not cfg.pays_for("ppermute", 9, 4)
 
 
 def test_larger_bound_wins():
-  link = next(iter(_measured.MIN_BYTES))
-  measured = _measured.MIN_BYTES[link]["all_gather"] or 0
-  cfg = CompressionConfig(link=link, min_bytes=measured + MIB)
-  assert not cfg.pays_for("all_gather", measured + MIB - 1)
+  cfg = CompressionConfig(link="p2p_disabled", min_bytes=64 * MIB)
+  assert _measured.MIN_BYTES["p2p_disabled"][4]["all_gather"] < 64 * MIB
+  assert not cfg.pays_for("all_gather", 64 * MIB - 1, 4)
 
 
 def test_unknown_link_is_a_clear_error():
