@@ -22,6 +22,8 @@ from flax import nnx
 from models.layers import DenseFactory, Embedding, LinearFactory, layer_norm, normal_init
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+# Fields a shared `config.model` section may carry for another block (models.qwen).
+SHARED_MODEL_FIELDS = frozenset({'block', 'n_kv_heads', 'rope_theta'})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +49,23 @@ class GPTConfig:
 
   @classmethod
   def from_dict(cls, d) -> 'GPTConfig':
-    """From a mapping (e.g. `config.model`); unknown keys are an error."""
-    d = dict(d)
+    """From a mapping (e.g. `config.model`); unknown keys are an error.
+
+    The model section is shared by every block, so the fields of the others (`block`,
+    and Qwen's `n_kv_heads`, `rope_theta`) are accepted and ignored; `block` must name this
+    class's block (`models.qwen.model_config` picks the class from it).
+    """
+    d = dict(d.to_dict() if hasattr(d, 'to_dict') else d)
     names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - names)
+    unknown = sorted(set(d) - names - SHARED_MODEL_FIELDS)
     if unknown:
-      raise ValueError(f'unknown model config field(s) {unknown}; known: {sorted(names)}')
-    return cls(**d)
+      raise ValueError(f'unknown model config field(s) {unknown}; known: '
+                       f'{sorted(names | SHARED_MODEL_FIELDS)}')
+    block = d.get('block', 'gpt')
+    if block != getattr(cls, 'block', 'gpt'):
+      raise ValueError(f'model.block={block!r} is not the block of {cls.__name__}; build the '
+                       'config with models.qwen.model_config')
+    return cls(**{k: v for k, v in d.items() if k in names})
 
 
 def causal_attention(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array) -> jax.Array:

@@ -105,3 +105,16 @@ class Qwen(GPT):
 
   def embed(self, tokens_BT: jax.Array) -> jax.Array:
     return self.wte(tokens_BT)
+
+
+CONFIGS = {"gpt": GPTConfig, "qwen": QwenConfig}  # model.block -> its config class
+
+
+def model_config(section) -> GPTConfig | QwenConfig:
+  """`config.model` (a mapping) -> GPTConfig (model.block "gpt", the default) or QwenConfig
+  (block "qwen"). Fields of neither class are an error that lists the known ones."""
+  d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+  block = d.get("block", "gpt")
+  if block not in CONFIGS:
+    raise ValueError(f"model.block={block!r} is unknown; use one of {sorted(CONFIGS)}")
+  return CONFIGS[block].from_dict(d)

@@ -6,7 +6,7 @@ import pytest
 from configs import gpt_1_3b, gpt_125m, gpt_350m, tiny
 from models.gpt import GPTConfig, num_params
 from taco_jax.train import cli, step as step_lib
-from taco_jax.train.config import check_single_device, resolve_config_path, validate_config
+from taco_jax.train.config import parallel_reason, resolve_config_path, validate_config
 from taco_jax.train.loop import train
 
 CONFIGS_DIR = pathlib.Path(tiny.__file__).parent
@@ -16,7 +16,7 @@ CONFIGS_DIR = pathlib.Path(tiny.__file__).parent
 def test_shipped_configs_are_valid(mod):
   c = mod.get_config()
   validate_config(c)
-  check_single_device(c)
+  assert parallel_reason(c) == ''  # the single-device loop runs them
   assert c.compression.enabled is False and c.model.vocab_size == 256
 
 
@@ -49,16 +49,25 @@ def test_bad_values_name_the_field(section, key, value, needle):
   assert needle in str(e.value)
 
 
-def test_unknown_model_field_and_parallel_guard():
+def test_model_fields_and_trainer_choice():
   c = tiny.get_micro_config()
-  c.model.n_kv_heads = 2
-  with pytest.raises(ValueError, match=r"unknown model config field\(s\) \['n_kv_heads'\]"):
+  c.model.update(block='gpt', n_kv_heads=2, rope_theta=1e4)  # shared fields: accepted, ignored
+  validate_config(c)
+  assert GPTConfig.from_dict(c.model) == GPTConfig.from_dict(tiny.get_micro_config().model)
+  c.model.n_kv_head = 2
+  with pytest.raises(ValueError, match=r"unknown model config field\(s\) \['n_kv_head'\]; "
+                     r"known: \[.*'n_kv_heads'"):
     validate_config(c)
+  c = tiny.get_micro_config()
+  c.model.block = 'qwen'
+  validate_config(c)  # a Qwen config (n_kv_heads defaults)
+  assert parallel_reason(c) == "model.block='qwen'"
+  with pytest.raises(ValueError, match="model.block='qwen' is not the block of GPTConfig"):
+    GPTConfig.from_dict(c.model)
   c = tiny.get_micro_config()
   c.parallel.tp = 2
   validate_config(c)
-  with pytest.raises(ValueError, match='3D-parallel trainer is not yet available'):
-    check_single_device(c)
+  assert parallel_reason(c) == 'parallel.dp*pp*tp = 1*1*2 != 1'
 
 
 def test_errors_come_before_any_model_is_built(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """Config validation, compression switches, and the parallel trainer (train, resume on
-another mesh) on 8 fake CPU devices."""
+another mesh, picked by the unified entry point) on 8 fake CPU devices."""
 import json
 
 import jax
@@ -12,7 +12,8 @@ from taco_jax.parallel.compression import CompressionPlan, plan_from_config
 from taco_jax.parallel.mesh import make_mesh
 from taco_jax.parallel.train import spec_from_config, train, validate
 from taco_jax.parallel import model as model_lib
-from taco_jax.train import metrics
+from taco_jax.parallel import train as parallel_train
+from taco_jax.train import cli, loop, metrics
 
 
 def _config(cache_dir="", **parallel):
@@ -98,3 +99,18 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
     val.append(r["val_loss"])
   assert val[0] == pytest.approx(val[1], rel=1e-5)
   assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["pipeline"] == 2
+
+
+def test_unified_entry_point_picks_the_trainer(tmp_path, tmp_path_factory, monkeypatch):
+  c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2)
+  c.compression.enabled = False
+  c.train.steps = 2
+  s = cli.train(c, tmp_path)  # what `python -m taco_jax.train` calls
+  assert s["status"] == "completed" and s["step"] == 2
+  assert s["mesh"] == {"data": 2, "pipeline": 2, "tensor": 2}
+  monkeypatch.setattr(loop, "train", lambda config, workdir: "single")
+  monkeypatch.setattr(parallel_train, "train", lambda config, workdir: "parallel")
+  c.parallel.update(dp=1, pp=1, tp=1)
+  assert cli.train(c, tmp_path) == "single"  # one device, plain GPT
+  c.model.block = "qwen"
+  assert cli.train(c, tmp_path) == "parallel"  # only the parallel model has the Qwen block

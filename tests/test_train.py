@@ -1,4 +1,5 @@
-"""Trainer: loss falls, Ctrl-C + resume == uninterrupted, non-finite stop, CLI and sampling."""
+"""Trainer: loss falls, Ctrl-C + resume == uninterrupted, non-finite stop, CLI and sampling,
+the optimizer's weight-decay mask."""
 import json
 import os
 import pathlib
@@ -6,12 +7,16 @@ import signal
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from configs import tiny
 from taco_jax import data, sample
-from taco_jax.train import checkpoint
+from taco_jax.parallel import model as model_lib
+from taco_jax.train import checkpoint, optim
 from taco_jax.train.loop import NonFiniteLossError, train
 from taco_jax.train.metrics import read_jsonl
 
@@ -89,7 +94,7 @@ def test_cli_from_another_directory_then_sample(tmp_path, cache_dir):
       '--config.data.seq_len=16', '--config.data.batch_size=4',
       '--config.data.max_corpus_bytes=2000000', f'--config.data.cache_dir={cache_dir}',
       '--config.train.steps=3', '--config.optim.warmup_steps=1', '--config.train.eval_batches=1',
-      '--config.train.progress_bar=False']
+      '--config.train.progress_bar=False', '--cpu_devices=2']
   env = {**os.environ, 'PYTHONPATH': str(REPO)}
   proc = subprocess.run([sys.executable, '-m', 'taco_jax.train', '--config=configs/tiny.py',
                          f'--workdir={workdir}', *args], cwd=tmp_path, env=env,
@@ -102,3 +107,21 @@ def test_cli_from_another_directory_then_sample(tmp_path, cache_dir):
   assert len(out) == 23 and list(out[:3]) == list(data.encode('def'))
   assert sample.generate(model, [1, 2], 3, temperature=0).tolist() == \
       sample.generate(model, [1, 2], 3, temperature=0).tolist()  # greedy is deterministic
+
+
+def test_decay_mask_spares_stacked_norms():
+  """Zero grads: AdamW moves only the decayed leaves (by lr * weight_decay * p)."""
+  o = tiny.get_micro_config().optim
+  o.update(warmup_steps=0, weight_decay=0.5, grad_clip=0.0)
+  params = {'blocks': {'ln1': {'scale': jnp.ones((2, 4))}, 'w': jnp.ones((2, 4, 4))},
+            'wte': jnp.ones((8, 4))}
+
+  def after_one_step(decay_mask=None):
+    tx = optim.make_optimizer(o, 10, decay_mask)
+    upd, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+    return jax.tree.map(lambda x: bool(jnp.all(x < 1)), optax.apply_updates(params, upd))
+
+  decayed = {'blocks': {'ln1': {'scale': False}, 'w': True}, 'wte': True}
+  assert after_one_step(model_lib.decay_mask) == decayed  # callable mask
+  assert after_one_step(decayed) == decayed  # pytree of bools
+  assert after_one_step()['blocks']['ln1']['scale']  # default (ndim >= 2) decays the stacked norm

@@ -22,26 +22,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from models.gpt import GPT, Block, GPTConfig
-from models.qwen import Qwen, QwenBlock, QwenConfig
+from models.qwen import Qwen, QwenBlock, QwenConfig, model_config  # noqa: F401 (re-exported)
 from taco_jax.parallel.layers import (ColumnParallelLinear, RowParallelLinear, TPContext,
                                       TensorParallelFactory)
 from taco_jax.parallel.mesh import PIPE, TENSOR
 
 BLOCKS = {"gpt": (GPTConfig, GPT, Block), "qwen": (QwenConfig, Qwen, QwenBlock)}
-
-
-def model_config(section) -> GPTConfig | QwenConfig:
-  """`config.model` -> GPTConfig (block "gpt", the default) or QwenConfig (block "qwen")."""
-  d = dict(section.to_dict() if hasattr(section, "to_dict") else section)
-  block = d.pop("block", "gpt")
-  if block not in BLOCKS:
-    raise ValueError(f"model.block={block!r} is unknown; use one of {sorted(BLOCKS)}")
-  if block == "qwen":
-    d["block"] = "qwen"
-  else:  # Qwen-only fields may sit in a shared config; the GPT block ignores them
-    for k in ("n_kv_heads", "rope_theta"):
-      d.pop(k, None)
-  return BLOCKS[block][0].from_dict(d)
 
 
 def _kind(cfg) -> str:

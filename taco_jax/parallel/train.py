@@ -1,4 +1,5 @@
-"""3D-parallel trainer: `python -m taco_jax.parallel.train --config=configs/parallel_tiny.py`.
+"""3D-parallel trainer, run by `python -m taco_jax.train --config=configs/parallel_tiny.py`
+(`python -m taco_jax.parallel.train` is an alias) for every config that needs it.
 
 Same data, optimizer schedule, metrics and checkpoints as the single-device trainer
 (`taco_jax.train`, imported, not copied); the step is `taco_jax.parallel.step`. Params and
@@ -12,11 +13,9 @@ from __future__ import annotations
 import json
 import math
 import pathlib
-import sys
 import time
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 
@@ -26,25 +25,18 @@ from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step
 from taco_jax.parallel.compression import plan_from_config
 from taco_jax.train import checkpoint, metrics, optim
 from taco_jax.train.config import validate_config
-from taco_jax.train.loop import NonFiniteLossError, _sigint_as_flag, load_data, store_config
-
-_QWEN_FIELDS = ("block", "n_kv_heads", "rope_theta")
+from taco_jax.train.loop import NonFiniteLossError, load_data, sigint_as_flag, store_config
 
 
 def validate(config, n_devices: int | None = None) -> None:
   """Raises ValueError naming every bad field: the shared checks, model block, parallel
   layout (against `n_devices`, or the running devices if None) and compression sections."""
-  plain = ml_collections.ConfigDict(config.to_dict())
-  for k in _QWEN_FIELDS:
-    if k in plain.model:
-      del plain.model[k]
   errs = []
   try:
-    validate_config(plain)
+    validate_config(config)  # the model section too (models.qwen.model_config)
   except ValueError as e:  # "invalid config:\n  a\n  b" -> [a, b]
     errs += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
   try:
-    model_lib.model_config(config.model)
     plan_from_config(config.compression)
   except (TypeError, ValueError) as e:
     errs.append(str(e))
@@ -64,11 +56,7 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
   """`taco_jax.train.optim`'s AdamW, with a decay mask that knows stacked layer params."""
-  o = optim_cfg
-  adamw = optax.adamw(optim.lr_schedule(o, total_steps), b1=o.b1, b2=o.b2, eps=o.eps,
-                      weight_decay=o.weight_decay, mask=model_lib.decay_mask)
-  return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw) if o.grad_clip > 0 \
-      else adamw
+  return optim.make_optimizer(optim_cfg, total_steps, decay_mask=model_lib.decay_mask)
 
 
 def opt_state_target(tx, params_target, mesh):
@@ -156,7 +144,7 @@ def train(config, workdir) -> dict:
 
   s, status = start, "completed"
   try:
-    with _sigint_as_flag() as stop:
+    with sigint_as_flag() as stop:
       while s < t.steps and not stop.is_set():
         params, opt_state, m = train_step(params, opt_state, batch(s))
         s += 1
@@ -187,30 +175,9 @@ def train(config, workdir) -> dict:
 
 
 def main(argv=None):
-  from absl import app, flags
-  from ml_collections import config_flags
-  from taco_jax.train.cli import rewrite_config_arg
-  cfg_flag = config_flags.DEFINE_config_file("config", None, "Parallel experiment config.")
-  wd_flag = flags.DEFINE_string("workdir", None, "Default ./workdir/<config.name>.")
-  cpu_flag = flags.DEFINE_integer("cpu_devices", 0, "Run on this many fake CPU devices "
-                                  "(e.g. 8 to try a 2x2x2 mesh on a laptop); 0 = real devices.")
-
-  def run(_):
-    if cpu_flag.value:
-      jax.config.update("jax_platforms", "cpu")
-      jax.config.update("jax_num_cpu_devices", cpu_flag.value)
-    config = cfg_flag.value
-    if config is None:
-      raise app.UsageError("--config is required, e.g. --config=configs/parallel_tiny.py")
-    try:
-      summary = train(config, wd_flag.value or f"./workdir/{config.name}")
-    except (ValueError, FileNotFoundError, NonFiniteLossError) as e:
-      print(f"error: {e}", file=sys.stderr)
-      sys.exit(2 if not isinstance(e, NonFiniteLossError) else 1)
-    if jax.process_index() == 0:
-      print(json.dumps(summary, indent=2))
-
-  app.run(run, argv=rewrite_config_arg(argv or sys.argv))
+  """Alias of `python -m taco_jax.train` (which picks this trainer when the config needs it)."""
+  from taco_jax.train.cli import run
+  run(argv)
 
 
 if __name__ == "__main__":

@@ -1,1 +1,2 @@
-"""Single-device GPT trainer: `train(config, workdir)`; CLI in `taco_jax.train.cli`."""
+"""GPT training: `python -m taco_jax.train --config=...` (`cli.train` picks the trainer):
+the single-device loop (`loop.train`) or the 3D-parallel one (`taco_jax.parallel.train`)."""

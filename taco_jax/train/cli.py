@@ -1,7 +1,10 @@
-"""Command line: `python -m taco_jax.train --config=configs/tiny.py [--config.x=..] [--workdir=..]`.
+"""Command line: `python -m taco_jax.train --config=<file> [--config.x=..] [--workdir=..]
+[--cpu_devices=N]`, for every config.
 
-A thin wrapper over `taco_jax.train.loop.train`. `--config` may name a file relative to
-the current directory or one of the installed configs (`configs/tiny.py`, `tiny`).
+A thin wrapper over `train`, which runs a config on the trainer it needs: the single-device
+loop (`taco_jax.train.loop`) for dp = pp = tp = 1 and the plain GPT block, the 3D-parallel
+trainer (`taco_jax.parallel.train`) otherwise. `--config` may name a file relative to the
+current directory or one of the installed configs (`configs/tiny.py`, `tiny`).
 """
 from __future__ import annotations
 
@@ -11,14 +14,32 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from taco_jax.train.config import resolve_config_path
+from taco_jax.train.config import parallel_reason, resolve_config_path
 
 
 def define_flags() -> None:
-  """Defines --config and --workdir (in run(), so importing this module defines no flags)."""
+  """Defines the flags (in run(), so importing this module defines none)."""
   config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and config.json go here '
                       '(default ./workdir/<config.name>); resumes if it has checkpoints.')
+  flags.DEFINE_integer('cpu_devices', 0, 'Run on this many fake CPU devices (e.g. 8 to try a '
+                       '2x2x2 mesh on a laptop); 0 = the real devices.')
+
+
+def use_cpu_devices(n: int) -> None:
+  """Puts JAX on `n` fake CPU devices; call before anything touches a JAX backend."""
+  import jax
+  jax.config.update('jax_platforms', 'cpu')
+  jax.config.update('jax_num_cpu_devices', n)
+
+
+def train(config, workdir) -> dict:
+  """Trains `config` in `workdir` on the trainer it needs (see the module docstring)."""
+  if parallel_reason(config):
+    from taco_jax.parallel.train import train as run_trainer
+  else:
+    from taco_jax.train.loop import train as run_trainer
+  return run_trainer(config, workdir)
 
 
 def rewrite_config_arg(argv: list[str]) -> list[str]:
@@ -40,7 +61,10 @@ def main(argv):
   del argv
   if not flags.FLAGS['verbosity'].present:  # orbax logs every checkpoint step at INFO
     logging.set_verbosity(logging.WARNING)
-  from taco_jax.train.loop import NonFiniteLossError, train  # heavy imports after flag parsing
+  if flags.FLAGS.cpu_devices:
+    use_cpu_devices(flags.FLAGS.cpu_devices)
+  import jax  # heavy imports after flag parsing
+  from taco_jax.train.loop import NonFiniteLossError
   config = flags.FLAGS.config
   if config is None:
     raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
@@ -53,15 +77,16 @@ def main(argv):
   except NonFiniteLossError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(1)
-  print(json.dumps(summary, indent=2))
+  if jax.process_index() == 0:
+    print(json.dumps(summary, indent=2))
   if summary['status'] == 'interrupted':
     sys.exit(130)
 
 
-def run():
+def run(argv: list[str] | None = None):
   """Console-script entry point (`taco-train`)."""
   try:
-    argv = rewrite_config_arg(sys.argv)
+    argv = rewrite_config_arg(argv or sys.argv)
   except FileNotFoundError as e:
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)

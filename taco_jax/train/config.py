@@ -1,8 +1,8 @@
 """Config checks, config-file resolution and the config.json the trainer stores.
 
 `validate_config` runs before anything is built or compiled and names the field at fault
-and what to change. `check_single_device` is the (temporary) guard of the single-device
-trainer; the 3D-parallel trainer replaces it.
+and what to change. `parallel_reason` says whether a config needs the 3D-parallel trainer
+(`taco_jax.train.cli.train` picks the trainer by it).
 """
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pathlib
 
 import ml_collections
 
-from models.gpt import DTYPES, GPTConfig
+from models.gpt import DTYPES
+from models.qwen import model_config
 
 
 def _checks(c) -> list[str]:
@@ -63,7 +64,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     if sec not in c:
       raise ValueError(f'config has no {sec!r} section; start from configs.common.base_config')
   try:
-    GPTConfig.from_dict(c.model)
+    model_config(c.model)
   except (TypeError, ValueError) as e:
     raise ValueError(f'bad model section: {e}') from e
   errs = _checks(c)
@@ -71,13 +72,13 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     raise ValueError('invalid config:\n  ' + '\n  '.join(errs))
 
 
-def check_single_device(c: ml_collections.ConfigDict) -> None:
-  """The single-device trainer runs dp = pp = tp = 1 only."""
-  p = c.parallel
+def parallel_reason(c: ml_collections.ConfigDict) -> str:
+  """Why `c` needs the 3D-parallel trainer, or '' if the single-device loop runs it (one
+  device, the plain GPT block)."""
+  p, block = c.parallel, c.model.get('block', 'gpt')
   if p.dp * p.pp * p.tp != 1:
-    raise ValueError(f'parallel.dp*pp*tp = {p.dp}*{p.pp}*{p.tp} != 1: the 3D-parallel trainer '
-                     'is not yet available; set --config.parallel.dp=1 --config.parallel.pp=1 '
-                     '--config.parallel.tp=1')
+    return f'parallel.dp*pp*tp = {p.dp}*{p.pp}*{p.tp} != 1'
+  return f'model.block={block!r}' if block != 'gpt' else ''
 
 
 def resolve_config_path(path: str, cwd: str | os.PathLike | None = None) -> str:

@@ -22,10 +22,10 @@ import numpy as np
 from absl import logging
 from tqdm import tqdm
 
-from models.gpt import GPTConfig, count_params, flops_per_token
+from models.gpt import GPTConfig, flops_per_token
 from taco_jax import data
 from taco_jax.train import checkpoint, metrics, optim, step as step_lib
-from taco_jax.train.config import check_single_device, config_to_json, validate_config
+from taco_jax.train.config import config_to_json, parallel_reason, validate_config
 
 
 class NonFiniteLossError(RuntimeError):
@@ -53,7 +53,7 @@ def store_config(config, workdir: pathlib.Path, has_checkpoint: bool) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_as_flag():
+def sigint_as_flag():
   """Within: the first Ctrl-C sets the returned event; a second one interrupts at once."""
   stop = threading.Event()
   if threading.current_thread() is not threading.main_thread():
@@ -80,7 +80,10 @@ def _on_device(tree):
 def train(config, workdir: str | pathlib.Path) -> dict:
   """Trains (or resumes) per `config` in `workdir`; returns a summary dict."""
   validate_config(config)
-  check_single_device(config)
+  why = parallel_reason(config)
+  if why:
+    raise ValueError(f'{why}: this single-device loop cannot run it; `python -m taco_jax.train` '
+                     '(taco_jax.train.cli.train) runs it on the 3D-parallel trainer')
   if config.compression.enabled:
     logging.warning('compression.enabled has no effect on a single device (no TP traffic)')
   workdir = pathlib.Path(workdir)
@@ -158,7 +161,7 @@ def train(config, workdir: str | pathlib.Path) -> dict:
 
   s, status, t_start = start, 'completed', time.perf_counter()
   try:
-    with _sigint_as_flag() as stop:
+    with sigint_as_flag() as stop:
       while s < t.steps and not stop.is_set():
         params, opt_state, m = train_step(params, opt_state, batch(s))
         s += 1

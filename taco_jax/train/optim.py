@@ -13,12 +13,18 @@ def lr_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
       decay_steps=max(total_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
 
 
-def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
-  """Clip (if grad_clip > 0), then AdamW; no weight decay on vectors (biases, norms)."""
+def make_optimizer(optim_cfg, total_steps: int, decay_mask=None) -> optax.GradientTransformation:
+  """Clip (if grad_clip > 0), then AdamW.
+
+  `decay_mask` (a pytree of bools like the params, or a callable params -> such a pytree)
+  says which leaves get weight decay; the default decays every leaf with ndim >= 2, i.e. not
+  biases and norms of an unstacked model (a model with stacked layers passes its own).
+  """
   o = optim_cfg
+  if decay_mask is None:
+    decay_mask = lambda p: jax.tree.map(lambda x: x.ndim >= 2, p)
   adamw = optax.adamw(lr_schedule(o, total_steps), b1=o.b1, b2=o.b2, eps=o.eps,
-                      weight_decay=o.weight_decay,
-                      mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+                      weight_decay=o.weight_decay, mask=decay_mask)
   if o.grad_clip > 0:
     return optax.chain(optax.clip_by_global_norm(o.grad_clip), adamw)
   return adamw
