@@ -1,7 +1,7 @@
 """GPT ~1.3B (24 x 2048, 16 heads, context 2048) on 4 GPUs, tensor-parallel 4, with FP8
 (TACO) compression of the TP activations and their gradients.
 
-  python -m taco_jax.parallel.train --config=configs/gpt_1_3b_tp4.py
+  python -m taco_jax.train --config=configs/gpt_1_3b_tp4.py
 Switch compression off with --config.compression.enabled=False; change the layout with
 --config.parallel.dp/pp/tp (e.g. pp=2 tp=2 --config.parallel.microbatches=8).
 """

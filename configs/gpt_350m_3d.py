@@ -1,7 +1,7 @@
 """GPT-2 medium (~350M) on 8 devices as (data, pipeline, tensor) = (2, 2, 2), 8 micro-batches
 (GPipe bubble (pp-1)/(m+pp-1) = 1/9), FP8 compression of TP and pipeline activations.
 
-  python -m taco_jax.parallel.train --config=configs/gpt_350m_3d.py
+  python -m taco_jax.train --config=configs/gpt_350m_3d.py
 """
 from configs.common import base_config
 from configs.parallel_tiny import add_parallel_sections

@@ -1,6 +1,6 @@
 """Tiny GPT on a 2x2x2 (data, pipeline, tensor) mesh, FP8 compression of every family.
 
-On CPU: `python -m taco_jax.parallel.train --config=configs/parallel_tiny.py --cpu_devices=8`.
+On CPU: `python -m taco_jax.train --config=configs/parallel_tiny.py --cpu_devices=8`.
 """
 import ml_collections
 
