@@ -112,6 +112,21 @@ def _from_wire(codes_u8, scales, size: int, cfg: CompressionConfig) -> Compresse
   return Compressed(codes, scales[..., 0], scales[..., 1], size)
 
 
+def compresses(collective: str, x, compression: CompressionConfig | None) -> bool:
+  """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
+  x (the local input, as passed to it) compressed: static, from shapes and the config."""
+  return _compressed(collective, x, compression)
+
+
+def roundtrip(x, cfg: CompressionConfig, dtype=jnp.float32):
+  """What a receiver decodes from x sent with ``cfg``, computed on the sender: encode ->
+  u8 wire format -> decode, with an optimization barrier on the wire arrays so that XLA
+  cannot fold the fp32 -> fp8 -> fp32 round trip away (it may under excess precision).
+  Not a collective: for measuring the error of what is sent (``taco_jax.quality``)."""
+  codes, scales = jax.lax.optimization_barrier(_to_wire(compress(x, cfg)))
+  return decompress(_from_wire(codes, scales, x.shape[-1], cfg), cfg, dtype)
+
+
 def _gather_codes(x, axis_name, cfg, to: str) -> Compressed:
   """Compresses x and all-gathers codes and scales into a new leading axis [N, ...]."""
   codes, scales = _to_wire(compress(x, cfg))

@@ -11,6 +11,10 @@ With ``check_vma=True`` the regions keep JAX's varying-manual-axes types right:
 ``copy_to_tp`` returns a value varying over the axis (so JAX inserts no implicit ``pvary``,
 whose transpose would be an uncompressed psum), and the backward pass of every region
 returns a cotangent with its primal's type.
+
+Every public region runs through ``quality.region``: with no monitor active (always, except
+while a step is traced with ``compression.log_errors`` or by ``taco_jax.calibrate``) that
+is a plain call, so the program is the same as without it.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import functools
 
 import jax
 
-from taco_jax import collectives
+from taco_jax import collectives, quality
 from taco_jax.codec import CompressionConfig
 
 Compression = CompressionConfig | None
@@ -68,7 +72,8 @@ def copy_to_tp(x, axis_name, *, bwd_compression: Compression = None,
 
   Put before a column-parallel matmul whose input is replicated over the TP axis.
   """
-  return _copy_to_tp(x, axis_name, bwd_compression, algorithm)
+  return quality.region(lambda x: _copy_to_tp(x, axis_name, bwd_compression, algorithm), x,
+                        fwd=None, bwd=bwd_compression, fwd_site="", bwd_site="copy_to_tp/bwd")
 
 
 # --- reduce_from_tp --------------------------------------------------------------------
@@ -96,7 +101,9 @@ def reduce_from_tp(x, axis_name, *, fwd_compression: Compression = None,
 
   Put after a row-parallel matmul (tensor parallelism without sequence parallelism).
   """
-  return _reduce_from_tp(x, axis_name, fwd_compression, algorithm, _vma(x))
+  return quality.region(
+      lambda x: _reduce_from_tp(x, axis_name, fwd_compression, algorithm, _vma(x)), x,
+      fwd=fwd_compression, bwd=None, fwd_site="reduce_from_tp/fwd", bwd_site="")
 
 
 # --- gather_from_sp ---------------------------------------------------------------------
@@ -125,7 +132,10 @@ def gather_from_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compression 
   """forward: all-gather along ``axis`` (the sequence; 1 for [B, T, D]), backward:
   reduce-scatter along it. Put before a column-parallel matmul in sequence parallelism.
   """
-  return _gather_from_sp(x, axis_name, axis, fwd_compression, bwd_compression, _vma(x))
+  return quality.region(
+      lambda x: _gather_from_sp(x, axis_name, axis, fwd_compression, bwd_compression, _vma(x)),
+      x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="gather_from_sp/fwd",
+      bwd_site="gather_from_sp/bwd")
 
 
 # --- reduce_scatter_to_sp -----------------------------------------------------------------
@@ -153,4 +163,7 @@ def reduce_scatter_to_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compre
   """forward: reduce-scatter along ``axis`` (the sequence; 1 for [B, T, D]), backward:
   all-gather along it. Put after a row-parallel matmul in sequence parallelism.
   """
-  return _reduce_scatter_to_sp(x, axis_name, axis, fwd_compression, bwd_compression)
+  return quality.region(
+      lambda x: _reduce_scatter_to_sp(x, axis_name, axis, fwd_compression, bwd_compression),
+      x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="reduce_scatter_to_sp/fwd",
+      bwd_site="reduce_scatter_to_sp/bwd")

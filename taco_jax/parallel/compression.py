@@ -5,6 +5,9 @@
     compression.tp_backward   their transposes in the backward pass (gradients of activations)
     compression.pp            pipeline ppermute of activations (forward and backward)
     compression.dp            data-parallel gradient all-reduce
+    compression.log_errors    also report the relative error of what each family sent as
+                              step metrics "compression_error/<family>" (taco_jax.quality);
+                              off (absent or False) compiles to exactly the plain program
 
 Each family section is a codec section (format, group_size, hadamard, dual_scale, min_bytes,
 optionally enabled/implementation/lam) or None / enabled=False for "off". A config that has
@@ -28,6 +31,7 @@ class CompressionPlan:
   tp_backward: CompressionConfig | None = None  # their transposes in the backward pass
   pp: CompressionConfig | None = None           # pipeline ppermute, both directions
   dp: CompressionConfig | None = None           # data-parallel gradient all-reduce
+  log_errors: bool = False  # step metrics: relative error of what each family sent
 
   @property
   def any(self) -> bool:
@@ -54,6 +58,11 @@ def plan_from_config(section) -> CompressionPlan:
   """The plan for a `compression` config section (None or enabled=False: all off)."""
   if section is None or not section.get("enabled", False):
     return CompressionPlan()
+  log = section.get("log_errors", False)
+  if not isinstance(log, bool):
+    raise ValueError(f"compression.log_errors must be True or False, got {log!r}")
   if not any(f in section for f in FAMILIES):
-    return CompressionPlan(tp_forward=CompressionConfig(), tp_backward=CompressionConfig())
-  return CompressionPlan(**{f: _codec(section.get(f, None), f) for f in FAMILIES})
+    return CompressionPlan(tp_forward=CompressionConfig(), tp_backward=CompressionConfig(),
+                           log_errors=log)
+  return CompressionPlan(**{f: _codec(section.get(f, None), f) for f in FAMILIES},
+                         log_errors=log)

@@ -16,7 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from taco_jax import collectives
+from taco_jax import collectives, quality
 from taco_jax.codec import CompressionConfig
 from taco_jax.parallel.mesh import PIPE
 
@@ -61,7 +61,9 @@ def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
   xs = jnp.concatenate([x_MBSD, pad])  # stage 0's input at each of the m + pp - 1 ticks
 
   def tick(prev_out, x_in):
-    recv = shift_to_next_stage(prev_out, pp, compression)
+    recv = quality.region(lambda x: shift_to_next_stage(x, pp, compression), prev_out,
+                          fwd=compression, bwd=compression, fwd_site="pp/fwd",
+                          bwd_site="pp/bwd")
     out = stage_fn(jnp.where(first, x_in, recv))
     return out, out
 

@@ -12,6 +12,9 @@ micro-batches:
             and averaged over "data" (compressible by `compression.dp`).
 
 The optimizer update runs on the global arrays outside the shard_map, in the same jit.
+With `compression.log_errors` the step's metrics also hold "compression_error/<family>"
+(`taco_jax.quality`: mean relative error of the family's compressed messages, over sites,
+layers, micro-batches and devices); without it the program is exactly the plain one.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import collectives
+from taco_jax import collectives, quality
 from taco_jax.parallel import layers, model as model_lib, pipeline
 from taco_jax.parallel.compression import CompressionPlan
 from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
@@ -84,13 +87,14 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
   return jnp.where(jax.lax.axis_index(PIPE) == spec.pp - 1, loss, 0.0)
 
 
-def _fused_all_reduce(leaves, axis, compression):
+def _fused_all_reduce(leaves, axis, compression, site: str = ""):
   """Sum of every leaf over `axis`, as one collective on a [rows, _BUCKET] buffer."""
   if not leaves:
     return []
   flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
   n = flat.shape[0]
   flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
+  quality.sent(flat, compression, site)  # no-op unless a monitor watches (and compressed)
   flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
   out, i = [], 0
   for x in leaves:
@@ -110,37 +114,72 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
     for i, g in zip(idx, _fused_all_reduce([leaves[i] for i in idx], axis, None)):
       leaves[i] = g
   if spec.dp > 1:
-    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.dp)]
+    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.dp, "dp")]
   return treedef.unflatten(leaves)
 
 
-def loss_and_grads_fn(spec: ParallelSpec, mesh) -> Callable:
-  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out."""
+def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
+  """The families whose errors `compression.log_errors` reports: compressed and present."""
+  size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp}
+  return tuple(f for f in quality.FAMILIES
+               if getattr(spec.plan, f) is not None and size[f] > 1)
+
+
+def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
+  """(params, tokens_BT1) -> (loss, grads, metrics): metrics are the compression errors
+  (empty unless `spec.plan.log_errors`); `capture` (a `quality.Capture`) records what each
+  compressed collective sends instead."""
   specs = model_lib.param_specs(spec.cfg)
+  log = spec.plan.log_errors and capture is None
 
   def local(params, tokens_BT1):
-    loss, grads = jax.value_and_grad(lambda p: _local_loss(spec, p, tokens_BT1))(params)
-    return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
+    loss_fn = lambda p: _local_loss(spec, p, tokens_BT1)
+    if not log and capture is None:  # the plain program
+      loss, grads = jax.value_and_grad(loss_fn)(params)
+      return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
+    monitor = quality.ErrorLog() if log else capture
+    loss, grads, probe_ct = quality.value_and_grad(loss_fn, params, monitor)
+    with quality.watching(monitor):
+      grads = reduce_grads(spec, grads, specs)
+    if not log:
+      return loss.reshape(1, 1), grads
+    stats = jax.lax.psum(monitor.stats(probe_ct), (DATA, PIPE, TENSOR))
+    return loss.reshape(1, 1), grads, stats
 
   f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
-                    out_specs=(P(DATA, PIPE), specs), check_vma=False)
+                    out_specs=(P(DATA, PIPE), specs) + ((P(),) if log else ()),
+                    check_vma=False)
 
   def loss_and_grads(params, tokens_BT1):
-    loss_DP, grads = f(params, tokens_BT1)
-    return jnp.mean(jnp.sum(loss_DP, axis=1)), grads  # the last stage's loss, mean over data
+    loss_DP, grads, *stats = f(params, tokens_BT1)
+    metrics = quality.family_metrics(stats[0], logged_families(spec)) if log else {}
+    # the last stage's loss, mean over data
+    return jnp.mean(jnp.sum(loss_DP, axis=1)), grads, metrics
 
   return loss_and_grads
 
 
-def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation) -> Callable:
-  """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics); jit it with donation."""
-  loss_and_grads = loss_and_grads_fn(spec, mesh)
+def loss_and_grads_fn(spec: ParallelSpec, mesh) -> Callable:
+  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out."""
+  f = _loss_grads_metrics(spec, mesh)
+
+  def loss_and_grads(params, tokens_BT1):
+    return f(params, tokens_BT1)[:2]
+
+  return loss_and_grads
+
+
+def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, *,
+                    capture=None) -> Callable:
+  """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics); jit it with donation.
+  `capture`: a `quality.Capture` that records what the compressed collectives send."""
+  loss_and_grads = _loss_grads_metrics(spec, mesh, capture)
 
   def train_step(params, opt_state, tokens_BT1):
-    loss, grads = loss_and_grads(params, tokens_BT1)
+    loss, grads, errors = loss_and_grads(params, tokens_BT1)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **errors}
 
   return train_step
 

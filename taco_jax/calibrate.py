@@ -1,0 +1,321 @@
+"""Data-driven codec choice: `python -m taco_jax.calibrate --config=<file> --steps=N --out=<py>`.
+
+1. Capture: run N training steps of the config (from the latest checkpoint in --workdir
+   if given, else from init) with a `quality.Capture` watching: every message a compressed
+   collective sends (forward activations and, in the backward pass, their gradients; the
+   pipeline shift; the DP gradient buffer) is copied to the host per site (`quality.SITES`).
+2. Measure: every codec setting of the grid (format x group size x Hadamard on/off) is
+   applied to each site's tensors (encode -> u8 wire -> decode); per site: relative L2 error
+   ||x_hat - x|| / ||x|| over all its tensors, max |x_hat - x|, and that max / max |x|.
+   `dual_scale` is not in the grid: the pre-scale alpha multiplies a whole group before the
+   (linear) transform and the post-scale is recomputed from the scaled group's absmax, so
+   the codes are the same with or without it (alpha only guards the fp32 range).
+3. Choose, per family (and, for the report, per site): among the settings whose wire cost
+   (8 + 64 / group_size bits per element) is at most that of the config's own setting,
+   the one with the lowest error; a family's error is the mean over its sites of their
+   relative L2 errors (each site counts once, however many bytes it sends). Ties go to
+   fewer bytes, then to the config's own setting, which is always a candidate, so the
+   choice is never worse than the config on the captured data.
+4. Write a config file (`get_config()`: the base config, the command-line overrides given
+   here, and the chosen `compression.<family>` sections) that `python -m taco_jax.train
+   --config=<out>` runs, and a JSON report beside it (every measurement, the choices).
+
+Families the config leaves uncompressed are not measured and stay uncompressed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import itertools
+import json
+import pathlib
+import pprint
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax import collectives, data, quality
+from taco_jax.codec import CompressionConfig
+
+SETTING_FIELDS = ("format", "group_size", "hadamard")  # what the grid varies
+
+
+def grid(formats=("e4m3", "e5m2"), group_sizes=(32, 64, 128, 256),
+         hadamard=(True, False)) -> list[dict]:
+  """The codec settings to measure, as dicts of `SETTING_FIELDS`."""
+  return [dict(format=f, group_size=g, hadamard=h)
+          for f, g, h in itertools.product(formats, group_sizes, hadamard)]
+
+
+def bits_per_element(setting: dict) -> float:
+  return CompressionConfig(**setting).bits_per_element
+
+
+# --- 1. capture --------------------------------------------------------------------------
+
+
+def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
+            compiler_options=None) -> quality.Capture:
+  """Runs `steps` training steps of `config` and returns what each compressed site sent."""
+  from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step_lib
+  from taco_jax.parallel import train as ptrain
+  from taco_jax.train import checkpoint
+  from taco_jax.train.loop import load_data
+
+  ptrain.validate(config)
+  mesh, spec = mesh_lib.mesh_from_config(config), ptrain.spec_from_config(config)
+  if not spec.plan.any:
+    raise ValueError("compression is off in this config: there is nothing to calibrate")
+  d = config.data
+  corpus = load_data(config, workdir or pathlib.Path(tempfile.gettempdir()) / "taco_jax_data")
+  tx = ptrain.make_optimizer(config.optim, config.train.steps)
+  start = 0
+  if workdir and (pathlib.Path(workdir) / "checkpoints").exists():
+    ckpt = checkpoint.Checkpoints(workdir)
+    start = ckpt.latest_step() or 0
+    if start:
+      params, _, _ = ckpt.restore(start, model_lib.abstract_params(spec.cfg, mesh))
+    ckpt.close()
+  if not start:
+    params = model_lib.init_params(spec.cfg, mesh, config.seed)
+  opt_state = jax.jit(tx.init)(params)
+  cap = quality.Capture(rows_per_call)
+  batch = lambda i: ptrain.global_batch(data.batch_at(
+      corpus.train, i, seed=config.seed, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
+  step = jax.jit(step_lib.make_train_step(spec, mesh, tx, capture=cap)).lower(
+      params, opt_state, batch(start)).compile(compiler_options=compiler_options)
+  for i in range(start, start + steps):
+    params, opt_state, _ = step(params, opt_state, batch(i))
+  jax.block_until_ready(params)
+  jax.effects_barrier()  # every callback has delivered its tensor
+  return cap
+
+
+# --- 2. measure ---------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "n_seg"))
+def _errors(x, seg, settings, n_seg):
+  """Per setting and segment: (sum err^2, sum x^2, max |err|, max |x|), fp32 on device."""
+  xf = x.astype(jnp.float32)
+  x2 = jax.ops.segment_sum(jnp.sum(xf * xf, -1), seg, n_seg)
+  amax = jax.ops.segment_max(jnp.max(jnp.abs(xf), -1), seg, n_seg)
+  out = []
+  for s in settings:
+    err = collectives.roundtrip(x, CompressionConfig(**dict(s))) - xf
+    out.append(jnp.stack([jax.ops.segment_sum(jnp.sum(err * err, -1), seg, n_seg), x2,
+                          jax.ops.segment_max(jnp.max(jnp.abs(err), -1), seg, n_seg), amax]))
+  return jnp.stack(out)  # [settings, 4, n_seg]
+
+
+def measure_all(cap: quality.Capture, settings: list[dict], max_rows: int = 1 << 16) -> dict:
+  """{site: [setting + errors, ...]} for every captured site: rel_l2 = ||x_hat - x|| / ||x||
+  over all its captured rows (at most `max_rows`, evenly spaced), max_abs = max |x_hat - x|,
+  max_abs_over_absmax = max_abs / max |x|. Sites with the same last dimension are measured
+  in one program."""
+  frozen = tuple(tuple(sorted(s.items())) for s in settings)
+  by_width: dict[int, list] = {}
+  for site in sorted(cap.tensors):
+    rows = cap.rows(site)
+    if rows.shape[0] > max_rows:
+      rows = rows[np.linspace(0, rows.shape[0] - 1, max_rows).astype(int)]
+    by_width.setdefault(rows.shape[-1], []).append((site, rows))
+  out = {}
+  for group in by_width.values():
+    x = np.concatenate([r for _, r in group])
+    seg = np.concatenate([np.full(len(r), i) for i, (_, r) in enumerate(group)])
+    e = np.asarray(_errors(jnp.asarray(x), jnp.asarray(seg), frozen, len(group)), np.float64)
+    for i, (site, _) in enumerate(group):
+      out[site] = [dict(s, rel_l2=float(np.sqrt(e[j, 0, i] / e[j, 1, i])),
+                        max_abs=float(e[j, 2, i]),
+                        max_abs_over_absmax=float(e[j, 2, i] / e[j, 3, i]),
+                        bits_per_element=bits_per_element(s))
+                   for j, s in enumerate(settings)]
+  return out
+
+
+# --- 3. choose ---------------------------------------------------------------------------
+
+
+def _key(setting: dict) -> tuple:
+  return tuple(setting[k] for k in SETTING_FIELDS)
+
+
+def _pick(scores: dict, base: dict) -> tuple:
+  """The setting key with the lowest score among those no costlier than `base`."""
+  budget = bits_per_element(base)
+  ok = [k for k in scores if bits_per_element(dict(zip(SETTING_FIELDS, k))) <= budget]
+  return min(ok, key=lambda k: (scores[k], bits_per_element(dict(zip(SETTING_FIELDS, k))),
+                                k != _key(base)))
+
+
+def choose(results: dict, plan) -> dict:
+  """{family: {"setting", "error", "base_setting", "base_error", "sites": {site: ...}}} for
+  each family of `plan` (a CompressionPlan) with measured sites; see the module docstring."""
+  out = {}
+  for fam in quality.FAMILIES:
+    cfg = getattr(plan, fam)
+    sites = [s for s in results if quality.SITES[s] == fam]
+    if cfg is None or not sites:
+      continue
+    base = {k: getattr(cfg, k) for k in SETTING_FIELDS}
+    per_site = {s: {_key(r): r["rel_l2"] for r in results[s]} for s in sites}
+    keys = set.intersection(*(set(v) for v in per_site.values()))
+    if _key(base) not in keys:
+      raise ValueError(f"{fam}: the config's own setting {base} is not in the measured grid")
+    family = {k: float(np.mean([per_site[s][k] for s in sites])) for k in keys}
+    best = _pick(family, base)
+    out[fam] = dict(
+        setting=dict(zip(SETTING_FIELDS, best)), error=family[best], base_setting=base,
+        base_error=family[_key(base)],
+        sites={s: dict(setting=dict(zip(SETTING_FIELDS, b := _pick(per_site[s], base))),
+                       error=per_site[s][b], base_error=per_site[s][_key(base)])
+               for s in sites})
+  return out
+
+
+# --- 4. write -------------------------------------------------------------------------------
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def calibrated_sections(plan, choices: dict) -> dict:
+  """{family: full codec section (dict)}: the config's codec with the chosen setting."""
+  default = CompressionConfig()
+  out = {}
+  for fam, c in choices.items():
+    cfg = dataclasses.replace(getattr(plan, fam), **c["setting"])
+    out[fam] = dict(enabled=True, **{f.name: getattr(cfg, f.name)
+                                     for f in dataclasses.fields(cfg)
+                                     if f.name in SETTING_FIELDS + ("dual_scale", "min_bytes")
+                                     or getattr(cfg, f.name) != getattr(default, f.name)})
+  return out
+
+
+def config_source(config, sections: dict, base_module: str | None, header: str) -> str:
+  """Python source of a config file: `base_module`'s get_config() plus the fields where
+  `config` differs from it, then `sections`; a full literal of `config` if there is no
+  importable base or it lacks some of config's fields."""
+  lines = [f'"""{header}\n"""', "import ml_collections", ""]
+  body = None
+  if base_module:
+    import importlib
+    base = _flat(importlib.import_module(base_module).get_config().to_dict())
+    mine = _flat(config.to_dict())
+    if set(mine) == set(base):
+      diff = {k: v for k, v in mine.items() if v != base[k]}
+      lines.insert(2, f"from {base_module} import get_config as base_config")
+      body = ["  c = base_config()"]
+      if diff:
+        body.append("  # overrides given at calibration time")
+        body += ["  c.update_from_flattened_dict({"]
+        body += [f"      {k!r}: {v!r}," for k, v in sorted(diff.items())] + ["  })"]
+  if body is None:
+    body = ["  c = ml_collections.ConfigDict(" + pprint.pformat(config.to_dict()) + ")"]
+  body.append("  # calibrated codec per collective family (taco_jax.calibrate)")
+  for fam, sec in sections.items():
+    body.append(f"  c.compression.{fam} = ml_collections.ConfigDict({sec!r})")
+  body.append("  return c")
+  return "\n".join(lines + ["", "def get_config():"] + body) + "\n"
+
+
+def base_module_of(config_path: str | None) -> str | None:
+  """`configs.<name>` for a file configs/<name>.py of this repository, else None."""
+  if not config_path or ":" in config_path:
+    return None
+  p = pathlib.Path(config_path).resolve()
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  if p.parent == repo / "configs" and p.suffix == ".py" and p.stem.isidentifier():
+    return f"configs.{p.stem}"
+  return None
+
+
+def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
+              config_path: str | None = None, workdir=None, rows_per_call: int = 1024,
+              report=None, compiler_options=None) -> dict:
+  """Steps 1-4 (module docstring); returns the report (also written to `report`, default
+  <out>.json)."""
+  from taco_jax.parallel.compression import plan_from_config
+  plan = plan_from_config(config.compression)
+  settings = list(settings or grid())
+  for fam in quality.FAMILIES:  # the config's own settings are always candidates
+    cfg = getattr(plan, fam)
+    if cfg is not None and (s := {k: getattr(cfg, k) for k in SETTING_FIELDS}) not in settings:
+      settings.append(s)
+  cap = capture(config, steps, workdir, rows_per_call, compiler_options)
+  results = measure_all(cap, settings)
+  choices = choose(results, plan)
+  out = pathlib.Path(out)
+  table = "\n".join(f"  {fam}: {c['setting']} rel. L2 error {c['error']:.4g} (config's "
+                    f"{c['base_setting']}: {c['base_error']:.4g})" for fam, c in choices.items())
+  header = (f"{config.name}, calibrated by `python -m taco_jax.calibrate` on {steps} steps "
+            f"({datetime.date.today()}); report: {out.with_suffix('.json').name}.\n\n"
+            f"Chosen per family (lowest mean relative L2 error over its sites, at <= the "
+            f"config's wire bytes):\n{table}")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(config_source(config, calibrated_sections(plan, choices),
+                               base_module_of(config_path), header))
+  rep = dict(config=config.name, config_path=config_path, steps=steps, out=str(out),
+             rule="per family: min over settings with bits/element <= the config's of the "
+                  "mean over the family's sites of rel_l2; ties: fewer bits, then the config's",
+             shapes={s: sorted(map(list, v)) for s, v in cap.shapes.items()},
+             rows={s: int(cap.rows(s).shape[0]) for s in cap.tensors},
+             choices=choices, results=results)
+  report = pathlib.Path(report) if report else out.with_suffix(".json")
+  report.write_text(json.dumps(rep, indent=1))
+  return rep
+
+
+def main(argv=None):
+  import sys
+
+  from absl import app, flags
+  from ml_collections import config_flags
+
+  from taco_jax.train.cli import rewrite_config_arg, use_cpu_devices
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (parallel layout).")
+  flags.DEFINE_integer("steps", 4, "Training steps to capture tensors from.")
+  flags.DEFINE_string("out", None, "Config file to write (and <out>.json, the report).")
+  flags.DEFINE_string("workdir", None, "Start from this run's latest checkpoint (read only).")
+  flags.DEFINE_list("formats", ["e4m3", "e5m2"], "FP8 formats to measure.")
+  flags.DEFINE_list("group_sizes", ["32", "64", "128", "256"], "Group sizes to measure.")
+  flags.DEFINE_list("hadamard", ["true", "false"], "Hadamard settings to measure.")
+  flags.DEFINE_integer("rows_per_call", 1024, "Rows kept of each captured message.")
+  flags.DEFINE_integer("cpu_devices", 0, "Run on this many fake CPU devices; 0 = real ones.")
+  F = flags.FLAGS
+
+  def run(_):
+    if F.cpu_devices:
+      use_cpu_devices(F.cpu_devices)
+    if F.config is None or F.out is None:
+      raise app.UsageError("--config and --out are required")
+    settings = grid(tuple(F.formats), tuple(int(g) for g in F.group_sizes),
+                    tuple(h.lower() in ("1", "true", "on") for h in F.hadamard))
+    try:
+      rep = calibrate(F.config, steps=F.steps, out=F.out, settings=settings,
+                      config_path=config_flags.get_config_filename(F["config"]),
+                      workdir=F.workdir, rows_per_call=F.rows_per_call)
+    except (ValueError, FileNotFoundError) as e:
+      print(f"error: {e}", file=sys.stderr)
+      sys.exit(2)
+    for fam, c in rep["choices"].items():
+      print(f"{fam:12s} {c['setting']}  rel_l2 {c['error']:.4g}  "
+            f"(config's {c['base_setting']}: {c['base_error']:.4g})")
+    print(f"wrote {rep['out']}; train with: python -m taco_jax.train --config={rep['out']}")
+
+  app.run(run, argv=rewrite_config_arg(argv or sys.argv))
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,263 @@
+"""Watching what the compressed collectives send: error metrics and tensor capture.
+
+Two monitors, active only while a step is being traced (`watching(monitor)`); with none
+active every hook below returns its input untouched, so the normal program is unchanged:
+
+* `ErrorLog` (config `compression.log_errors`): each compressed message x also goes
+  through encode -> u8 wire -> decode on its sender (one extra decode; the encode is the
+  same one XLA may share with the collective), and the relative L2 error
+  ||x_hat - x|| / ||x|| of x, for every site, comes out of the step as a metric.
+* `Capture` (`python -m taco_jax.calibrate`): the messages themselves are copied to the host
+  (`jax.debug.callback`) per site, for measuring codec settings on real tensors.
+
+How values leave a backward pass without threading them through the model: the sites'
+errors flow out as the *gradient* of a zero "probe" argument. A forward message x is
+wrapped in an identity whose custom VJP adds x's error to the probe's cotangent; a
+backward message (the cotangent of a region's output) in one whose VJP adds the
+cotangent's error. Scans over layers and ticks, remat and custom_vjp regions sum those
+cotangents like any other, so d(loss)/d(probe)[site] = (sum of relative errors, number of
+non-zero messages) of that site on this device. Capture taps the forward message in the
+backward pass too (as a residual), so remat's recomputation does not record it twice.
+
+Sites (`SITES`): each region of `taco_jax.mappings`, per direction, plus the pipeline shift
+and the data-parallel gradient all-reduce; each belongs to one compression family.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from taco_jax import collectives
+from taco_jax.codec import CompressionConfig
+
+# site -> (family, collective). "/fwd": the region's input as its forward collective sends
+# it; "/bwd": the cotangent of its output as the backward (transposed) collective sends it.
+_SITES = {
+    "gather_from_sp/fwd": ("tp_forward", "all_gather"),            # the sequence shard
+    "gather_from_sp/bwd": ("tp_backward", "reduce_scatter"),       # its gradient
+    "reduce_scatter_to_sp/fwd": ("tp_forward", "reduce_scatter"),  # partial sums
+    "reduce_scatter_to_sp/bwd": ("tp_backward", "all_gather"),     # their gradient
+    "reduce_from_tp/fwd": ("tp_forward", "all_reduce"),            # TP without SP
+    "copy_to_tp/bwd": ("tp_backward", "all_reduce"),
+    "pp/fwd": ("pp", "ppermute"),                                  # pipeline activations
+    "pp/bwd": ("pp", "ppermute"),                                  # ... and their gradients
+    "dp": ("dp", "all_reduce"),                                    # gradient all-reduce
+}
+SITES = {s: fam for s, (fam, _) in _SITES.items()}  # site -> family
+_ROW = {s: i for i, s in enumerate(SITES)}
+
+
+def _sends_compressed(site: str, x, cfg: CompressionConfig | None) -> bool:
+  """Whether the site's collective compresses x (not below `min_bytes` or the link's
+  measured threshold): only compressed messages are logged or captured."""
+  return cfg is not None and collectives.compresses(_SITES[site][1], x, cfg)
+FAMILIES = ("tp_forward", "tp_backward", "pp", "dp")
+
+
+def relative_error(x, cfg: CompressionConfig):
+  """[||x_hat - x|| / ||x|| (0 for x == 0), 1 if x != 0 else 0] in fp32, for x as sent."""
+  xf = x.astype(jnp.float32)
+  e2 = jnp.sum(jnp.square(collectives.roundtrip(x, cfg) - xf))
+  x2 = jnp.sum(jnp.square(xf))
+  nonzero = x2 > 0
+  return jnp.stack([jnp.where(nonzero, jnp.sqrt(e2 / jnp.where(nonzero, x2, 1.0)), 0.0),
+                    nonzero.astype(jnp.float32)])
+
+
+def _at_row(site: str, stats):
+  return jnp.zeros((len(SITES), 2), jnp.float32).at[_ROW[site]].set(stats)
+
+
+# --- monitors ------------------------------------------------------------------------------
+
+
+class ErrorLog:
+  """Per-site error sums of one traced step (see the module docstring)."""
+
+  def __init__(self):
+    self.probe = None  # the zero [len(SITES), 2] argument being differentiated
+    self.direct = []   # stats recorded outside the gradient (the DP all-reduce)
+
+  def stats(self, probe_ct):
+    """[len(SITES), 2]: (sum of relative errors, messages) per site, this device."""
+    return functools.reduce(jnp.add, self.direct, probe_ct)
+
+
+class Capture:
+  """Host-side store of the messages sent at each site (thread-safe: one callback per
+  device). Keeps at most `rows_per_call` evenly spaced rows (groups run along the last
+  axis, so rows are independent) of each message, and skips all-zero messages."""
+
+  def __init__(self, rows_per_call: int = 1024):
+    self.rows_per_call = rows_per_call
+    self.tensors: dict[str, list[np.ndarray]] = {}
+    self.shapes: dict[str, set] = {}  # the full per-device shapes seen at each site
+    self._lock = threading.Lock()
+
+  def add(self, site: str, x) -> None:
+    x = np.asarray(x)
+    if not np.any(x):
+      return
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > self.rows_per_call:
+      rows = rows[np.linspace(0, rows.shape[0] - 1, self.rows_per_call).astype(int)]
+    with self._lock:
+      self.tensors.setdefault(site, []).append(rows.copy())
+      self.shapes.setdefault(site, set()).add(x.shape)
+
+  def rows(self, site: str) -> np.ndarray:
+    """Every captured row of `site`, stacked: [rows, last dim]."""
+    return np.concatenate(self.tensors[site])
+
+
+_ACTIVE: list = []  # the monitor of the step being traced (a stack, innermost last)
+
+
+@contextlib.contextmanager
+def watching(monitor):
+  """Within: the hooks below report to `monitor` (None: nothing changes)."""
+  _ACTIVE.append(monitor)
+  try:
+    yield monitor
+  finally:
+    _ACTIVE.pop()
+
+
+def _monitor():
+  return _ACTIVE[-1] if _ACTIVE else None
+
+
+def value_and_grad(f, params, monitor):
+  """`jax.value_and_grad(f)(params)` with `monitor` watching; for an `ErrorLog`, the
+  per-site stats of the step's sites that sit under the gradient (see `ErrorLog.stats`)
+  come back as a third value (None otherwise)."""
+  if not isinstance(monitor, ErrorLog):
+    with watching(monitor):
+      return (*jax.value_and_grad(f)(params), None)
+
+  def g(p, probe):
+    monitor.probe = probe
+    with watching(monitor):
+      return f(p)
+
+  probe = jnp.zeros((len(SITES), 2), jnp.float32)
+  loss, (grads, probe_ct) = jax.value_and_grad(g, argnums=(0, 1))(params, probe)
+  monitor.probe = None
+  return loss, grads, probe_ct
+
+
+# --- hooks at the sites --------------------------------------------------------------------
+
+
+def region(f, x, *, fwd: CompressionConfig | None, bwd: CompressionConfig | None,
+           fwd_site: str, bwd_site: str):
+  """`f(x)` for a region that sends x forward (codec `fwd`) and its output's cotangent
+  backward (codec `bwd`); the active monitor sees the compressed ones. No monitor: f(x)."""
+  m = _monitor()
+  if m is None:
+    return f(x)
+  if _sends_compressed(fwd_site, x, fwd):
+    x = (_log_value(x, m.probe, fwd_site, fwd) if isinstance(m, ErrorLog)
+         else _capture_value(x, m, fwd_site))
+  y = f(x)
+  if _sends_compressed(bwd_site, y, bwd):  # the cotangent has y's shape and dtype
+    y = (_log_cotangent(y, m.probe, bwd_site, bwd) if isinstance(m, ErrorLog)
+         else _capture_cotangent(y, m, bwd_site))
+  return y
+
+
+def sent(x, cfg: CompressionConfig | None, site: str) -> None:
+  """Reports x, sent with `cfg` by a forward-only collective at the trace level of the
+  `watching` block itself (not under a gradient, scan or remat inside it)."""
+  m = _monitor()
+  if m is None or not _sends_compressed(site, x, cfg):
+    return
+  if isinstance(m, ErrorLog):
+    m.direct.append(_at_row(site, relative_error(x, cfg)))
+  else:
+    jax.debug.callback(functools.partial(m.add, site), x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _log_value(x, probe, site, cfg):
+  return x
+
+
+def _log_value_fwd(x, probe, site, cfg):
+  return x, relative_error(x, cfg)
+
+
+def _log_value_bwd(site, cfg, stats, ct):
+  return ct, _at_row(site, stats)
+
+
+_log_value.defvjp(_log_value_fwd, _log_value_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _log_cotangent(y, probe, site, cfg):
+  return y
+
+
+def _log_cotangent_fwd(y, probe, site, cfg):
+  return y, None
+
+
+def _log_cotangent_bwd(site, cfg, _, ct):
+  return ct, _at_row(site, relative_error(ct, cfg))
+
+
+_log_cotangent.defvjp(_log_cotangent_fwd, _log_cotangent_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _capture_value(x, capture, site):
+  return x
+
+
+def _capture_value_fwd(x, capture, site):
+  return x, x
+
+
+def _capture_value_bwd(capture, site, x, ct):
+  jax.debug.callback(functools.partial(capture.add, site), x)
+  return (ct,)
+
+
+_capture_value.defvjp(_capture_value_fwd, _capture_value_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _capture_cotangent(y, capture, site):
+  return y
+
+
+def _capture_cotangent_fwd(y, capture, site):
+  return y, None
+
+
+def _capture_cotangent_bwd(capture, site, _, ct):
+  jax.debug.callback(functools.partial(capture.add, site), ct)
+  return (ct,)
+
+
+_capture_cotangent.defvjp(_capture_cotangent_fwd, _capture_cotangent_bwd)
+
+
+# --- metrics ---------------------------------------------------------------------------------
+
+
+def family_metrics(stats, families) -> dict:
+  """{"compression_error/<family>": mean relative error over the family's non-zero
+  messages} from summed per-site stats [len(SITES), 2], for each of `families`."""
+  out = {}
+  for fam in families:
+    rows = [_ROW[s] for s, f in SITES.items() if f == fam]
+    total, count = jnp.sum(stats[jnp.array(rows)], axis=0)
+    out[f"compression_error/{fam}"] = total / jnp.maximum(count, 1.0)
+  return out

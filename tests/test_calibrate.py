@@ -1,0 +1,130 @@
+"""`taco_jax.calibrate`: capture at every compressed site, measure a grid, choose by the
+stated rule, write a config the trainer runs (with `compression.log_errors` on, so the
+metrics reach metrics.jsonl through the training loop)."""
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from configs import parallel_tiny
+from taco_jax import calibrate, quality
+from taco_jax.parallel import train as parallel_train
+from taco_jax.parallel.compression import plan_from_config
+from taco_jax.train import metrics
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+B, T, D = 8, 32, 64  # global batch, sequence, width; mesh 2x2x2, 2 micro-batches
+
+
+def _config(tmp_path):
+  corpus = tmp_path / "corpus.txt"
+  rng = np.random.default_rng(0)
+  words = "the quick brown fox jumps over a lazy dog while tensors cross the wire".split()
+  corpus.write_text(" ".join(rng.choice(words, 20000)))
+  c = parallel_tiny.get_config()
+  c.model.update(n_layers=2, d_model=D, n_heads=8, d_ff=128, max_seq_len=T)
+  c.data.update(seq_len=T, batch_size=B, path=str(corpus))
+  c.train.update(steps=2, log_every=1, eval_every=0, eval_batches=1, checkpoint_every=0,
+                 progress_bar=False)
+  c.optim.update(warmup_steps=1)
+  c.compression.dp.enabled = True  # every family
+  return c
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+  tmp = tmp_path_factory.mktemp("calibrate")
+  config = _config(tmp)
+  settings = calibrate.grid(group_sizes=(32, 64, 128))
+  rep = calibrate.calibrate(config, steps=2, out=tmp / "calibrated_tiny.py", settings=settings,
+                            config_path="configs/parallel_tiny.py",
+                            compiler_options=FAST_COMPILE)
+  return tmp, config, rep
+
+
+def test_captures_every_site_with_its_shape(run):
+  _, _, rep = run
+  b, s = B // 2 // 2, T // 2  # per data rank and micro-batch; sequence shard
+  want = {
+      "gather_from_sp/fwd": [[b, s, D]],                   # block in-projections, head
+      "gather_from_sp/bwd": [[b, T, D]],
+      "reduce_scatter_to_sp/fwd": [[b, T, D], [2 * b, T, D]],  # blocks; embedding (whole batch)
+      "reduce_scatter_to_sp/bwd": [[b, s, D], [2 * b, s, D]],
+      "pp/fwd": [[b, s, D]], "pp/bwd": [[b, s, D]],
+  }
+  for site, shapes in want.items():
+    assert rep["shapes"][site] == shapes, site
+  (dp_shape,) = rep["shapes"]["dp"]
+  assert dp_shape[1] == 2048  # the fused gradient buffer [rows, _BUCKET]
+  assert set(rep["shapes"]) == set(want) | {"dp"}
+  assert {quality.SITES[s] for s in rep["shapes"]} == set(quality.FAMILIES)
+
+
+def test_choice_follows_the_rule(run):
+  _, config, rep = run
+  plan = plan_from_config(config.compression)
+  for fam, choice in rep["choices"].items():
+    base = choice["base_setting"]
+    assert base == {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS}
+    sites = [s for s in rep["results"] if quality.SITES[s] == fam]
+    scores = {}
+    for r in rep["results"][sites[0]]:
+      key = calibrate._key(r)
+      scores[key] = np.mean([next(x["rel_l2"] for x in rep["results"][s]
+                                  if calibrate._key(x) == key) for s in sites])
+    budget = calibrate.bits_per_element(base)
+    ok = {k: v for k, v in scores.items()
+          if calibrate.bits_per_element(dict(zip(calibrate.SETTING_FIELDS, k))) <= budget}
+    assert choice["error"] == pytest.approx(min(ok.values()))
+    assert calibrate.bits_per_element(choice["setting"]) <= budget
+    assert choice["error"] <= choice["base_error"]
+  for site, rows in rep["results"].items():
+    for r in rows:
+      assert 0 < r["rel_l2"] < 0.2 and 0 < r["max_abs_over_absmax"] < 1, (site, r)
+
+
+def test_pick_prefers_fewer_bytes_then_the_configs_own():
+  base = dict(format="e4m3", group_size=64, hadamard=True)
+  scores = {("e4m3", 32, True): 0.01,   # best, but costs more bytes than the base
+            ("e4m3", 64, True): 0.03, ("e4m3", 64, False): 0.02,
+            ("e4m3", 128, True): 0.02}  # ties with 64/False at fewer bytes
+  assert calibrate._pick(scores, base) == ("e4m3", 128, True)
+  assert calibrate._pick({("e4m3", 64, False): 0.03, ("e4m3", 64, True): 0.03}, base) == \
+      ("e4m3", 64, True)
+
+
+def test_trainer_runs_the_written_config(run):
+  tmp, config, rep = run
+  spec = importlib.util.spec_from_file_location("calibrated", rep["out"])
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  c = mod.get_config()
+  assert c.to_dict() | {"compression": None} == config.to_dict() | {"compression": None}
+  plan = plan_from_config(c.compression)
+  for fam, choice in rep["choices"].items():
+    assert {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS} == \
+        choice["setting"]
+  assert json.loads((tmp / "calibrated_tiny.json").read_text())["choices"] == rep["choices"]
+  c.compression.log_errors = True
+  summary = parallel_train.train(c, tmp / "run")
+  assert summary["status"] == "completed"
+  recs = [r for r in metrics.read_jsonl(tmp / "run" / "metrics.jsonl") if "loss" in r]
+  assert len(recs) == 2
+  for fam in quality.FAMILIES:
+    assert all(0 < r[f"compression_error/{fam}"] < 0.2 for r in recs), fam
+
+
+@pytest.mark.parametrize("base", ["configs.parallel_tiny", None])
+def test_config_source_round_trips(tmp_path, base):
+  """With an importable base: base + overrides + sections; without: a literal."""
+  config = _config(tmp_path)
+  section = dict(enabled=True, format="e5m2", group_size=128, hadamard=False,
+                 dual_scale=True, min_bytes=0)
+  src = calibrate.config_source(config, {"tp_backward": section}, base, "header")
+  assert ("from configs.parallel_tiny import" in src) == (base is not None)
+  namespace = {}
+  exec(compile(src, "calibrated.py", "exec"), namespace)
+  want = config.to_dict()
+  want["compression"]["tp_backward"] = section
+  assert namespace["get_config"]().to_dict() == want
