@@ -226,6 +226,9 @@ def config_source(config, sections: dict, base_module: str | None, header: str) 
   body.append("  # calibrated codec per collective family (taco_jax.calibrate)")
   for fam, sec in sections.items():
     body.append(f"  c.compression.{fam} = ml_collections.ConfigDict({sec!r})")
+  if "log_errors" not in config.compression:  # so that --config.compression.log_errors=True works
+    body.append("  c.compression.log_errors = False  # True: step metrics "
+                "compression_error/<family>")
   body.append("  return c")
   return "\n".join(lines + ["", "def get_config():"] + body) + "\n"
 

@@ -101,6 +101,7 @@ def test_trainer_runs_the_written_config(run):
   spec.loader.exec_module(mod)
   c = mod.get_config()
   assert c.to_dict() | {"compression": None} == config.to_dict() | {"compression": None}
+  assert c.compression.log_errors is False
   plan = plan_from_config(c.compression)
   for fam, choice in rep["choices"].items():
     assert {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS} == \
@@ -127,4 +128,5 @@ def test_config_source_round_trips(tmp_path, base):
   exec(compile(src, "calibrated.py", "exec"), namespace)
   want = config.to_dict()
   want["compression"]["tp_backward"] = section
+  want["compression"]["log_errors"] = False  # defined, so the command line can switch it on
   assert namespace["get_config"]().to_dict() == want
