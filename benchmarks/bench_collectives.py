@@ -59,7 +59,6 @@ def parse_args(argv=None):
   p.add_argument("--no-hadamard", action="store_true")
   p.add_argument("--implementation", default="auto", choices=["auto", "pallas", "xla"])
   p.add_argument("--algorithm", default="two_shot", choices=["one_shot", "two_shot"])
-  p.add_argument("--num-slices", type=int, default=1)
   p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
   p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny sizes")
   args = p.parse_args(argv)
@@ -120,28 +119,20 @@ def run(args) -> dict:
       return from_u8(u, jnp.float32).sum(0).astype(x.dtype)
     return raw_ag(raw_rs(x, jnp.float32)).astype(x.dtype)
 
-  ns = args.num_slices
-
-  def sliceable(x):  # [rows, d] -> [ns, rows / ns, d]: slices need a dim of their own
-    return x.reshape(ns, -1, d) if ns > 1 else x
-
-  ax = 1 if ns > 1 else 0  # the communicated dim of sliceable(x)
   variants = {
       "all_gather": {
           "bf16": lambda x: tc.all_gather(x, "x"),
           "raw_fp8": raw_ag,
-          "compressed": lambda x: tc.all_gather(sliceable(x), "x", axis=ax, compression=cfg,
-                                                num_slices=ns)},
+          "compressed": lambda x: tc.all_gather(x, "x", compression=cfg)},
       "reduce_scatter": {
           "bf16": lambda x: tc.reduce_scatter(x, "x"),
           "raw_fp8": lambda x: raw_rs(x, x.dtype),
-          "compressed": lambda x: tc.reduce_scatter(sliceable(x), "x", scatter_dimension=ax,
-                                                    compression=cfg, num_slices=ns)},
+          "compressed": lambda x: tc.reduce_scatter(x, "x", compression=cfg)},
       "all_reduce": {
           "bf16": lambda x: tc.all_reduce(x, "x"),
           "raw_fp8": raw_ar,
-          "compressed": lambda x: tc.all_reduce(sliceable(x), "x", compression=cfg,
-                                                algorithm=args.algorithm, num_slices=ns)},
+          "compressed": lambda x: tc.all_reduce(x, "x", compression=cfg,
+                                                algorithm=args.algorithm)},
   }
   # NCCL bus-bandwidth conventions, on the bf16 bytes S of each device's input.
   algbw_bytes = {"all_gather": lambda s: n * s, "reduce_scatter": lambda s: s,

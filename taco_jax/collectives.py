@@ -58,30 +58,8 @@ def _check_dim(fn: str, axis_name, n: int, shape, dim: int, what: str) -> int:
   return dim
 
 
-def _compressed(fn: str, x, compression: CompressionConfig | None, num_slices: int = 1) -> bool:
-  if not isinstance(num_slices, int) or num_slices < 1:
-    raise ValueError(f"num_slices must be a positive int, got {num_slices!r}")
-  return compression is not None and compression.pays_for(fn, x.size * x.dtype.itemsize)
-
-
-def _slices(x, dim: int, k: int, fn: str):
-  if k == 1:
-    return [x]
-  if x.shape[dim] % k:
-    raise ValueError(f"{fn}: num_slices={k} does not divide dimension {dim} of shape "
-                     f"{x.shape}")
-  return jnp.split(x, k, axis=dim)
-
-
-def _slice_dim(ndim: int, avoid: int, fn: str, k: int) -> int:
-  """First dimension other than ``avoid`` and the grouped last one (slicing runs along it)."""
-  for d in range(ndim - 1):
-    if d != avoid:
-      return d
-  if k == 1:
-    return 0
-  raise ValueError(f"{fn}: num_slices={k} needs a dimension besides the communicated "
-                   "and the last (grouped) one")
+def _compressed(fn: str, x, compression: CompressionConfig | None, n: int | None) -> bool:
+  return compression is not None and compression.pays_for(fn, x.size * x.dtype.itemsize, n)
 
 
 def _forward_only(fn: str, f, x):
@@ -112,10 +90,12 @@ def _from_wire(codes_u8, scales, size: int, cfg: CompressionConfig) -> Compresse
   return Compressed(codes, scales[..., 0], scales[..., 1], size)
 
 
-def compresses(collective: str, x, compression: CompressionConfig | None) -> bool:
+def compresses(collective: str, x, compression: CompressionConfig | None,
+               axis_size: int | None = None) -> bool:
   """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
-  x (the local input, as passed to it) compressed: static, from shapes and the config."""
-  return _compressed(collective, x, compression)
+  x (the local input, as passed to it) compressed: static, from shapes and the config.
+  Without ``axis_size``, a ``link`` threshold is the most cautious measured one."""
+  return _compressed(collective, x, compression, axis_size)
 
 
 def roundtrip(x, cfg: CompressionConfig, dtype=jnp.float32):
@@ -147,12 +127,10 @@ def _reduce_stacked(chunks, axis_name, cfg, out_dtype):
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
-               compression: CompressionConfig | None = None, num_slices: int = 1):
+               compression: CompressionConfig | None = None):
   """All-gather of ``x`` over ``axis_name`` (``lax.all_gather``; note ``tiled=True`` default).
 
   forward: all-gather, backward (its transpose): reduce-scatter (see ``mappings``).
-  ``num_slices`` > 1 splits the message along another dimension into that many slices,
-  each compressed and gathered separately, so compressing slice i+1 may overlap sending i.
   """
   fn = "all_gather"
   n = axis_size(axis_name, fn, x.shape)
@@ -160,26 +138,22 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   if not -ndim <= axis < ndim:
     raise ValueError(f"{fn}: axis={axis} is out of range for an input of shape {x.shape}")
   axis %= ndim
-  if not _compressed(fn, x, compression, num_slices):
+  if not _compressed(fn, x, compression, n):
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
   return _forward_only(fn, lambda x: _all_gather(
-      x, axis_name, axis, tiled, compression, num_slices, "varying", n), x)
+      x, axis_name, axis, tiled, compression, "varying", n), x)
 
 
-def _all_gather(x, axis_name, axis, tiled, compression, num_slices, _to, n):
-  fn = "all_gather"
-  sd = _slice_dim(x.ndim, -1, fn, num_slices)
-  parts = [decompress(_gather_codes(s, axis_name, compression, _to), compression, x.dtype)
-           for s in _slices(x, sd, num_slices, fn)]
-  y = parts[0] if num_slices == 1 else jnp.concatenate(parts, axis=sd + 1)  # [N, *x.shape]
-  y = jnp.moveaxis(y, 0, axis)
+def _all_gather(x, axis_name, axis, tiled, compression, to, n):
+  y = decompress(_gather_codes(x, axis_name, compression, to), compression, x.dtype)
+  y = jnp.moveaxis(y, 0, axis)  # [N, *x.shape] -> the gathered axis in place
   if tiled:
     y = y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:])
   return y
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
-                   compression: CompressionConfig | None = None, num_slices: int = 1):
+                   compression: CompressionConfig | None = None):
   """Sum over ``axis_name``, rank i keeping chunk i of ``scatter_dimension`` (tiled
   ``lax.psum_scatter``). forward: reduce-scatter, backward (transpose): all-gather.
 
@@ -189,24 +163,20 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   fn = "reduce_scatter"
   n = axis_size(axis_name, fn, x.shape)
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
-  if not _compressed(fn, x, compression, num_slices):
+  if not _compressed(fn, x, compression, n):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
   return _forward_only(fn, lambda x: _reduce_scatter(
-      x, axis_name, d, compression, num_slices, x.dtype, n), x)
+      x, axis_name, d, compression, x.dtype, n), x)
 
 
-def _reduce_scatter(x, axis_name, d, compression, num_slices, out_dtype, n):
-  fn = "reduce_scatter"
+def _reduce_scatter(x, axis_name, d, compression, out_dtype, n):
   chunks = x.reshape(*x.shape[:d], n, x.shape[d] // n, *x.shape[d + 1:])
   chunks = jnp.moveaxis(chunks, d, 0)  # [N, *chunk_shape]; groups still on the last axis
-  sd = _slice_dim(x.ndim, d, fn, num_slices)
-  parts = [_reduce_stacked(s, axis_name, compression, out_dtype)
-           for s in _slices(chunks, sd + 1, num_slices, fn)]
-  return parts[0] if num_slices == 1 else jnp.concatenate(parts, axis=sd)
+  return _reduce_stacked(chunks, axis_name, compression, out_dtype)
 
 
 def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None = None,
-               algorithm: Algorithm = "two_shot", num_slices: int = 1):
+               algorithm: Algorithm = "two_shot"):
   """Sum of ``x`` over ``axis_name`` on every rank (``lax.psum``; the result is invariant).
 
   forward: all-reduce, backward (transpose): identity (see ``mappings``).
@@ -219,30 +189,24 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   if algorithm not in ("one_shot", "two_shot"):
     raise ValueError(f"{fn}: algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
   n = axis_size(axis_name, fn, x.shape)
-  if not _compressed(fn, x, compression, num_slices):
+  if not _compressed(fn, x, compression, n):
     return jax.lax.psum(x, axis_name)
   if x.ndim == 0:
     raise ValueError(f"{fn}: compression needs an array with at least one dimension")
-  return _forward_only(fn, lambda x: _all_reduce(x, axis_name, compression, algorithm,
-                                                 num_slices, n), x)
+  return _forward_only(fn, lambda x: _all_reduce(x, axis_name, compression, algorithm, n), x)
 
 
-def _all_reduce(x, axis_name, compression, algorithm, num_slices, n):
-  fn = "all_reduce"
+def _all_reduce(x, axis_name, compression, algorithm, n):
   if algorithm == "one_shot":
-    sd = _slice_dim(x.ndim, -1, fn, num_slices)
-    parts = [decompress_sum(_gather_codes(s, axis_name, compression, "invarying"),
-                            compression, x.dtype)
-             for s in _slices(x, sd, num_slices, fn)]
-    return parts[0] if num_slices == 1 else jnp.concatenate(parts, axis=sd)
+    return decompress_sum(_gather_codes(x, axis_name, compression, "invarying"),
+                          compression, x.dtype)
   rows = x.reshape(-1, x.shape[-1])
   r = rows.shape[0]
-  pad = -r % (n * num_slices)
+  pad = -r % n
   if pad:
-    rows = jnp.pad(rows, [(0, pad), (0, 0)])
-  rows = rows.reshape(num_slices, -1, x.shape[-1])  # [slices, rows, D]: scatter the rows
-  part = _reduce_scatter(rows, axis_name, 1, compression, num_slices, jnp.float32, n)
-  out = _all_gather(part, axis_name, 1, True, compression, num_slices, "invarying", n)
+    rows = jnp.pad(rows, [(0, pad), (0, 0)])  # [rows, D]: scatter the rows
+  part = _reduce_scatter(rows, axis_name, 0, compression, jnp.float32, n)
+  out = _all_gather(part, axis_name, 0, True, compression, "invarying", n)
   return out.reshape(-1, x.shape[-1])[:r].astype(x.dtype).reshape(x.shape)
 
 
@@ -250,8 +214,8 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
   """``lax.ppermute``: rank src sends x to rank dst for each (src, dst) in ``perm``; ranks
   that receive nothing get zeros. forward: ppermute, backward: ppermute with perm inverted.
   """
-  axis_size(axis_name, "ppermute", x.shape)
-  if not _compressed("ppermute", x, compression):
+  n = axis_size(axis_name, "ppermute", x.shape)
+  if not _compressed("ppermute", x, compression, n):
     return jax.lax.ppermute(x, axis_name, perm)
   return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
 

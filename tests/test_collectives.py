@@ -149,25 +149,6 @@ def test_configs_and_bf16(cfg, kind):
   _check(mesh_1d(4), "x", 4, kind, CONFIGS[cfg], jnp.bfloat16, True)
 
 
-@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce_two_shot"])
-def test_num_slices(kind):
-  """Slices never change the groups: same bits as unsliced (two-shot: same bound)."""
-  if kind == "all_reduce_two_shot":  # slicing changes the row padding, not the bound
-    _, _, p, expect, bound = case(kind, 4, E4M3, "x", jnp.float32)
-    out, ranks = run(mesh_1d(4), "x", lambda x: tc.all_reduce(
-        x, "x", compression=E4M3, num_slices=2), p)
-    xs = rank_inputs(p, 4)
-    for k, r in enumerate(ranks):
-      assert_within(out[k], expect(xs, r), bound(xs, r), f"sliced two-shot rank {r}")
-    return
-  body, _, p, _, _ = case(kind, 4, E4M3, "x", jnp.float32)
-  sliced = {"all_gather": lambda x: tc.all_gather(x, "x", compression=E4M3, num_slices=2),
-            "reduce_scatter": lambda x: tc.reduce_scatter(
-                x, "x", scatter_dimension=1, compression=E4M3, num_slices=3)}[kind]
-  (a, b), _ = run(mesh_1d(4), "x", lambda x: (body(x, E4M3), sliced(x)), p)
-  np.testing.assert_array_equal(a, b)
-
-
 def test_min_bytes_threshold_uses_plain_collective():
   cfg = CompressionConfig(min_bytes=4 * 3 * 256 * 4 + 1)  # one byte over the message
   _, lax_body, p, _, _ = case("all_gather", 4, cfg, "x", jnp.float32)
@@ -194,12 +175,9 @@ def test_error_not_divisible(compression):
     _shard_map_call(lambda x: tc.reduce_scatter(x, "x", compression=compression), (6, 128))
 
 
-def test_error_bad_algorithm_and_slices():
+def test_error_bad_algorithm():
   with pytest.raises(ValueError, match="algorithm"):
     _shard_map_call(lambda x: tc.all_reduce(x, "x", algorithm="ring"), (8, 128))
-  with pytest.raises(ValueError, match="num_slices=3 does not divide"):
-    _shard_map_call(lambda x: tc.all_gather(x, "x", compression=E4M3, num_slices=3),
-                    (8, 128))
 
 
 def test_benchmark_smoke(tmp_path):
