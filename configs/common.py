@@ -59,4 +59,5 @@ def base_config(name: str) -> ml_collections.ConfigDict:
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1
+  z.log_errors = False           # log each family's round-trip error of what it sent (metrics)
   return c

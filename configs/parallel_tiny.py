@@ -16,6 +16,8 @@ def codec(**kw) -> ml_collections.ConfigDict:
   c.hadamard = True        # Walsh-Hadamard transform of each group before quantizing
   c.dual_scale = True      # RMS pre-scale before the transform
   c.min_bytes = 0          # smaller messages (per device) go uncompressed
+  c.link = ml_collections.FieldReference(None, field_type=str)  # 'nvlink' | 'p2p_disabled':
+  #                          compress only from the sizes measured to pay on that link
   c.update(kw)
   return c
 
