@@ -72,13 +72,6 @@ def parse_args(argv=None):
   return args
 
 
-def _setup_smoke():
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-
-
 def run(args) -> dict:
   import jax
   import jax.numpy as jnp
@@ -248,7 +241,8 @@ def table(report: dict) -> str:
 def main(argv=None) -> pathlib.Path:
   args = parse_args(argv)
   if args.smoke:
-    _setup_smoke()
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
   report = run(args)
   out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
                                           pathlib.Path(__file__).parent / "results"))

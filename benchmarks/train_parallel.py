@@ -75,13 +75,6 @@ def parse_args(argv=None):
   return args
 
 
-def _setup_smoke():
-  os.environ["JAX_PLATFORMS"] = "cpu"
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-
-
 def comm_summary(colls) -> dict:
   """Bytes per device of the compiled step's collective instructions by mesh axis and dtype
   (static: an instruction inside a loop counts once)."""
@@ -162,7 +155,8 @@ def run_layout(layout, args, cfg, corpus, step_until):
 def main(argv=None) -> pathlib.Path:
   args = parse_args(argv)
   if args.smoke:
-    _setup_smoke()
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
   import jax
   from benchmarks import common
   from models.gpt import flops_per_token

@@ -19,10 +19,13 @@ the fp32 summation error; a two-shot all-reduce re-encodes the sum once more.
 """
 from __future__ import annotations
 
+import functools
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import AxisType
 
 from taco_jax.codec import CompressionConfig
 
@@ -125,3 +128,16 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
                  for dt, dims in shapes)
     ops.append(dict(op=m.group(2), dtypes={dt for dt, _ in shapes}, bytes=nbytes))
   return ops
+
+
+@functools.cache
+def mesh_1d(n: int):
+  """A 1-D mesh ("x",) over the first n devices."""
+  return jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
+
+
+@functools.cache
+def mesh_3d():
+  """The (2, 2, 2) ("data", "pipeline", "tensor") mesh of the 8 test devices."""
+  return jax.make_mesh((2, 2, 2), ("data", "pipeline", "tensor"),
+                       axis_types=(AxisType.Auto,) * 3)

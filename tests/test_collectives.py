@@ -4,19 +4,18 @@ Rank r (along the collective's axis) holds ``x_r = (r + 1) * pattern``, so every
 a closed form. ``compression=None`` must equal the ``jax.lax`` collective exactly; FP8
 answers must lie within ``taco_jax.testing``'s bound, derived from the format.
 """
-import functools
 
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import CompressionConfig
 from taco_jax import collectives as tc
-from taco_jax.testing import assert_within, fp8_roundtrip_bound, fp8_sum_bound
+from taco_jax.testing import (assert_within, fp8_roundtrip_bound, fp8_sum_bound, mesh_1d,
+                              mesh_3d)
 
 E4M3 = CompressionConfig()
 CONFIGS = {
@@ -24,17 +23,6 @@ CONFIGS = {
     "e5m2_g64": CompressionConfig(format="e5m2", group_size=64),
     "e4m3_nohadamard": CompressionConfig(hadamard=False, dual_scale=False),
 }
-
-
-@functools.cache
-def mesh_1d(n):
-  return jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
-
-
-@functools.cache
-def mesh_3d():
-  return jax.make_mesh((2, 2, 2), ("data", "pipeline", "tensor"),
-                       axis_types=(AxisType.Auto,) * 3)
 
 
 def pattern(shape, dtype, seed=0):

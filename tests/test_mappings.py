@@ -13,27 +13,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import CompressionConfig
 from taco_jax import mappings as tm
-from taco_jax.testing import assert_within, fp8_roundtrip_bound, fp8_sum_bound
+from taco_jax.testing import (assert_within, fp8_roundtrip_bound, fp8_sum_bound, mesh_1d,
+                              mesh_3d)
 
 FWD = CompressionConfig(format="e4m3")
 BWD = CompressionConfig(format="e5m2", group_size=64)  # gradients: wider range
 F32 = jnp.float32
-
-
-@functools.cache
-def mesh_1d(n):
-  return jax.make_mesh((n,), ("x",), axis_types=(AxisType.Auto,), devices=jax.devices()[:n])
-
-
-@functools.cache
-def mesh_3d():
-  return jax.make_mesh((2, 2, 2), ("data", "pipeline", "tensor"),
-                       axis_types=(AxisType.Auto,) * 3)
 
 
 def rand(shape, seed):
