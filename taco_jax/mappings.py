@@ -73,7 +73,8 @@ def copy_to_tp(x, axis_name, *, bwd_compression: Compression = None,
   Put before a column-parallel matmul whose input is replicated over the TP axis.
   """
   return quality.region(lambda x: _copy_to_tp(x, axis_name, bwd_compression, algorithm), x,
-                        fwd=None, bwd=bwd_compression, fwd_site="", bwd_site="copy_to_tp/bwd")
+                        fwd=None, bwd=bwd_compression, fwd_site="", bwd_site="copy_to_tp/bwd",
+                        axis_name=axis_name)
 
 
 # --- reduce_from_tp --------------------------------------------------------------------
@@ -103,7 +104,8 @@ def reduce_from_tp(x, axis_name, *, fwd_compression: Compression = None,
   """
   return quality.region(
       lambda x: _reduce_from_tp(x, axis_name, fwd_compression, algorithm, _vma(x)), x,
-      fwd=fwd_compression, bwd=None, fwd_site="reduce_from_tp/fwd", bwd_site="")
+      fwd=fwd_compression, bwd=None, fwd_site="reduce_from_tp/fwd", bwd_site="",
+      axis_name=axis_name)
 
 
 # --- gather_from_sp ---------------------------------------------------------------------
@@ -135,7 +137,7 @@ def gather_from_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compression 
   return quality.region(
       lambda x: _gather_from_sp(x, axis_name, axis, fwd_compression, bwd_compression, _vma(x)),
       x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="gather_from_sp/fwd",
-      bwd_site="gather_from_sp/bwd")
+      bwd_site="gather_from_sp/bwd", axis_name=axis_name)
 
 
 # --- reduce_scatter_to_sp -----------------------------------------------------------------
@@ -166,4 +168,4 @@ def reduce_scatter_to_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compre
   return quality.region(
       lambda x: _reduce_scatter_to_sp(x, axis_name, axis, fwd_compression, bwd_compression),
       x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="reduce_scatter_to_sp/fwd",
-      bwd_site="reduce_scatter_to_sp/bwd")
+      bwd_site="reduce_scatter_to_sp/bwd", axis_name=axis_name)

@@ -52,10 +52,13 @@ SITES = {s: fam for s, (fam, _) in _SITES.items()}  # site -> family
 _ROW = {s: i for i, s in enumerate(SITES)}
 
 
-def _sends_compressed(site: str, x, cfg: CompressionConfig | None) -> bool:
-  """Whether the site's collective compresses x (not below `min_bytes` or the link's
-  measured threshold): only compressed messages are logged or captured."""
-  return cfg is not None and collectives.compresses(_SITES[site][1], x, cfg)
+def _sends_compressed(site: str, x, cfg: CompressionConfig | None, axis_name) -> bool:
+  """Whether the site's collective over `axis_name` compresses x (not below `min_bytes` or
+  the link's measured threshold): only compressed messages are logged or captured."""
+  return cfg is not None and collectives.compresses(
+      _SITES[site][1], x, cfg, collectives.axis_size(axis_name, site, x.shape))
+
+
 FAMILIES = ("tp_forward", "tp_backward", "pp", "dp")
 
 
@@ -155,27 +158,27 @@ def value_and_grad(f, params, monitor):
 
 
 def region(f, x, *, fwd: CompressionConfig | None, bwd: CompressionConfig | None,
-           fwd_site: str, bwd_site: str):
+           fwd_site: str, bwd_site: str, axis_name):
   """`f(x)` for a region that sends x forward (codec `fwd`) and its output's cotangent
   backward (codec `bwd`); the active monitor sees the compressed ones. No monitor: f(x)."""
   m = _monitor()
   if m is None:
     return f(x)
-  if _sends_compressed(fwd_site, x, fwd):
+  if _sends_compressed(fwd_site, x, fwd, axis_name):
     x = (_log_value(x, m.probe, fwd_site, fwd) if isinstance(m, ErrorLog)
          else _capture_value(x, m, fwd_site))
   y = f(x)
-  if _sends_compressed(bwd_site, y, bwd):  # the cotangent has y's shape and dtype
+  if _sends_compressed(bwd_site, y, bwd, axis_name):  # the cotangent: y's shape and dtype
     y = (_log_cotangent(y, m.probe, bwd_site, bwd) if isinstance(m, ErrorLog)
          else _capture_cotangent(y, m, bwd_site))
   return y
 
 
-def sent(x, cfg: CompressionConfig | None, site: str) -> None:
+def sent(x, cfg: CompressionConfig | None, site: str, axis_name) -> None:
   """Reports x, sent with `cfg` by a forward-only collective at the trace level of the
   `watching` block itself (not under a gradient, scan or remat inside it)."""
   m = _monitor()
-  if m is None or not _sends_compressed(site, x, cfg):
+  if m is None or not _sends_compressed(site, x, cfg, axis_name):
     return
   if isinstance(m, ErrorLog):
     m.direct.append(_at_row(site, relative_error(x, cfg)))

@@ -63,7 +63,7 @@ def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
   def tick(prev_out, x_in):
     recv = quality.region(lambda x: shift_to_next_stage(x, pp, compression), prev_out,
                           fwd=compression, bwd=compression, fwd_site="pp/fwd",
-                          bwd_site="pp/bwd")
+                          bwd_site="pp/bwd", axis_name=PIPE)
     out = stage_fn(jnp.where(first, x_in, recv))
     return out, out
 

@@ -94,7 +94,7 @@ def _fused_all_reduce(leaves, axis, compression, site: str = ""):
   flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
   n = flat.shape[0]
   flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
-  quality.sent(flat, compression, site)  # no-op unless a monitor watches (and compressed)
+  quality.sent(flat, compression, site, axis)  # no-op unless watched (and compressed)
   flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
   out, i = [], 0
   for x in leaves:
