@@ -184,6 +184,7 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   received per rank of the full size). ``two_shot``: compressed reduce-scatter over the
   flattened rows (padded to a multiple of N), the fp32 partial sum recompressed and
   all-gathered (2 (N-1)/N of the size received per rank, but two rounds of rounding).
+  With fewer rows than N, padding would send more than one-shot, so one-shot runs.
   """
   fn = "all_reduce"
   if algorithm not in ("one_shot", "two_shot"):
@@ -197,10 +198,10 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
 
 
 def _all_reduce(x, axis_name, compression, algorithm, n):
-  if algorithm == "one_shot":
+  rows = x.reshape(-1, x.shape[-1])
+  if algorithm == "one_shot" or rows.shape[0] < n:
     return decompress_sum(_gather_codes(x, axis_name, compression, "invarying"),
                           compression, x.dtype)
-  rows = x.reshape(-1, x.shape[-1])
   r = rows.shape[0]
   pad = -r % n
   if pad:

@@ -126,3 +126,12 @@ def test_region_backward_compression_is_separate(bwd):
     a2a = [o for o in ops if o["op"] == "all-to-all"]
     assert a2a and all(o["dtypes"] <= {"u8", "f32"} for o in a2a)
     assert not [o for o in ops if o["op"] == "reduce-scatter"]
+
+
+def test_two_shot_with_fewer_rows_than_ranks_runs_one_shot():
+  """Padding 1 row up to N rows would send more than one-shot does: one all-gather, no
+  all-to-all."""
+  f = jax.jit(jax.shard_map(lambda v: tc.all_reduce(v, "x", compression=CFG), mesh=mesh(),
+                            in_specs=P("x"), out_specs=P()))
+  ops = hlo_collectives(f.lower(jnp.ones((N, 256), jnp.bfloat16)).as_text(dialect="hlo"))
+  assert {o["op"] for o in ops} == {"all-gather"}
