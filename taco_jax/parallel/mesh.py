@@ -12,13 +12,16 @@ import os
 import jax
 import numpy as np
 
+from models.qwen import QwenConfig
+
 AXES = ("data", "pipeline", "tensor")
 DATA, PIPE, TENSOR = AXES
 
 
 def _model_sizes(m) -> dict:
   """The model sizes that must split evenly (works for the GPT and the Qwen block)."""
-  n_kv = m.get("n_kv_heads", None) if m.get("block", "gpt") == "qwen" else None
+  qwen = m.get("block", "gpt") == "qwen"
+  n_kv = m.get("n_kv_heads", QwenConfig.n_kv_heads) if qwen else None  # default counts too
   return dict(n_heads=m.n_heads, d_model=m.d_model, d_ff=m.d_ff, vocab_size=m.vocab_size,
               n_layers=m.n_layers, n_kv_heads=n_kv)
 
