@@ -11,7 +11,7 @@ Derivation (one group of G elements, codes in a format with m mantissa bits and 
   ||x||/M``, ``||x_hat - x|| <= (u + sqrt(G) d / M) ||x||``. Without the transform the same
   holds element by element: ``|x_hat_i - x_i| <= u |x_i| + d max|x|/M``.
 * With the transform each element's error is at most the group's L2 error (not tight, but
-  rigorous). The transforms' arithmetic adds ~2^-17 + G 2^-24 relative (``_f32_slack``);
+  rigorous). The transforms' arithmetic adds ~2^-17 + G^1.5 2^-24 relative (``_f32_slack``);
   the final cast to the output dtype adds its unit roundoff times |value|.
 
 Sums of N decoded chunks (reduce-scatter, all-reduce) add the bounds of the N terms plus
@@ -41,9 +41,9 @@ def unit_roundoff(dtype) -> float:
 
 def _f32_slack(group_size: int) -> float:
   # fp32 inputs enter the transform as two bf16 terms (relative error <= 2^-17, see
-  # pallas_kernels.hadamard_dot); encode and decode each run a G-term fp32 sum plus a
-  # few scalings.
-  return 2.0**-17 + 4 * (group_size + 4) * 2.0**-24
+  # pallas_kernels.hadamard_dot); encode and decode each run a G-term fp32 sum per element
+  # (error <= G u sum|x_i| <= G^1.5 u ||x||, u = 2^-24) plus a few scalings.
+  return 2.0**-17 + 4 * (group_size**1.5 + 4) * 2.0**-24
 
 
 def fp8_roundtrip_bound(x, cfg: CompressionConfig, out_dtype=jnp.float32) -> np.ndarray:
