@@ -9,7 +9,9 @@
    ||x_hat - x|| / ||x|| over all its tensors, max |x_hat - x|, and that max / max |x|.
    `dual_scale` is not in the grid: the pre-scale alpha multiplies a whole group before the
    (linear) transform and the post-scale is recomputed from the scaled group's absmax, so
-   the codes are the same with or without it (alpha only guards the fp32 range).
+   the codes are the same with or without it, except for groups so small (max |Hx| / sqrt(G)
+   below ~448e-12) that the post-scale's lower clip binds: there alpha keeps precision
+   (tiny gradients can be that small; kept as the config has it).
 3. Choose, per family (and, for the report, per site): among the settings whose wire cost
    (8 + 64 / group_size bits per element) is at most that of the config's own setting,
    the one with the lowest error; a family's error is the mean over its sites of their
