@@ -100,6 +100,9 @@ def collectives_section() -> str:
           + "\n".join(parts))
 
 
+HEADER_FIELDS = ("model", "seq", "batch", "group_size", "format")
+
+
 def train_section() -> str:
   rows = []
   for name, d in _load("train_parallel_*.json"):
@@ -116,12 +119,19 @@ def train_section() -> str:
                      r["final_loss"], 100 * r["accuracy_cost"]])
   if not rows:
     return ""
+  shared = {tuple(d["config"].get(k) for k in HEADER_FIELDS)
+            for _, d in _load("train_parallel_*.json")
+            if d.get("environment", {}).get("platform", "gpu") == "gpu"}
+  if len(shared) != 1:
+    raise ValueError(f"train_parallel results mix configs {sorted(shared)}: give the table "
+                     "per-row columns for them")
   c = d["config"]
   return (f"### Training ({c.get('model')} GPT, seq {c.get('seq')}, global batch "
           f"{c.get('batch')}, {d['num_devices']}x {d['device']}, e4m3 G="
           f"{c.get('group_size')})\n\nOff and on start from the same parameters and see the "
-          "same batches, steps interleaved. `loss +%` is the relative difference of the "
-          "final training loss.\n\n"
+          "same batches, steps interleaved. `loss` is the training loss averaged over the "
+          "last 10 steps; `loss +%` the relative difference (validation loss is not yet "
+          "measured here).\n\n"
           + _table(["run", "dp,pp,tp", "compressed", "steps", "tok/s off", "tok/s on",
                     "speedup", "MFU off", "loss off", "loss on", "loss +%"], rows) + "\n")
 
