@@ -1,10 +1,11 @@
 """3D-parallel trainer, run by `python -m taco_jax.train --config=configs/parallel_tiny.py`
 (`python -m taco_jax.parallel.train` is an alias) for every config that needs it.
 
-Same data, optimizer schedule, metrics and checkpoints as the single-device trainer
-(`taco_jax.train`, imported, not copied); the step is `taco_jax.parallel.step`. Params and
-optimizer state are global jax.Arrays with NamedShardings, so a checkpoint written on one
-mesh resumes on another (orbax reshards on restore). Started as one of several processes
+Same data, optimizer schedule, metrics, checkpoints and step loop
+(`taco_jax.train.runner.run_steps`) as the single-device trainer (`taco_jax.train`, imported,
+not copied); the step is `taco_jax.parallel.step`. Params and optimizer state are global
+jax.Arrays with NamedShardings, so a checkpoint written on one mesh resumes on another (orbax
+reshards on restore). Started as one of several processes
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or parallel.distributed),
 it calls `jax.distributed.initialize()` first; each process feeds its own batch shards.
 """
@@ -25,7 +26,8 @@ from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step
 from taco_jax.parallel.compression import plan_from_config
 from taco_jax.train import checkpoint, metrics, optim
 from taco_jax.train.config import validate_config
-from taco_jax.train.loop import NonFiniteLossError, load_data, sigint_as_flag, store_config
+from taco_jax.train.loop import load_data, store_config
+from taco_jax.train.runner import run_steps
 
 
 def validate(config, n_devices: int | None = None) -> None:
@@ -116,59 +118,13 @@ def train(config, workdir) -> dict:
           f"{spec.plan}, step compiled in {summary['compile_s']:.1f}s", flush=True)
   metrics.truncate_after(workdir / "metrics.jsonl", start)
   writer = metrics.MetricsWriter(workdir) if lead else None
-  schedule, pending, clock = optim.lr_schedule(config.optim, t.steps), [], [time.perf_counter()]
-
-  def flush():
-    if not pending:
-      return
-    host = jax.device_get([m for _, m in pending])
-    tps = len(pending) * tok / (time.perf_counter() - clock[0])
-    for (s, _), m in zip(pending, host):
-      rec = {k: float(v) for k, v in m.items()}
-      rec.update(lr=float(schedule(s - 1)), tokens_per_s=tps,
-                 mfu=metrics.mfu(tps, fpt, t.peak_flops, mesh.size))
-      if writer:
-        writer.write(s, **rec)
-      if not (math.isfinite(rec["loss"]) and math.isfinite(rec["grad_norm"])):
-        raise NonFiniteLossError(f"loss={rec['loss']} grad_norm={rec['grad_norm']} at step "
-                                 f"{s}; last good checkpoint: step {ckpt.latest_step()}")
-    summary.update(train_loss=rec["loss"], tokens_per_s=tps, mfu=rec["mfu"])
-    pending.clear()
-    clock[0] = time.perf_counter()
-
-  def evaluate(s):
-    losses = [eval_step(params, batch(i, 1, corpus.val)) for i in range(t.eval_batches)]
-    summary["val_loss"] = float(np.mean(jax.device_get(losses)))
-    if writer:
-      writer.write(s, val_loss=summary["val_loss"])
-
-  s, status = start, "completed"
-  try:
-    with sigint_as_flag() as stop:
-      while s < t.steps and not stop.is_set():
-        params, opt_state, m = train_step(params, opt_state, batch(s))
-        s += 1
-        pending.append((s, m))
-        if s % t.log_every == 0:
-          flush()
-        if t.eval_every and s % t.eval_every == 0 and s < t.steps:
-          flush()
-          evaluate(s)
-          clock[0] = time.perf_counter()
-        if t.checkpoint_every and s % t.checkpoint_every == 0 and s < t.steps:
-          flush()
-          ckpt.save(s, params, opt_state, {"step": s, "mesh": dict(mesh.shape)})
-          clock[0] = time.perf_counter()
-      status = "interrupted" if stop.is_set() else status
-      flush()
-      evaluate(s)
-      ckpt.save(s, params, opt_state, {"step": s, "mesh": dict(mesh.shape)})
-  finally:
-    ckpt.wait()
-    ckpt.close()
-    if writer:
-      writer.close()
-  summary.update(status=status, step=s, last_checkpoint=ckpt.latest_step())
+  # A second Ctrl-C is not caught: a process of a multi-process run must not save alone.
+  run_steps(params, opt_state, start=start, train_cfg=t, train_step=train_step,
+            eval_step=eval_step, train_batch=batch, val_batch=lambda i: batch(i, 1, corpus.val),
+            ckpt=ckpt, checkpoint_meta=lambda s: {"step": s, "mesh": dict(mesh.shape)},
+            schedule=optim.lr_schedule(config.optim, t.steps), tokens_per_step=tok,
+            mfu=lambda tps: metrics.mfu(tps, fpt, t.peak_flops, mesh.size), summary=summary,
+            writer=writer, evaluate_when_interrupted=True, save_on_second_interrupt=False)
   if lead:
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary

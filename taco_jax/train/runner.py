@@ -1,0 +1,150 @@
+"""The step loop both trainers run (`taco_jax.train.loop` on one device,
+`taco_jax.parallel.train` on a mesh): `run_steps(...) -> (step, status)`.
+
+The trainers differ in how they build the state, batches and steps, and in what a checkpoint's
+metadata holds; they pass those in. The loop itself is shared: metrics are fetched from the
+device every `log_every` steps (one `device_get`, not one per step) and written one line per
+step; eval and checkpoint time stay out of the throughput. Ctrl-C stops at the next step
+boundary and saves a checkpoint; a non-finite loss or grad norm raises `NonFiniteLossError`
+without saving the bad state, so the last good checkpoint is the latest.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+from typing import Callable
+
+import jax
+import numpy as np
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss (or gradient norm) became NaN/inf; the last good checkpoint is kept."""
+
+
+@contextlib.contextmanager
+def sigint_as_flag():
+  """Within: the first Ctrl-C sets the returned event; a second one interrupts at once."""
+  stop = threading.Event()
+  if threading.current_thread() is not threading.main_thread():
+    yield stop
+    return
+
+  def handler(signum, frame):
+    if stop.is_set():
+      raise KeyboardInterrupt
+    stop.set()
+
+  old = signal.signal(signal.SIGINT, handler)
+  try:
+    yield stop
+  finally:
+    signal.signal(signal.SIGINT, old)
+
+
+def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step,
+              train_batch: Callable[[int], object], val_batch: Callable[[int], object], ckpt,
+              checkpoint_meta: Callable[[int], dict], schedule, tokens_per_step: int,
+              mfu: Callable[[float], float], summary: dict, writer=None, pbar=None,
+              evaluate_when_interrupted: bool = False,
+              save_on_second_interrupt: bool = True) -> tuple[int, str]:
+  """Runs steps start+1 .. train_cfg.steps; returns (last step, 'completed' | 'interrupted').
+
+  Args:
+    params, opt_state: the state at step `start`; `train_step` donates them.
+    train_cfg: config.train (steps, log_every, eval_every, checkpoint_every, eval_batches).
+    train_step: (params, opt_state, batch) -> (params, opt_state, metrics with loss and
+      grad_norm); eval_step: (params, batch) -> loss.
+    train_batch, val_batch: batch index -> batch (train batch i is step i+1's).
+    ckpt: a `checkpoint.Checkpoints`; saved with `checkpoint_meta(step)`; waited on and
+      closed on the way out.
+    schedule: step -> learning rate, written as `lr`; mfu: tokens/s -> model FLOPs utilization.
+    summary: updated in place with train_loss, val_loss, tokens_per_s, mfu, status, step,
+      last_checkpoint.
+    writer: a `metrics.MetricsWriter` (closed on the way out), or None to write nothing.
+    pbar: a tqdm bar for progress and messages, or None to print nothing.
+    evaluate_when_interrupted: evaluate before the Ctrl-C checkpoint too.
+    save_on_second_interrupt: on a second Ctrl-C (KeyboardInterrupt), save if the state was
+      not donated to an unfinished step, and return; otherwise the KeyboardInterrupt
+      propagates (a process of a multi-process run must not save alone).
+  """
+  t, pending, clock = train_cfg, [], [time.perf_counter()]
+
+  def flush():
+    """Fetches pending step metrics, checks them, writes them."""
+    if not pending:
+      return
+    host = jax.device_get([m for _, m in pending])
+    tps = len(pending) * tokens_per_step / (time.perf_counter() - clock[0])
+    for (s, _), m in zip(pending, host):
+      rec = {k: float(v) for k, v in m.items()}
+      rec.update(lr=float(schedule(s - 1)), tokens_per_s=tps, mfu=mfu(tps))
+      if writer is not None:
+        writer.write(s, **rec)
+      if not (math.isfinite(rec['loss']) and math.isfinite(rec['grad_norm'])):
+        pending.clear()
+        raise NonFiniteLossError(
+            f'loss={rec["loss"]} grad_norm={rec["grad_norm"]} at step {s}: stopping. The last '
+            f'good checkpoint (step {ckpt.latest_step()}) in {ckpt.directory} is kept; lower '
+            'optim.lr, raise optim.warmup_steps or use model.dtype=float32, then resume.')
+    summary.update(train_loss=rec['loss'], tokens_per_s=tps, mfu=rec['mfu'])
+    if pbar is not None:
+      pbar.update(len(pending))
+      pbar.set_postfix(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:.3g}', mfu=f'{rec["mfu"]:.2%}')
+    pending.clear()
+    clock[0] = time.perf_counter()
+
+  def evaluate(s):
+    losses = [eval_step(params, val_batch(i)) for i in range(t.eval_batches)]
+    summary['val_loss'] = float(np.mean(jax.device_get(losses)))
+    if writer is not None:
+      writer.write(s, val_loss=summary['val_loss'])
+    if pbar is not None:
+      pbar.write(f'step {s}: val_loss {summary["val_loss"]:.4f}')
+
+  def save(s):
+    flush()
+    ckpt.save(s, params, opt_state, checkpoint_meta(s))
+
+  s, status = start, 'completed'
+  try:
+    with sigint_as_flag() as stop:
+      while s < t.steps and not stop.is_set():
+        params, opt_state, m = train_step(params, opt_state, train_batch(s))
+        s += 1
+        pending.append((s, m))
+        if s % t.log_every == 0:
+          flush()
+        if t.eval_every and s % t.eval_every == 0 and s < t.steps:
+          flush()
+          evaluate(s)
+          clock[0] = time.perf_counter()  # keep eval time out of the throughput
+        if t.checkpoint_every and s % t.checkpoint_every == 0 and s < t.steps:
+          save(s)
+          clock[0] = time.perf_counter()
+      if stop.is_set():
+        status = 'interrupted'
+        if pbar is not None:
+          pbar.write(f'interrupted at step {s}: saving a checkpoint')
+      if status == 'completed' or evaluate_when_interrupted:
+        flush()
+        evaluate(s)
+      save(s)
+  except KeyboardInterrupt:  # a second Ctrl-C, or raised inside a step
+    if not save_on_second_interrupt:
+      raise
+    status = 'interrupted'
+    if not any(x.is_deleted() for x in jax.tree.leaves((params, opt_state))):
+      save(s)
+  finally:
+    if pbar is not None:
+      pbar.close()
+    ckpt.wait()
+    ckpt.close()
+    if writer is not None:
+      writer.close()
+  summary.update(status=status, step=s, last_checkpoint=ckpt.latest_step())
+  return s, status
