@@ -34,30 +34,35 @@ def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
   Scaling by p (exact) before the dot keeps H x from overflowing fp32 for huge x and keeps
   the dot's operands bf16-exact for bf16 inputs. A group holding NaN or Inf gets NaN
   alpha, NaN scale and NaN codes, so it decodes to NaN, never to finite numbers. Every
-  step lowers to Triton and means the same there: the finiteness test is a sum
-  (NaN-propagating), not a max (Triton's max drops NaNs). ``fixed_order`` (see
+  step lowers to Triton and means the same there: NaN is caught by a sum (the mean square,
+  or x * 0 without dual scale; Triton's max drops NaNs), Inf by max|y| (one reduction
+  fewer than a separate finiteness test). ``fixed_order`` (see
   ``sum_of_squares``) is off only in the compiled GPU kernel.
   """
   g = x_MG.shape[-1]
   fp8_max = FP8_MAX[fmt]
-  finite_M = jnp.sum(x_MG * 0.0, axis=-1) == 0.0  # x * 0 is NaN exactly for NaN and Inf
   if dual_scale:
     # Squares of bf16(x) are exact in fp32, so no FMA contraction can change them.
     xb_MG = x_MG.astype(jnp.bfloat16).astype(jnp.float32)
     mean_sq_M = sum_of_squares(xb_MG, fixed_order=fixed_order) * (1.0 / g)
+    no_nan_M = mean_sq_M == mean_sq_M  # a sum keeps NaN (Triton's max would drop it)
     # sqrt(M^2 / ms), not M / sqrt(ms): XLA rewrites the latter to M * rsqrt(ms), whose
     # last bit depends on vectorization; IEEE division and sqrt do not.
     alpha_M = jnp.clip(jnp.sqrt((fp8_max * fp8_max) / (mean_sq_M + lam)), ALPHA_MIN,
                        ALPHA_MAX)
   else:
     alpha_M = jnp.ones(x_MG.shape[:1], jnp.float32)
+    no_nan_M = jnp.sum(x_MG * 0.0, axis=-1) == 0.0  # x * 0 is NaN exactly for NaN and Inf
   if h_GG is None:
     y_MG = x_MG * alpha_M[:, None]
   else:
     p_M = pow2_floor_f32(alpha_M)
     t_MG = hadamard_dot(x_MG * p_M[:, None], h_GG, two_term=two_term)
     y_MG = t_MG * ((alpha_M / p_M) * (g**-0.5))[:, None]
-  scale_M = jnp.clip(jnp.max(jnp.abs(y_MG), axis=-1) * (1.0 / fp8_max), SCALE_MIN, SCALE_MAX)
+  amax_M = jnp.max(jnp.abs(y_MG), axis=-1)
+  # An Inf in x makes some |y| infinite; a finite x never does (p keeps H x in range).
+  finite_M = no_nan_M & (amax_M < jnp.inf)
+  scale_M = jnp.clip(amax_M * (1.0 / fp8_max), SCALE_MIN, SCALE_MAX)
   # One reciprocal per group, not a division per element (IEEE division is a long
   # instruction sequence on GPU); the rounding is the reference's too.
   q_MG = jnp.clip(y_MG * (1.0 / scale_M)[:, None], -fp8_max, fp8_max)
