@@ -33,7 +33,13 @@ def _load(pattern: str) -> list[tuple[str, dict]]:
 
 
 def _table(header: list[str], rows: list[list]) -> str:
-  fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else ("–" if v is None else str(v))  # noqa: E731
+  def fmt(v):
+    if v is None:
+      return "–"
+    if isinstance(v, float):
+      return str(int(v)) if v.is_integer() and abs(v) < 1e6 else f"{v:.3g}"
+    return str(v)
+
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
   return "\n".join(lines)
