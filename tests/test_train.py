@@ -71,6 +71,20 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, cache_dir, monkeyp
   np.testing.assert_allclose(resumed['val_loss'], straight['val_loss'], rtol=1e-6)
 
 
+def test_resume_refuses_a_different_seed_data_or_optimizer(tmp_path, cache_dir, capsys):
+  c = micro(cache_dir, steps=2)
+  train(c, tmp_path)
+  for section, field, value in [(None, 'seed', 7), ('data', 'batch_size', 4),
+                                ('optim', 'lr', 1e-4)]:
+    changed = micro(cache_dir, steps=2)
+    (changed if section is None else changed[section])[field] = value
+    with pytest.raises(ValueError, match=f'different {section or field}'):
+      train(changed, tmp_path)
+  longer = micro(cache_dir, steps=3)
+  assert train(longer, tmp_path)['step'] == 3  # more steps: allowed, with a warning
+  assert 'learning-rate schedule changes' in capsys.readouterr().err
+
+
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, cache_dir, monkeypatch):
   real_batch_at = data.batch_at
 

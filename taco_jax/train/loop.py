@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import sys
 import time
 
 import jax
@@ -36,14 +37,34 @@ def load_data(config, workdir) -> data.Corpus:
   return corpus
 
 
+# Sections whose change would make a resumed run differ from an uninterrupted one.
+RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim')
+_RESUME_IGNORED = {('data', 'cache_dir')}  # where the corpus cache lives changes nothing
+
+
+def _resume_view(c: dict) -> dict:
+  return {k: ({f: v for f, v in c[k].items() if (k, f) not in _RESUME_IGNORED}
+              if isinstance(c.get(k), dict) else c.get(k)) for k in RESUME_MUST_MATCH}
+
+
 def store_config(config, workdir: pathlib.Path, has_checkpoint: bool) -> None:
-  """Writes workdir/config.json; refuses to resume a checkpoint of a different model."""
+  """Writes workdir/config.json. Resuming a checkpoint with a different model, seed, data or
+  optimizer is an error (the run would not continue as it began); a different
+  `train.steps` is allowed with a warning (the learning-rate schedule is reshaped)."""
   path = workdir / 'config.json'
   if has_checkpoint and path.exists():
-    old = json.loads(path.read_text()).get('model')
-    if old != config.model.to_dict():
-      raise ValueError(f'{workdir} holds checkpoints of a different model ({old}); use a new '
-                       '--workdir or the same config.model')
+    old = json.loads(path.read_text())
+    new = json.loads(config_to_json(config))
+    before, after = _resume_view(old), _resume_view(new)
+    changed = [k for k in RESUME_MUST_MATCH if before[k] != after[k]]
+    if changed:
+      raise ValueError(
+          f'{workdir} holds checkpoints of a run with different {", ".join(changed)} '
+          f'(was {[before[k] for k in changed]}); use a new --workdir or the same settings')
+    if old.get('train', {}).get('steps') != new['train']['steps']:
+      print(f'warning: resuming with train.steps={new["train"]["steps"]} (was '
+            f'{old.get("train", {}).get("steps")}): the learning-rate schedule changes',
+            file=sys.stderr)
   path.write_text(config_to_json(config))
 
 
