@@ -43,6 +43,17 @@ class GPTConfig:
   def head_dim(self) -> int:
     return self.d_model // self.n_heads
 
+  def num_params(self) -> int:
+    """Closed-form parameter count of `GPT(self)`."""
+    d, f, L = self.d_model, self.d_ff, self.n_layers
+    block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+    return self.vocab_size * d + self.lookup_params + L * block + 2 * d
+
+  @property
+  def lookup_params(self) -> int:
+    """Parameters used by lookup only (the position table): no matmul FLOPs."""
+    return self.max_seq_len * self.d_model
+
   @property
   def compute_dtype(self):
     return DTYPES[self.dtype]
@@ -156,10 +167,8 @@ def count_params(model: nnx.Module) -> int:
 
 
 def num_params(cfg: GPTConfig) -> int:
-  """Closed-form parameter count of `GPT(cfg)` (no model built)."""
-  d, f, L = cfg.d_model, cfg.d_ff, cfg.n_layers
-  block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-  return cfg.vocab_size * d + cfg.max_seq_len * d + L * block + 2 * d
+  """Closed-form parameter count of the model `cfg` describes (no model built)."""
+  return cfg.num_params()
 
 
 def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
@@ -169,5 +178,5 @@ def flops_per_token(cfg: GPTConfig, seq_len: int | None = None) -> float:
   token table counts once, for the head). T is the sequence length (cfg.max_seq_len if None).
   """
   t = cfg.max_seq_len if seq_len is None else seq_len
-  n = num_params(cfg) - cfg.max_seq_len * cfg.d_model
+  n = cfg.num_params() - cfg.lookup_params
   return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * t

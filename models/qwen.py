@@ -32,6 +32,16 @@ class QwenConfig(GPTConfig):
   n_kv_heads: int = 2        # KV heads of grouped-query attention; must divide n_heads
   rope_theta: float = 10000.0  # rotary embedding base
 
+  lookup_params = 0           # no position table (rotary embeddings)
+
+  def num_params(self) -> int:
+    """Closed-form parameter count of `Qwen(self)` (GQA + SwiGLU blocks, biases kept)."""
+    d, f, L, hd = self.d_model, self.d_ff, self.n_layers, self.head_dim
+    qkv = (self.n_heads + 2 * self.n_kv_heads) * hd
+    block = 2 * d + (d * qkv + qkv) + (self.n_heads * hd * d + d) + (d * 2 * f + 2 * f) + (
+        f * d + d)
+    return self.vocab_size * d + L * block + d
+
   def __post_init__(self):
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads="

@@ -81,3 +81,12 @@ def test_block_linear_injection_local_heads():
   o = jax.nn.dot_product_attention(qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :], is_causal=True)
   ref = o[:, :, :2].reshape(2, 16, 16) @ full.attn_out.kernel[...][:16] + full.attn_out.bias[...]
   np.testing.assert_allclose(a_half, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen_param_count_and_flops():
+  """MFU of the Qwen block counts its own matmuls: GQA projections, SwiGLU, no wpe."""
+  from models.qwen import Qwen, QwenConfig
+  cfg = QwenConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=16,
+                   dtype='float32')
+  assert count_params(Qwen(cfg, rngs=nnx.Rngs(0))) == num_params(cfg)
+  assert flops_per_token(cfg, 16) == 6.0 * num_params(cfg) + 12.0 * 2 * 64 * 16
