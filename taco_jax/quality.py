@@ -166,11 +166,11 @@ def region(f, x, *, fwd: CompressionConfig | None, bwd: CompressionConfig | None
     return f(x)
   if _sends_compressed(fwd_site, x, fwd, axis_name):
     x = (_log_value(x, m.probe, fwd_site, fwd) if isinstance(m, ErrorLog)
-         else _capture_value(x, m, fwd_site))
+         else _capture(x, m, fwd_site, False))
   y = f(x)
   if _sends_compressed(bwd_site, y, bwd, axis_name):  # the cotangent: y's shape and dtype
     y = (_log_cotangent(y, m.probe, bwd_site, bwd) if isinstance(m, ErrorLog)
-         else _capture_cotangent(y, m, bwd_site))
+         else _capture(y, m, bwd_site, True))
   return y
 
 
@@ -218,38 +218,23 @@ def _log_cotangent_bwd(site, cfg, _, ct):
 _log_cotangent.defvjp(_log_cotangent_fwd, _log_cotangent_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _capture_value(x, capture, site):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _capture(x, capture, site, cotangent: bool):
+  """Identity; its backward pass records x (cotangent=False: the forward message, once,
+  even under remat) or the incoming cotangent (True: the backward message)."""
   return x
 
 
-def _capture_value_fwd(x, capture, site):
-  return x, x
+def _capture_fwd(x, capture, site, cotangent):
+  return x, None if cotangent else x
 
 
-def _capture_value_bwd(capture, site, x, ct):
-  jax.debug.callback(functools.partial(capture.add, site), x)
+def _capture_bwd(capture, site, cotangent, saved, ct):
+  jax.debug.callback(functools.partial(capture.add, site), ct if cotangent else saved)
   return (ct,)
 
 
-_capture_value.defvjp(_capture_value_fwd, _capture_value_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _capture_cotangent(y, capture, site):
-  return y
-
-
-def _capture_cotangent_fwd(y, capture, site):
-  return y, None
-
-
-def _capture_cotangent_bwd(capture, site, _, ct):
-  jax.debug.callback(functools.partial(capture.add, site), ct)
-  return (ct,)
-
-
-_capture_cotangent.defvjp(_capture_cotangent_fwd, _capture_cotangent_bwd)
+_capture.defvjp(_capture_fwd, _capture_bwd)
 
 
 # --- metrics ---------------------------------------------------------------------------------
