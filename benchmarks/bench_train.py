@@ -1,0 +1,350 @@
+"""Training-step tokens/s and MFU: TACO compression off / on, the ideal bound, and GSPMD.
+
+Per (dp, pp, tp) layout, four programs train the same GPT from the same parameters on the
+same batches, their steps interleaved (the order rotates every step):
+
+  off     our 3D-parallel shard_map step (`taco_jax.parallel.step`), bf16 collectives
+  on      the same with TACO compression (`--compress` families)
+  ideal   `off` with every collective over "tensor" replaced, while tracing, by a local
+          stand-in of the same shapes (all-gather -> broadcast of the local shard,
+          reduce-scatter -> the local slice, all-reduce -> identity; pipeline / data
+          collectives untouched). It computes nonsense but the same FLOPs: the step time
+          with free TP communication. Done by monkeypatching `taco_jax.collectives`
+          (`noop_tensor_collectives`), which `mappings` / `layers` / `step` call by module
+          attribute, only around `.lower()`; nothing else is changed.
+  gspmd   the same model under plain `jax.jit` with Megatron NamedSharding annotations
+          (`taco_jax.parallel.gspmd`) on a (dp * pp, tp) ("data", "tensor") mesh (no
+          pipeline: for a pp > 1 layout this is the GSPMD run on the same devices with the
+          pipeline folded into data parallelism), with XLA's collective-overlap flags
+          (`gspmd.XLA_OVERLAP_FLAGS`, set in XLA_FLAGS for the whole process, so `off` and
+          `on` get them too; `--no-overlap-flags` drops them).
+
+Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
+comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication
+time compression wins back (1 = compressed step as fast as free communication).
+Timing as in train_parallel.py (host wall-clock around block_until_ready, median after
+--warmup); MFU = model FLOP/s / (devices x bf16 matmul rate measured in the same run).
+
+GPU, 4xH200, two calls (each < 10 minutes; NVLink multicast is off):
+  python benchmarks/bench_train.py --label nvlink
+  NCCL_P2P_DISABLE=1 python benchmarks/bench_train.py --label nop2p
+CPU smoke test (8 fake devices, tiny model, < 1 minute):
+  python benchmarks/bench_train.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.train_parallel import SIZES, comm_summary  # noqa: E402 (no JAX import)
+
+VARIANTS = ("off", "on", "ideal", "gspmd")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--model", default="1.3b", choices=sorted(SIZES))
+  p.add_argument("--layouts", default="1,1,4;1,2,2", help="dp,pp,tp;... (product = devices)")
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--steps", type=int, default=40, help="training steps per variant (max)")
+  p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+  p.add_argument("--microbatches", type=int, default=4, help="GPipe micro-batches (pp > 1)")
+  p.add_argument("--vocab", type=int, default=50304)
+  p.add_argument("--dtype", default="bfloat16")
+  p.add_argument("--no-remat", action="store_true", help="keep activations (more memory)")
+  p.add_argument("--lr", type=float, default=6e-4)
+  p.add_argument("--compress", default="tp_forward,tp_backward,pp",
+                 help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
+  p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
+  p.add_argument("--group-size", type=int, default=128)
+  p.add_argument("--no-hadamard", action="store_true")
+  p.add_argument("--gspmd-activation", default="sp", choices=["sp", "replicated"],
+                 help="GSPMD residual stream: sequence-parallel or replicated over tensor")
+  p.add_argument("--no-overlap-flags", action="store_true",
+                 help="do not add gspmd.XLA_OVERLAP_FLAGS to XLA_FLAGS")
+  p.add_argument("--deadline-s", type=float, default=480.0,
+                 help="wall-clock budget of the whole run, compiles included")
+  p.add_argument("--label", default="nvlink")
+  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
+  p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny model")
+  args = p.parse_args(argv)
+  if args.smoke:
+    smoke = dict(model="tiny", layouts="2,1,4;2,2,2", steps=4, warmup=1, seq=32, batch=8,
+                 microbatches=2, vocab=256, dtype="float32", group_size=32, label="smoke")
+    for k, v in smoke.items():
+      if getattr(args, k) == p.get_default(k):
+        setattr(args, k, v)
+  return args
+
+
+@contextlib.contextmanager
+def noop_tensor_collectives():
+  """While active, `taco_jax.collectives` ops over mesh axis "tensor" are local stand-ins
+  of the same output shapes (no communication); other axes are untouched."""
+  import jax
+  import jax.numpy as jnp
+  from taco_jax import collectives
+  from taco_jax.parallel.mesh import TENSOR
+
+  orig = {k: getattr(collectives, k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+  is_tp = lambda a: a == TENSOR or (isinstance(a, (tuple, list)) and tuple(a) == (TENSOR,))
+
+  def all_gather(x, axis_name, *, axis=0, tiled=True, compression=None):
+    if not is_tp(axis_name):
+      return orig["all_gather"](x, axis_name, axis=axis, tiled=tiled, compression=compression)
+    n = jax.lax.axis_size(axis_name)
+    ndim = x.ndim + (0 if tiled else 1)
+    axis %= ndim
+    y = jnp.broadcast_to(jnp.expand_dims(x, axis), (*x.shape[:axis], n, *x.shape[axis:]))
+    if tiled:
+      y = y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:])
+    return y
+
+  def reduce_scatter(x, axis_name, *, scatter_dimension=0, compression=None):
+    if not is_tp(axis_name):
+      return orig["reduce_scatter"](x, axis_name, scatter_dimension=scatter_dimension,
+                                    compression=compression)
+    n = jax.lax.axis_size(axis_name)
+    d = scatter_dimension % x.ndim
+    return jax.lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
+
+  def all_reduce(x, axis_name, *, compression=None, **kw):
+    if not is_tp(axis_name):
+      return orig["all_reduce"](x, axis_name, compression=compression, **kw)
+    return x
+
+  for k, f in (("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
+               ("all_reduce", all_reduce)):
+    setattr(collectives, k, f)
+  try:
+    yield
+  finally:
+    for k, f in orig.items():
+      setattr(collectives, k, f)
+
+
+def build(variant, layout, args, cfg, tx):
+  """(executable, (params, opt_state), batch_fn, mesh, plan) of one variant."""
+  import jax
+  from taco_jax.codec import CompressionConfig
+  from taco_jax.parallel import gspmd, model as model_lib, step as step_lib
+  from taco_jax.parallel.compression import CompressionPlan
+  from taco_jax.parallel.mesh import make_mesh
+  from taco_jax.parallel.train import opt_state_target
+
+  dp, pp, tp = layout
+  if variant == "gspmd":
+    mesh = gspmd.make_mesh(dp * pp, tp)
+    p_sh = gspmd.shardings(cfg, mesh)
+    params = gspmd.init_params(cfg, mesh, seed=0)
+    p_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                         params)
+    o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
+    fn, plan, ctx = (gspmd.make_train_step(cfg, mesh, tx, activation=args.gspmd_activation),
+                     None, contextlib.nullcontext())
+    b_sh = gspmd.batch_sharding(mesh)
+  else:
+    mesh = make_mesh(dp, pp, tp)
+    codec = CompressionConfig(format=args.format, group_size=args.group_size,
+                              hadamard=not args.no_hadamard)
+    plan = (CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
+            if variant == "on" else CompressionPlan())
+    m = args.microbatches if pp > 1 else 1
+    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan)
+    p_abs = model_lib.abstract_params(cfg, mesh)
+    p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
+    o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
+    params = model_lib.init_params(cfg, mesh, seed=0)
+    fn = step_lib.make_train_step(spec, mesh, tx)
+    ctx = noop_tensor_collectives() if variant == "ideal" else contextlib.nullcontext()
+    b_sh = step_lib.batch_sharding(mesh)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  batch = lambda tokens: jax.make_array_from_callback(tokens.shape, b_sh, lambda i: tokens[i])
+  with ctx:
+    lowered = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
+        params, opt_state, batch(args._tokens0))
+  return lowered.compile(), (params, opt_state), batch, mesh, plan
+
+
+def _relabel(summary: dict, mesh) -> dict:
+  """GSPMD-made replica groups may print as mesh['axis_0'=..]: name them by the mesh."""
+  names = {f"axis_{i}": a for i, a in enumerate(mesh.axis_names)}
+  out = {}
+  for key, v in summary.items():
+    key = "+".join(sorted(names.get(a, a) for a in key.split("+")))
+    for dt, b in v.items():
+      out.setdefault(key, {}).setdefault(dt, 0)
+      out[key][dt] += b
+  return out
+
+
+def run_layout(layout, args, cfg, tx, corpus, until):
+  import jax
+  from taco_jax import data
+  from taco_jax.parallel import hlo
+
+  runs = {}
+  for v in args.variants.split(","):
+    t0 = time.perf_counter()
+    exe, state, batch, mesh, plan = build(v, layout, args, cfg, tx)
+    runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
+                   times=[], losses=[], plan=dataclasses.asdict(plan) if plan else None,
+                   comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
+                                        mesh))
+  t_end = until(sum(r["compile_s"] for r in runs.values()))
+  names = list(runs)
+  for i in range(args.steps):
+    tokens = data.batch_at(corpus, i, seed=0, batch_size=args.batch, seq_len=args.seq)
+    for name in names[i % len(names):] + names[:i % len(names)]:
+      r = runs[name]
+      b = r["batch"](tokens)
+      t0 = time.perf_counter()
+      params, opt_state, met = r["exe"](*r["state"], b)
+      loss = float(jax.block_until_ready(met["loss"]))
+      r["times"].append(time.perf_counter() - t0)
+      r["losses"].append(loss)
+      r["state"] = (params, opt_state)
+    if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
+      break
+  dp, pp, tp = layout
+  out = []
+  for name, r in runs.items():
+    timed = r["times"][args.warmup:] or r["times"]
+    med = statistics.median(timed)
+    out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, variant=name,
+                    mesh=(f"data={dp * pp},tensor={tp}" if name == "gspmd" else
+                          f"data={dp},pipeline={pp},tensor={tp}"),
+                    plan=r["plan"], steps=len(r["times"]), compile_s=r["compile_s"],
+                    step_ms=med * 1e3, step_ms_min=min(timed) * 1e3,
+                    step_ms_max=max(timed) * 1e3, tokens_per_s=args.batch * args.seq / med,
+                    step_times_s=r["times"], loss_curve=r["losses"],
+                    final_loss=statistics.fmean(r["losses"][-10:]),
+                    comm_bytes_static=r["comm_static"]))
+    del r["exe"], r["state"]
+  return out
+
+
+def summarize(rows) -> list[dict]:
+  """Per layout: off / on / ideal / gspmd step times and the communication share."""
+  out = []
+  for lay in dict.fromkeys(r["layout"] for r in rows):
+    t = {r["variant"]: r["step_ms"] for r in rows if r["layout"] == lay}
+    s = dict(layout=lay, **{f"{v}_ms": t.get(v) for v in VARIANTS})
+    if "off" in t and "ideal" in t:
+      s["comm_ms"] = t["off"] - t["ideal"]
+      s["comm_share"] = s["comm_ms"] / t["off"]
+      if "on" in t:
+        s["recovered"] = ((t["off"] - t["on"]) / s["comm_ms"]) if s["comm_ms"] > 0 else None
+    if "on" in t and "off" in t:
+      s["speedup_on_vs_off"] = t["off"] / t["on"]
+    if "gspmd" in t and "off" in t:
+      s["off_vs_gspmd"] = t["gspmd"] / t["off"]  # > 1: our bf16 step is faster
+    out.append(s)
+  return out
+
+
+def main(argv=None) -> pathlib.Path:
+  args = parse_args(argv)
+  if args.smoke:
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
+  from taco_jax.parallel.gspmd import XLA_OVERLAP_FLAGS  # imports jax; no backend yet
+  if not args.no_overlap_flags:
+    flags = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([flags, *(f for f in XLA_OVERLAP_FLAGS
+                                                  if f.split("=")[0] not in flags)]).strip()
+  import jax
+  import ml_collections
+  from benchmarks import common
+  from models.gpt import flops_per_token
+  from taco_jax import data
+  from taco_jax.parallel.model import model_config
+  from taco_jax.parallel.train import make_optimizer
+
+  n_layers, d, h, f = SIZES[args.model]
+  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
+                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
+                          remat=not args.no_remat))
+  layouts = [tuple(int(v) for v in s.split(",")) for s in args.layouts.split(";") if s]
+  n = jax.device_count()
+  bad = [lay for lay in layouts if lay[0] * lay[1] * lay[2] != n]
+  if bad:
+    raise SystemExit(f"layouts {bad} do not multiply to the {n} devices")
+  unknown = set(args.variants.split(",")) - set(VARIANTS)
+  if unknown:
+    raise SystemExit(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
+  corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
+                            max_corpus_bytes=8_000_000).train
+  args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
+  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
+      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
+  tx = make_optimizer(optim, args.steps)
+  ceiling = common.matmul_rate(256 if args.smoke else 8192, samples=3 if args.smoke else 20)
+  fpt = flops_per_token(cfg, args.seq)
+  rows, t0, compile_est = [], time.perf_counter(), [0.0]
+
+  def until(left_after, compile_s):
+    """This layout's share of the time left, after reserving the later layouts' compiles."""
+    compile_est[0] = max(compile_est[0], compile_s)
+    now = time.perf_counter()
+    left = t0 + args.deadline_s - now - compile_est[0] * left_after
+    return now + max(left, 0.0) / (left_after + 1)
+
+  for k, lay in enumerate(layouts):
+    for r in run_layout(lay, args, cfg, tx, corpus,
+                        lambda c, k=k: until(len(layouts) - k - 1, c)):
+      r["mfu"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
+      rows.append(r)
+      print(f"{r['layout']:>7s} {r['variant']:>5s}: {r['step_ms']:9.2f} ms/step "
+            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  loss {r['final_loss']:.4f}"
+            f"  (compile {r['compile_s']:.1f} s)", flush=True)
+  summary = summarize(rows)
+  env = common.environment()
+  report = dict(benchmark="bench_train", label=args.label, device=env["device_kind"],
+                num_devices=n, jax_version=jax.__version__, date=env["date"],
+                timing="host wall-clock around block_until_ready per step; median after "
+                       "warm-up; variants interleaved step by step on the same batches",
+                ideal="off with collectives over 'tensor' replaced by local stand-ins of the "
+                      "same shapes (bench_train.noop_tensor_collectives); its loss is "
+                      "meaningless",
+                gspmd="plain jax.jit + NamedSharding (taco_jax.parallel.gspmd) on a "
+                      "(dp*pp, tp) data x tensor mesh; activation=" + args.gspmd_activation,
+                env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+                                                    "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+                config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
+                            model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
+                environment=env, ceilings=dict(matmul_bf16=ceiling), summary=summary,
+                results=rows, wall_s=time.perf_counter() - t0)
+  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
+                                          pathlib.Path(__file__).parent / "results"))
+  out_dir.mkdir(parents=True, exist_ok=True)
+  kind = "gpu" if env["platform"] == "gpu" else env["platform"]
+  path = out_dir / f"bench_train_{args.label}_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
+  path.write_text(json.dumps(report, indent=1))
+  print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
+        f"bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s, "
+        f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE')}")
+  print(common.table(rows, ["layout", "variant", "steps", "compile_s", "step_ms",
+                            "tokens_per_s", "mfu", "final_loss"]))
+  print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",
+                               "comm_share", "recovered", "speedup_on_vs_off",
+                               "off_vs_gspmd"]))
+  print(f"wrote {path}")
+  return path
+
+
+if __name__ == "__main__":
+  main()

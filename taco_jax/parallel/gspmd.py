@@ -1,0 +1,131 @@
+"""The GSPMD baseline: what a JAX user would otherwise write for tensor parallelism.
+
+The single-device GPT (its `Block`, dense linears, stacked on a leading layer axis exactly
+as in `taco_jax.parallel.model`) under plain `jax.jit` on a ("data", "tensor") mesh, with
+Megatron-style NamedSharding annotations and nothing manual: parameters enter with
+`in_shardings` (QKV / MLP-in column-parallel on "tensor", out-projections row-parallel,
+vocab-parallel embedding; the same PartitionSpecs as `model.param_specs` without the
+pipeline axis) and the residual stream between blocks is pinned with
+`jax.lax.with_sharding_constraint`: batch on "data", and with `activation="sp"` the
+sequence on "tensor" (Megatron sequence parallelism: XLA then inserts all-gather /
+reduce-scatter around each block, as our step does), with "replicated" the full sequence
+on every tensor rank (Megatron's all-reduce). The XLA partitioner picks every collective.
+
+`XLA_OVERLAP_FLAGS` are the XLA GPU flags that let XLA overlap those collectives with
+compute (latency-hiding scheduler, pipelined collectives in the layer loop); set them in
+XLA_FLAGS before JAX starts (benchmarks/bench_train.py does).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from taco_jax.parallel import model as model_lib
+from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
+
+AXES = (DATA, TENSOR)
+
+XLA_OVERLAP_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+
+
+def make_mesh(dp: int, tp: int, devices=None) -> jax.sharding.Mesh:
+  """("data", "tensor") mesh, "tensor" innermost (devices ordered by (process, id))."""
+  devices = list(jax.devices() if devices is None else devices)
+  if dp * tp != len(devices):
+    raise ValueError(f"dp*tp = {dp}*{tp} = {dp * tp} does not match the {len(devices)} "
+                     "devices")
+  devices.sort(key=lambda d: (d.process_index, d.id))
+  return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(dp, tp), AXES)
+
+
+def param_specs(cfg) -> dict:
+  """`model.param_specs` without the pipeline axis (the stacked layer axis unsharded)."""
+  drop = lambda s: P(*(None if a == PIPE else a for a in s))
+  return jax.tree.map(drop, model_lib.param_specs(cfg), is_leaf=lambda x: isinstance(x, P))
+
+
+def shardings(cfg, mesh) -> dict:
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(cfg),
+                      is_leaf=lambda x: isinstance(x, P))
+
+
+def init_params(cfg, mesh, seed: int = 0) -> dict:
+  """Parameters of `model.single_device_model(cfg, seed)` in the stacked layout, sharded."""
+  def init():
+    m = model_lib.single_device_model(cfg, seed)
+    return model_lib.to_parallel(nnx.state(m, nnx.Param).to_pure_dict())
+  return jax.jit(init, out_shardings=shardings(cfg, mesh))()
+
+
+def batch_sharding(mesh):
+  return NamedSharding(mesh, P(DATA, None))
+
+
+def _templates(cfg):
+  kind = model_lib._kind(cfg)
+  make_block = lambda: model_lib.BLOCKS[kind][2](cfg, rngs=nnx.Rngs(0))  # dense linears
+  block_gd, _ = nnx.split(nnx.eval_shape(make_block))
+  norm_gd, _ = model_lib.norm_template(cfg)
+  return block_gd, norm_gd
+
+
+def loss_fn(cfg, mesh, activation: str = "sp") -> Callable:
+  """(params, tokens_BT1) -> mean next-token loss (fp32), the single-device model's math."""
+  if activation not in ("sp", "replicated"):
+    raise ValueError(f"activation must be 'sp' or 'replicated', got {activation!r}")
+  block_gd, norm_gd = _templates(cfg)
+  dt = cfg.compute_dtype
+  h_spec = NamedSharding(mesh, P(DATA, TENSOR if activation == "sp" else None, None))
+  pin = lambda h: jax.lax.with_sharding_constraint(h, h_spec)
+
+  def loss(params, tokens_BT1):
+    inputs, targets = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+    h = jnp.take(params["wte"], inputs, axis=0).astype(dt)
+    if "wpe" in params:
+      h = h + params["wpe"][:inputs.shape[1]].astype(dt)
+
+    def layer(h, p):
+      return pin(nnx.merge(block_gd, p)(h)), None
+
+    if cfg.remat:
+      layer = jax.checkpoint(layer)
+    h = jax.lax.scan(layer, pin(h), params["blocks"])[0]
+    h = nnx.merge(norm_gd, params["ln_f"])(h)
+    logits = jnp.einsum("btd,vd->btv", h.astype(dt), params["wte"].astype(dt),
+                        preferred_element_type=jnp.float32)
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - tgt)
+
+  return loss
+
+
+def loss_and_grads_fn(cfg, mesh, activation: str = "sp") -> Callable:
+  return jax.value_and_grad(loss_fn(cfg, mesh, activation))
+
+
+def make_train_step(cfg, mesh, tx: optax.GradientTransformation, *,
+                    activation: str = "sp") -> Callable:
+  """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics), like
+  `step.make_train_step`; jit it with the param / batch shardings and donation."""
+  loss_and_grads = loss_and_grads_fn(cfg, mesh, activation)
+
+  def train_step(params, opt_state, tokens_BT1):
+    loss, grads = loss_and_grads(params, tokens_BT1)
+    grads = jax.lax.with_sharding_constraint(grads, shardings(cfg, mesh))
+    updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+
+  return train_step
