@@ -47,7 +47,7 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.train_parallel import SIZES, comm_summary  # noqa: E402 (no JAX import)
+from benchmarks.train_parallel import SIZES, bench_setup, comm_summary  # noqa: E402 (no JAX import)
 
 VARIANTS = ("off", "on", "ideal", "gspmd")
 
@@ -278,31 +278,18 @@ def main(argv=None) -> pathlib.Path:
   cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
                           d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
                           remat=not args.no_remat))
-  layouts = [tuple(int(v) for v in s.split(",")) for s in args.layouts.split(";") if s]
-  n = jax.device_count()
-  bad = [lay for lay in layouts if lay[0] * lay[1] * lay[2] != n]
-  if bad:
-    raise SystemExit(f"layouts {bad} do not multiply to the {n} devices")
   unknown = set(args.variants.split(",")) - set(VARIANTS)
   if unknown:
     raise SystemExit(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
-  corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
-                            max_corpus_bytes=8_000_000).train
+  t0 = time.perf_counter()
+  layouts, corpus, ceiling, until = bench_setup(args)
+  n = jax.device_count()
   args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
   optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
       20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
   tx = make_optimizer(optim, args.steps)
-  ceiling = common.matmul_rate(256 if args.smoke else 8192, samples=3 if args.smoke else 20)
   fpt = flops_per_token(cfg, args.seq)
-  rows, t0, compile_est = [], time.perf_counter(), [0.0]
-
-  def until(left_after, compile_s):
-    """This layout's share of the time left, after reserving the later layouts' compiles."""
-    compile_est[0] = max(compile_est[0], compile_s)
-    now = time.perf_counter()
-    left = t0 + args.deadline_s - now - compile_est[0] * left_after
-    return now + max(left, 0.0) / (left_after + 1)
-
+  rows = []
   for k, lay in enumerate(layouts):
     for r in run_layout(lay, args, cfg, tx, corpus,
                         lambda c, k=k: until(len(layouts) - k - 1, c)):

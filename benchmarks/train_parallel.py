@@ -152,6 +152,33 @@ def run_layout(layout, args, cfg, corpus, step_until):
   return out
 
 
+def bench_setup(args):
+  """What the end-to-end benchmarks share: the (dp, pp, tp) layouts (checked against the
+  devices), the training corpus, the bf16 matmul ceiling, and `step_until(left_after,
+  compile_s)`: the wall-clock time until which the current layout may step, its share of
+  what is left of `args.deadline_s` after reserving the later layouts' compiles."""
+  import jax
+  from benchmarks import common
+  from taco_jax import data
+  layouts = [tuple(int(v) for v in s.split(",")) for s in args.layouts.split(";") if s]
+  n = jax.device_count()
+  bad = [lay for lay in layouts if lay[0] * lay[1] * lay[2] != n]
+  if bad:
+    raise SystemExit(f"layouts {bad} do not multiply to the {n} devices")
+  corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
+                            max_corpus_bytes=8_000_000).train
+  ceiling = common.matmul_rate(256 if args.smoke else 8192, samples=3 if args.smoke else 20)
+  t0, compile_est = time.perf_counter(), [0.0]
+
+  def step_until(left_after, compile_s):
+    compile_est[0] = max(compile_est[0], compile_s)
+    now = time.perf_counter()
+    left = t0 + args.deadline_s - now - compile_est[0] * left_after
+    return now + max(left, 0.0) / (left_after + 1)
+
+  return layouts, corpus, ceiling, step_until
+
+
 def main(argv=None) -> pathlib.Path:
   args = parse_args(argv)
   if args.smoke:
@@ -166,24 +193,11 @@ def main(argv=None) -> pathlib.Path:
   n_layers, d, h, f = SIZES[args.model]
   cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
                           d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=args.remat))
-  layouts = [tuple(int(v) for v in s.split(",")) for s in args.layouts.split(";") if s]
+  t0 = time.perf_counter()
+  layouts, corpus, ceiling, step_until = bench_setup(args)
   n = jax.device_count()
-  bad = [lay for lay in layouts if lay[0] * lay[1] * lay[2] != n]
-  if bad:
-    raise SystemExit(f"layouts {bad} do not multiply to the {n} devices")
-  corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
-                            max_corpus_bytes=8_000_000).train
-  ceiling = common.matmul_rate(256 if args.smoke else 8192, samples=3 if args.smoke else 20)
   fpt = flops_per_token(cfg, args.seq)
-  rows, t0, compile_est = [], time.perf_counter(), [0.0]
-
-  def step_until(left_after, compile_s):
-    """This layout's share of the time left, after reserving the later layouts' compiles."""
-    compile_est[0] = max(compile_est[0], compile_s)
-    now = time.perf_counter()
-    left = t0 + args.deadline_s - now - compile_est[0] * left_after
-    return now + max(left, 0.0) / (left_after + 1)
-
+  rows = []
   for k, lay in enumerate(layouts):
     until = lambda c, k=k: step_until(len(layouts) - k - 1, c)
     for r in run_layout(lay, args, cfg, corpus, until):
