@@ -47,7 +47,8 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.train_parallel import SIZES, bench_setup, comm_summary  # noqa: E402 (no JAX import)
+from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
+    SIZES, bench_setup, comm_summary, step_interleaved, timing_record)
 
 VARIANTS = ("off", "on", "ideal", "gspmd")
 
@@ -201,38 +202,19 @@ def run_layout(layout, args, cfg, tx, corpus, until):
     t0 = time.perf_counter()
     exe, state, batch, mesh, plan = build(v, layout, args, cfg, tx)
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
-                   times=[], losses=[], plan=dataclasses.asdict(plan) if plan else None,
+                   plan=dataclasses.asdict(plan) if plan else None,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
-  t_end = until(sum(r["compile_s"] for r in runs.values()))
-  names = list(runs)
-  for i in range(args.steps):
-    tokens = data.batch_at(corpus, i, seed=0, batch_size=args.batch, seq_len=args.seq)
-    for name in names[i % len(names):] + names[:i % len(names)]:
-      r = runs[name]
-      b = r["batch"](tokens)
-      t0 = time.perf_counter()
-      params, opt_state, met = r["exe"](*r["state"], b)
-      loss = float(jax.block_until_ready(met["loss"]))
-      r["times"].append(time.perf_counter() - t0)
-      r["losses"].append(loss)
-      r["state"] = (params, opt_state)
-    if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
-      break
+  tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
+                                     seq_len=args.seq)
+  step_interleaved(runs, tokens_at, args, until(sum(r["compile_s"] for r in runs.values())))
   dp, pp, tp = layout
   out = []
   for name, r in runs.items():
-    timed = r["times"][args.warmup:] or r["times"]
-    med = statistics.median(timed)
     out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, variant=name,
                     mesh=(f"data={dp * pp},tensor={tp}" if name == "gspmd" else
                           f"data={dp},pipeline={pp},tensor={tp}"),
-                    plan=r["plan"], steps=len(r["times"]), compile_s=r["compile_s"],
-                    step_ms=med * 1e3, step_ms_min=min(timed) * 1e3,
-                    step_ms_max=max(timed) * 1e3, tokens_per_s=args.batch * args.seq / med,
-                    step_times_s=r["times"], loss_curve=r["losses"],
-                    final_loss=statistics.fmean(r["losses"][-10:]),
-                    comm_bytes_static=r["comm_static"]))
+                    plan=r["plan"], **timing_record(r, args)))
     del r["exe"], r["state"]
   return out
 

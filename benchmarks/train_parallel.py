@@ -110,8 +110,9 @@ def run_layout(layout, args, cfg, corpus, step_until):
   p_abs = model_lib.abstract_params(cfg, mesh)
   o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
   p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
-  batch = lambda i: global_batch(data.batch_at(corpus, i, seed=0, batch_size=args.batch,
-                                               seq_len=args.seq), mesh)
+  tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
+                                     seq_len=args.seq)
+  batch = lambda tokens: global_batch(tokens, mesh)  # noqa: E731
   runs = {}
   for name, plan in (("off", CompressionPlan()), ("on", on)):
     spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan)
@@ -119,15 +120,32 @@ def run_layout(layout, args, cfg, corpus, step_until):
     opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
     t0 = time.perf_counter()
     exe = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                  out_shardings=(p_sh, o_sh, None)).lower(params, opt_state, batch(0)).compile()
+                  out_shardings=(p_sh, o_sh, None)).lower(params, opt_state,
+                                                           batch(tokens_at(0))).compile()
     runs[name] = dict(exe=exe, state=(params, opt_state), compile_s=time.perf_counter() - t0,
-                      times=[], losses=[], plan=plan,
+                      batch=batch, plan=plan,
                       comm_static=comm_summary(hlo.collectives(exe.as_text(), mesh)))
   t_end = step_until(sum(r["compile_s"] for r in runs.values()))
+  step_interleaved(runs, tokens_at, args, t_end)
+  return [dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, microbatches=m, compression=name,
+               plan=dataclasses.asdict(r["plan"]), **timing_record(r, args))
+          for name, r in runs.items()]
+
+
+def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> None:
+  """Steps every run on the same batches, rotating their order every step, until
+  `args.steps` or (after warm-up) `t_end`; records each step's time and loss in the run.
+  A run holds `exe` (compiled step), `state` (params, opt_state) and `batch` (tokens ->
+  the program's input)."""
+  import jax
+  names = list(runs)
+  for r in runs.values():
+    r["times"], r["losses"] = [], []
   for i in range(args.steps):
-    b = batch(i)
-    for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+    tokens = tokens_at(i)
+    for name in names[i % len(names):] + names[:i % len(names)]:
       r = runs[name]
+      b = r["batch"](tokens)
       t0 = time.perf_counter()
       params, opt_state, met = r["exe"](*r["state"], b)
       loss = float(jax.block_until_ready(met["loss"]))
@@ -136,20 +154,17 @@ def run_layout(layout, args, cfg, corpus, step_until):
       r["state"] = (params, opt_state)
     if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
       break
-  out = []
-  for name, r in runs.items():
-    timed = r["times"][args.warmup:] or r["times"]
-    med = statistics.median(timed)
-    tail = r["losses"][-10:]
-    out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, microbatches=m,
-                    compression=name, plan=dataclasses.asdict(r["plan"]),
-                    steps=len(r["times"]), compile_s=r["compile_s"], step_ms=med * 1e3,
-                    step_ms_min=min(timed) * 1e3, step_ms_max=max(timed) * 1e3,
-                    tokens_per_s=args.batch * args.seq / med, step_times_s=r["times"],
-                    loss_curve=r["losses"], final_loss=statistics.fmean(tail),
-                    comm_bytes_static=r["comm_static"]))
-    del r["exe"], r["state"]
-  return out
+
+
+def timing_record(r: dict, args) -> dict:
+  """Step-time statistics (median after warm-up), tokens/s and the loss of a stepped run."""
+  timed = r["times"][args.warmup:] or r["times"]
+  med = statistics.median(timed)
+  return dict(steps=len(r["times"]), compile_s=r["compile_s"], step_ms=med * 1e3,
+              step_ms_min=min(timed) * 1e3, step_ms_max=max(timed) * 1e3,
+              tokens_per_s=args.batch * args.seq / med, step_times_s=r["times"],
+              loss_curve=r["losses"], final_loss=statistics.fmean(r["losses"][-10:]),
+              comm_bytes_static=r["comm_static"])
 
 
 def bench_setup(args):
