@@ -20,7 +20,6 @@ the fp32 summation error; a two-shot all-reduce re-encodes the sum once more.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 from taco_jax.codec import CompressionConfig
+from taco_jax.parallel import hlo
 
 _MANTISSA_BITS = {"e4m3": 3, "e5m2": 2}
 _MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
@@ -105,29 +105,17 @@ def assert_within(actual, expected, bound, what: str = "") -> None:
 
 # --- HLO inspection ------------------------------------------------------------------------
 
-_COLLECTIVES = ("all-gather", "all-to-all", "reduce-scatter", "all-reduce",
-                "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2,
-                "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8,
-                "s64": 8, "u64": 8}
-
-
 def hlo_collectives(hlo_text: str) -> list[dict]:
-  """The collective ops of an HLO module's text (lowered or compiled), one dict each:
-  ``op`` (e.g. "all-gather"), ``dtypes`` (set of result element types) and ``bytes`` (the
-  result's size; a tuple result, as CPU all-to-alls have, is summed). Synchronous ops
-  only (as on CPU); async ``-start``/``-done`` pairs of GPU modules are not parsed."""
-  ops = []
-  pattern = re.compile(r"=\s*(\(.*?\)|\S+)\s+(" + "|".join(_COLLECTIVES) + r")\(")
-  for line in hlo_text.splitlines():
-    m = pattern.search(line)
-    if not m:
-      continue
-    shapes = re.findall(r"([a-z][a-z0-9]*)\[([0-9,]*)\]", m.group(1))
-    nbytes = sum(_DTYPE_BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))
-                 for dt, dims in shapes)
-    ops.append(dict(op=m.group(2), dtypes={dt for dt, _ in shapes}, bytes=nbytes))
-  return ops
+  """The collective instructions of an HLO module's text (lowered or compiled), one dict
+  each: ``op`` (e.g. "all-gather"), ``dtypes`` (set of result element types) and ``bytes``
+  (the result's size; a tuple result, as CPU all-to-alls have, is summed). A view of
+  ``taco_jax.parallel.hlo.collectives``, which parses them."""
+  ops = {}
+  for c in hlo.collectives(hlo_text):
+    op = ops.setdefault(c.line, dict(op=c.kind, dtypes=set(), bytes=0))
+    op["dtypes"].add(c.dtype)
+    op["bytes"] += c.bytes
+  return list(ops.values())
 
 
 @functools.cache

@@ -70,10 +70,11 @@ def _groups(line: str, n: int):
   return [list(range(n))]
 
 
-def collectives(hlo_text: str, mesh) -> list[Collective]:
+def collectives(hlo_text: str, mesh=None) -> list[Collective]:
   """Every message of every collective instruction of `hlo_text` (async pairs counted once,
-  at -start; a combined collective with a tuple result gives one entry per array)."""
-  names, shape = tuple(mesh.axis_names), tuple(mesh.devices.shape)
+  at -start; a combined collective with a tuple result gives one entry per array). Without
+  a mesh, `axes` is left empty."""
+  names, shape = (tuple(mesh.axis_names), tuple(mesh.devices.shape)) if mesh else ((), ())
   out = []
   for line in hlo_text.splitlines():
     m = _OP.search(line)
@@ -86,7 +87,9 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
       arrays = arrays[len(arrays) // 2:]  # async start: (operands..., results...)
     if not arrays:
       continue
-    if am := _MESH_AXES.search(line):
+    if mesh is None:
+      axes = frozenset()
+    elif am := _MESH_AXES.search(line):
       axes = frozenset(re.findall(r"'([^']+)'", am["axes"]))
     else:
       axes = _axes_of_groups(_groups(line, math.prod(shape)), shape, names)
