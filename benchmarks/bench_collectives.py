@@ -82,6 +82,7 @@ def run(args) -> dict:
   here = pathlib.Path(__file__).resolve().parent
   sys.path[:0] = [str(here.parent), str(here)]
   import common  # benchmarks/common.py: ceilings and environment (timing here is interleaved)
+  import report as report_lib  # benchmarks/report.py: the threshold rule
   from taco_jax import CompressionConfig
   from taco_jax import collectives as tc
 
@@ -195,13 +196,6 @@ def run(args) -> dict:
       copy_one_device=common.copy_bandwidth(int(max(sizes) * 2**20), samples=3 if small else 20),
       matmul_bf16=common.matmul_rate(256 if small else 8192, samples=3 if small else 20))
 
-  thresholds = {}
-  for coll in colls:
-    sp = sorted((r["size_mib"], r["speedup_vs_bf16"]) for r in results
-                if r["collective"] == coll and r["variant"] == "compressed")
-    wins = [s for i, (s, _) in enumerate(sp) if all(v > 1 for _, v in sp[i:])]
-    thresholds[coll] = wins[0] if wins else None
-
   return dict(
       benchmark="bench_collectives", label=args.label, device=devices[0].device_kind,
       platform=devices[0].platform, num_devices=n, jax_version=jax.__version__,
@@ -213,7 +207,7 @@ def run(args) -> dict:
       config=dict(vars(args), compression=dataclasses.asdict(cfg),
                   resolved_implementation=cfg.resolved_implementation()),
       environment=common.environment(), ceilings=ceilings, results=results,
-      threshold_mib=thresholds)
+      threshold_mib=report_lib.threshold_mib(results))
 
 
 def table(report: dict) -> str:

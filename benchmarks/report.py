@@ -69,16 +69,21 @@ def codec_section() -> str:
           + _table(["variant"] + dists, g128) + "\n")
 
 
-def thresholds(d: dict) -> dict:
-  """Smallest size (bytes per device) from which compressed beat bf16 at every larger
-  measured size, per collective; None where it never did."""
+def threshold_mib(results: list[dict]) -> dict:
+  """Per collective of a collectives benchmark's `results`: the smallest size (MiB per
+  device) from which compressed beat bf16 at every larger measured size; None if never."""
   out = {}
-  for coll in sorted({r["collective"] for r in d["results"]}):
-    pts = sorted((r["size_mib"], r["speedup_vs_bf16"]) for r in d["results"]
+  for coll in sorted({r["collective"] for r in results}):
+    pts = sorted((r["size_mib"], r["speedup_vs_bf16"]) for r in results
                  if r["collective"] == coll and r["variant"] == "compressed")
     wins = [s for i, (s, _) in enumerate(pts) if all(v > 1.0 for _, v in pts[i:])]
-    out[coll] = int(wins[0] * MIB) if wins else None
+    out[coll] = wins[0] if wins else None
   return out
+
+
+def thresholds(d: dict) -> dict:
+  """`threshold_mib` of a results file, in bytes per device."""
+  return {c: None if t is None else int(t * MIB) for c, t in threshold_mib(d["results"]).items()}
 
 
 def collectives_section() -> str:
