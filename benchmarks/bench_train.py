@@ -43,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -197,10 +198,17 @@ def run_layout(layout, args, cfg, tx, corpus, until):
   from taco_jax import data
   from taco_jax.parallel import hlo
 
-  runs = {}
+  runs, failed = {}, []
+  dp, pp, tp = layout
   for v in args.variants.split(","):
     t0 = time.perf_counter()
-    exe, state, batch, mesh, plan = build(v, layout, args, cfg, tx)
+    try:  # one variant that does not build (e.g. out of memory) must not lose the others
+      exe, state, batch, mesh, plan = build(v, layout, args, cfg, tx)
+    except Exception as e:  # noqa: BLE001 (recorded in the results and printed)
+      traceback.print_exc()
+      failed.append(dict(layout=f"{dp},{pp},{tp}", variant=v, error=f"{type(e).__name__}: "
+                         f"{str(e)[:2000]}"))
+      continue
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
                    plan=dataclasses.asdict(plan) if plan else None,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
@@ -208,7 +216,6 @@ def run_layout(layout, args, cfg, tx, corpus, until):
   tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
                                      seq_len=args.seq)
   step_interleaved(runs, tokens_at, args, until(sum(r["compile_s"] for r in runs.values())))
-  dp, pp, tp = layout
   out = []
   for name, r in runs.items():
     out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, variant=name,
@@ -216,7 +223,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                           f"data={dp},pipeline={pp},tensor={tp}"),
                     plan=r["plan"], **timing_record(r, args)))
     del r["exe"], r["state"]
-  return out
+  return out, failed
 
 
 def summarize(rows) -> list[dict]:
@@ -271,38 +278,41 @@ def main(argv=None) -> pathlib.Path:
       20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
   tx = make_optimizer(optim, args.steps)
   fpt = flops_per_token(cfg, args.seq)
-  rows = []
-  for k, lay in enumerate(layouts):
-    for r in run_layout(lay, args, cfg, tx, corpus,
-                        lambda c, k=k: until(len(layouts) - k - 1, c)):
-      r["mfu"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
-      rows.append(r)
-      print(f"{r['layout']:>7s} {r['variant']:>5s}: {r['step_ms']:9.2f} ms/step "
-            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  loss {r['final_loss']:.4f}"
-            f"  (compile {r['compile_s']:.1f} s)", flush=True)
-  summary = summarize(rows)
   env = common.environment()
-  report = dict(benchmark="bench_train", label=args.label, device=env["device_kind"],
-                num_devices=n, jax_version=jax.__version__, date=env["date"],
-                timing="host wall-clock around block_until_ready per step; median after "
-                       "warm-up; variants interleaved step by step on the same batches",
-                ideal="off with collectives over 'tensor' replaced by local stand-ins of the "
-                      "same shapes (bench_train.noop_tensor_collectives); its loss is "
-                      "meaningless",
-                gspmd="plain jax.jit + NamedSharding (taco_jax.parallel.gspmd) on a "
-                      "(dp*pp, tp) data x tensor mesh; activation=" + args.gspmd_activation,
-                env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
-                                                    "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
-                config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
-                            model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
-                environment=env, ceilings=dict(matmul_bf16=ceiling), summary=summary,
-                results=rows, wall_s=time.perf_counter() - t0)
   out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
                                           pathlib.Path(__file__).parent / "results"))
   out_dir.mkdir(parents=True, exist_ok=True)
   kind = "gpu" if env["platform"] == "gpu" else env["platform"]
   path = out_dir / f"bench_train_{args.label}_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
-  path.write_text(json.dumps(report, indent=1))
+  rows, failed = [], []
+  for k, lay in enumerate(layouts):
+    done, bad = run_layout(lay, args, cfg, tx, corpus,
+                           lambda c, k=k: until(len(layouts) - k - 1, c))
+    failed += bad
+    for r in done:
+      r["mfu"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
+      rows.append(r)
+      print(f"{r['layout']:>7s} {r['variant']:>5s}: {r['step_ms']:9.2f} ms/step "
+            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  loss {r['final_loss']:.4f}"
+            f"  (compile {r['compile_s']:.1f} s)", flush=True)
+    summary = summarize(rows)
+    report = dict(benchmark="bench_train", label=args.label, device=env["device_kind"],
+                  num_devices=n, jax_version=jax.__version__, date=env["date"],
+                  timing="host wall-clock around block_until_ready per step; median after "
+                         "warm-up; variants interleaved step by step on the same batches",
+                  ideal="off with collectives over 'tensor' replaced by local stand-ins of "
+                        "the same shapes (bench_train.noop_tensor_collectives); its loss is "
+                        "meaningless",
+                  gspmd="plain jax.jit + NamedSharding (taco_jax.parallel.gspmd) on a "
+                        "(dp*pp, tp) data x tensor mesh; activation=" + args.gspmd_activation,
+                  env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+                                                      "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+                  config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
+                              model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
+                  environment=env, ceilings=dict(matmul_bf16=ceiling), summary=summary,
+                  failed=failed, results=rows, complete=k == len(layouts) - 1,
+                  wall_s=time.perf_counter() - t0)
+    path.write_text(json.dumps(report, indent=1))  # after every layout: nothing lost
   print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
         f"bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s, "
         f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE')}")

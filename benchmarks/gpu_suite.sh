@@ -2,6 +2,8 @@
 # The GPU measurements, in the order of their issues, for one lent machine:
 #   bash benchmarks/gpu_suite.sh codec collectives   # one call (~8 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh train               # another (~6 min)
+#   bash benchmarks/gpu_suite.sh e2e                 # bench_train, NVLink + P2P off (~9 min)
+#   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Results land in benchmarks/results/ and, when $OUT is set, are copied there.
 set -uo pipefail
@@ -24,6 +26,13 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_collectives.py \
         --label p2p_disabled --sizes-mib "$sizes" ;;
     train) timeout 420 python3 benchmarks/train_parallel.py ;;
+    e2e)  # results straight to $out: a run cut off by the call's limit keeps what it wrote
+      timeout 290 python3 benchmarks/bench_train.py --label nvlink --deadline-s 250 \
+        --out-dir "$out"
+      NCCL_P2P_DISABLE=1 timeout 270 python3 benchmarks/bench_train.py --label nop2p \
+        --layouts 1,1,4 --deadline-s 230 --out-dir "$out" ;;
+    accuracy) timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink \
+                --deadline-s 540 --out-dir "$out" ;;
     *) echo "unknown job $job" >&2 ;;
   esac 2>&1 | grep -v -E "DeprecationWarning|warnings.warn" | tee -a "$out/suite.log"
 done

@@ -25,6 +25,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   c.data = d = ml_collections.ConfigDict()
   d.path = ''                    # '' = embedded corpus (this interpreter's stdlib *.py); or a
                                  # text file, a directory of text files, or a .npy/.bin token array
+  d.include = '*'                # for a directory: the files (glob, recursive) to read, e.g. '*.py'
   d.bin_dtype = 'uint16'         # element type of a raw .bin token file: uint8 | uint16
   d.val_fraction = 0.05          # share of files (or of the tail of one file/array) held out
   d.max_corpus_bytes = 32_000_000  # cap on the embedded corpus size

@@ -248,9 +248,9 @@ def base_module_of(config_path: str | None) -> str | None:
 
 def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
               config_path: str | None = None, workdir=None, rows_per_call: int = 1024,
-              report=None, compiler_options=None) -> dict:
+              report=None, compiler_options=None, cap: quality.Capture | None = None) -> dict:
   """Steps 1-4 (module docstring); returns the report (also written to `report`, default
-  <out>.json)."""
+  <out>.json). `cap`: tensors already captured from this config (step 1 is skipped)."""
   from taco_jax.parallel.compression import plan_from_config
   plan = plan_from_config(config.compression)
   settings = list(settings or grid())
@@ -258,7 +258,8 @@ def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
     cfg = getattr(plan, fam)
     if cfg is not None and (s := {k: getattr(cfg, k) for k in SETTING_FIELDS}) not in settings:
       settings.append(s)
-  cap = capture(config, steps, workdir, rows_per_call, compiler_options)
+  if cap is None:
+    cap = capture(config, steps, workdir, rows_per_call, compiler_options)
   results = measure_all(cap, settings)
   choices = choose(results, plan)
   out = pathlib.Path(out)

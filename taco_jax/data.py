@@ -106,8 +106,10 @@ def _load_array(path: pathlib.Path, bin_dtype: str) -> np.ndarray:
 
 
 def load_corpus(path: str, *, cache_dir: str | os.PathLike, val_fraction: float = 0.05,
-                max_corpus_bytes: int = 32_000_000, bin_dtype: str = 'uint16') -> Corpus:
-  """The corpus named by `data.path` ('' = embedded stdlib corpus).
+                max_corpus_bytes: int = 32_000_000, bin_dtype: str = 'uint16',
+                include: str = '*') -> Corpus:
+  """The corpus named by `data.path` ('' = embedded stdlib corpus). For a directory, the
+  files under it (recursively) whose name matches the glob `include` (e.g. '*.py').
 
   Raises FileNotFoundError / ValueError naming the path when it is missing, empty,
   unreadable, or yields no validation data.
@@ -121,10 +123,11 @@ def load_corpus(path: str, *, cache_dir: str | os.PathLike, val_fraction: float 
                             "(or leave it '' for the embedded corpus)")
   try:
     if p.is_dir():
-      files = sorted((f.relative_to(p).as_posix(), f) for f in p.rglob('*')
+      files = sorted((f.relative_to(p).as_posix(), f) for f in p.rglob(include)
                      if f.is_file() and not any(s.startswith('.') for s in f.relative_to(p).parts))
       if not files:
-        raise ValueError(f'data.path {str(p)!r} is a directory with no (non-hidden) files')
+        raise ValueError(f'data.path {str(p)!r} is a directory with no (non-hidden) files '
+                         f'matching {include!r}')
       train, val = _join_files(files, val_fraction, None)
       if len(val) == 0 or len(train) == 0:  # too few files to split by file: split the tail
         train, val = _split_tail(np.concatenate([train, val]), val_fraction)

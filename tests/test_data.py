@@ -67,6 +67,13 @@ def test_user_paths(tmp_path):
   c = data.load_corpus(str(d), cache_dir=tmp_path, val_fraction=0.2)
   expected = sum(len(f'file {i}\n') * 10 + 2 for i in range(40))  # + separators, no .hidden
   assert len(c.train) > 0 and len(c.val) > 0 and len(c.train) + len(c.val) == expected
+  (d / 'sub').mkdir()
+  (d / 'sub' / 'm.py').write_text('import os\n')
+  (d / 'sub' / 'm.so').write_bytes(bytes(range(256)))
+  c = data.load_corpus(str(d), cache_dir=tmp_path, include='*.py')  # only the .py, recursively
+  assert data.decode(np.concatenate([c.train, c.val])) == 'import os\n\n\n'
+  with pytest.raises(ValueError, match=r"no \(non-hidden\) files matching '\*.md'"):
+    data.load_corpus(str(d), cache_dir=tmp_path, include='*.md')
   np.save(tmp_path / 't.npy', np.arange(1000, dtype=np.uint16))
   c = data.load_corpus(str(tmp_path / 't.npy'), cache_dir=tmp_path, val_fraction=0.1)
   assert c.train.dtype == np.uint16 and c.val[-1] == 999

@@ -32,7 +32,7 @@ def load_data(config, workdir) -> data.Corpus:
   d = config.data
   corpus = data.load_corpus(d.path, cache_dir=d.cache_dir or workdir,
                             val_fraction=d.val_fraction, max_corpus_bytes=d.max_corpus_bytes,
-                            bin_dtype=d.bin_dtype)
+                            bin_dtype=d.bin_dtype, include=d.get('include', '*'))
   data.check_corpus(corpus, seq_len=d.seq_len, vocab_size=config.model.vocab_size)
   return corpus
 
