@@ -63,6 +63,8 @@ def parse_args(argv=None):
   p.add_argument("--eval-every", type=int, default=250)
   p.add_argument("--corpus", default="python", help="python | embedded | a data.path")
   p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--seed", type=int, default=None, help="instead of the config's seed "
+                 "(parameter init and batch order): a second seed gives the seed-to-seed spread")
   p.add_argument("--capture-steps", type=int, default=2)
   p.add_argument("--workdir", default=None, help="runs go here (default: a temporary dir)")
   p.add_argument("--deadline-s", type=float, default=540.0,
@@ -102,6 +104,8 @@ def configure(config, args, variant: str, workdir: pathlib.Path):
   """The base config with this benchmark's steps, corpus and the variant's compression."""
   path, include = corpus_path(args.corpus)
   with config.unlocked():
+    if args.seed is not None:
+      config.seed = args.seed
     config.data.update(path=path, include=include, cache_dir=str(workdir / "corpus"))
     config.train.update(steps=args.steps, eval_every=args.eval_every, checkpoint_every=0,
                         progress_bar=False, log_every=min(config.train.log_every, 10))
@@ -124,7 +128,8 @@ def curves(workdir: pathlib.Path) -> dict:
 
 
 def ablate(cap) -> dict:
-  """{site: [{name, setting, rel_l2, max_abs, max_abs_over_absmax, bits_per_element}]}."""
+  """{site: [{name, setting, rel_l2, max_abs, max_abs_over_absmax, share_off_by_8th,
+  bits_per_element}]} (`taco_jax.calibrate.measure_all`)."""
   from taco_jax import calibrate
   settings = [dict(TACO, **change) for change in ABLATIONS.values()]
   results = calibrate.measure_all(cap, settings)

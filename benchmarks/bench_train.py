@@ -72,7 +72,10 @@ def parse_args(argv=None):
                  help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
   p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
   p.add_argument("--group-size", type=int, default=128)
-  p.add_argument("--no-hadamard", action="store_true")
+  p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
+                 help="Walsh-Hadamard transform in the codec (off: the measured better default)")
+  p.add_argument("--link", default=None, help="'on' compresses only the collectives and sizes "
+                 "measured to pay on this link (CompressionConfig.link: nvlink | p2p_disabled)")
   p.add_argument("--gspmd-activation", default="sp", choices=["sp", "replicated"],
                  help="GSPMD residual stream: sequence-parallel or replicated over tensor")
   p.add_argument("--no-overlap-flags", action="store_true",
@@ -161,7 +164,7 @@ def build(variant, layout, args, cfg, tx):
   else:
     mesh = make_mesh(dp, pp, tp)
     codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                              hadamard=not args.no_hadamard)
+                              hadamard=args.hadamard, link=args.link)
     plan = (CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
             if variant == "on" else CompressionPlan())
     m = args.microbatches if pp > 1 else 1

@@ -120,7 +120,8 @@ def train_section() -> str:
     if d.get("environment", {}).get("platform", "gpu") != "gpu":
       continue
     c = d["config"]
-    what = c.get("compress", "") + (" no-Hadamard" if c.get("no_hadamard") else "")
+    hadamard = c.get("hadamard", not c.get("no_hadamard"))  # older results: --no-hadamard
+    what = c.get("compress", "") + ("" if hadamard else " no-Hadamard")
     for r in d["results"]:
       if r["compression"] == "on":
         off = next(o for o in d["results"] if o["layout"] == r["layout"] and

@@ -56,7 +56,8 @@ def parse_args(argv=None):
                  help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
   p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
   p.add_argument("--group-size", type=int, default=128)
-  p.add_argument("--no-hadamard", action="store_true", help="codec without the transform")
+  p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
+                 help="Walsh-Hadamard transform in the codec (off: the measured better default)")
   p.add_argument("--min-bytes", type=int, default=0)
   p.add_argument("--deadline-s", type=float, default=320.0,
                  help="wall-clock budget of the whole run (compiles included): each layout "
@@ -102,7 +103,7 @@ def run_layout(layout, args, cfg, corpus, step_until):
   mesh = make_mesh(dp, pp, tp)
   m = args.microbatches if pp > 1 else 1
   codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                            hadamard=not args.no_hadamard, min_bytes=args.min_bytes)
+                            hadamard=args.hadamard, min_bytes=args.min_bytes)
   on = CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
   optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
       20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))

@@ -101,22 +101,31 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
 
 @functools.partial(jax.jit, static_argnames=("settings", "n_seg"))
 def _errors(x, seg, settings, n_seg):
-  """Per setting and segment: (sum err^2, sum x^2, max |err|, max |x|), fp32 on device."""
+  """Per setting and segment: (sum err^2, sum x^2, max |err|, max |x|, number of non-zero
+  elements off by more than 1/8 of themselves, number of non-zero elements), fp32."""
   xf = x.astype(jnp.float32)
   x2 = jax.ops.segment_sum(jnp.sum(xf * xf, -1), seg, n_seg)
   amax = jax.ops.segment_max(jnp.max(jnp.abs(xf), -1), seg, n_seg)
+  nonzero = xf != 0
+  n_nonzero = jax.ops.segment_sum(jnp.sum(nonzero, -1, dtype=jnp.float32), seg, n_seg)
   out = []
   for s in settings:
     err = collectives.roundtrip(x, CompressionConfig(**dict(s))) - xf
+    far = nonzero & (8 * jnp.abs(err) > jnp.abs(xf))
     out.append(jnp.stack([jax.ops.segment_sum(jnp.sum(err * err, -1), seg, n_seg), x2,
-                          jax.ops.segment_max(jnp.max(jnp.abs(err), -1), seg, n_seg), amax]))
-  return jnp.stack(out)  # [settings, 4, n_seg]
+                          jax.ops.segment_max(jnp.max(jnp.abs(err), -1), seg, n_seg), amax,
+                          jax.ops.segment_sum(jnp.sum(far, -1, dtype=jnp.float32), seg, n_seg),
+                          n_nonzero]))
+  return jnp.stack(out)  # [settings, 6, n_seg]
 
 
 def measure_all(cap: quality.Capture, settings: list[dict], max_rows: int = 1 << 16) -> dict:
   """{site: [setting + errors, ...]} for every captured site: rel_l2 = ||x_hat - x|| / ||x||
   over all its captured rows (at most `max_rows`, evenly spaced), max_abs = max |x_hat - x|,
-  max_abs_over_absmax = max_abs / max |x|. Sites with the same last dimension are measured
+  max_abs_over_absmax = max_abs / max |x|, share_off_by_8th = the share of non-zero
+  elements whose own relative error exceeds 1/8 (twice E4M3's rounding bound: elements the
+  codec does not keep to FP8 precision, e.g. small ones after a Hadamard transform spread
+  a large neighbour's error over them). Sites with the same last dimension are measured
   in one program."""
   frozen = tuple(tuple(sorted(s.items())) for s in settings)
   by_width: dict[int, list] = {}
@@ -134,6 +143,7 @@ def measure_all(cap: quality.Capture, settings: list[dict], max_rows: int = 1 <<
       out[site] = [dict(s, rel_l2=float(np.sqrt(e[j, 0, i] / e[j, 1, i])),
                         max_abs=float(e[j, 2, i]),
                         max_abs_over_absmax=float(e[j, 2, i] / e[j, 3, i]),
+                        share_off_by_8th=float(e[j, 4, i] / max(e[j, 5, i], 1.0)),
                         bits_per_element=bits_per_element(s))
                    for j, s in enumerate(settings)]
   return out

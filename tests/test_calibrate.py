@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from configs import parallel_tiny
-from taco_jax import calibrate, quality
+from taco_jax import calibrate, collectives, quality
+from taco_jax.codec import CompressionConfig
 from taco_jax.parallel import train as parallel_train
 from taco_jax.parallel.compression import plan_from_config
 from taco_jax.train import metrics
@@ -130,3 +131,22 @@ def test_config_source_round_trips(tmp_path, base):
   want["compression"]["tp_backward"] = section
   want["compression"]["log_errors"] = False  # defined, so the command line can switch it on
   assert namespace["get_config"]().to_dict() == want
+
+
+def test_measure_all_against_numpy_and_the_hadamard_spread():
+  """measure_all's figures equal a numpy computation on the same round trip; on rows with
+  one large element per group, plain per-group FP8 keeps every element to FP8 precision,
+  while the Hadamard transform spreads the large one's error over its small neighbours."""
+  rng = np.random.default_rng(3)
+  rows = rng.normal(size=(64, 128)).astype(np.float32) * np.exp(rng.normal(size=(64, 1)))
+  rows[:, ::64] *= 300.0  # one outlier channel per group of 64
+  cap = quality.Capture()
+  cap.add("gather_from_sp/fwd", rows)
+  plain, spread = (dict(format="e4m3", group_size=64, hadamard=h) for h in (False, True))
+  res = calibrate.measure_all(cap, [plain, spread])["gather_from_sp/fwd"]
+  for r, s in zip(res, (plain, spread)):
+    err = np.asarray(collectives.roundtrip(rows, CompressionConfig(**s))) - rows
+    assert r["rel_l2"] == pytest.approx(np.linalg.norm(err) / np.linalg.norm(rows), rel=1e-4)
+    assert r["max_abs"] == pytest.approx(np.abs(err).max(), rel=1e-5)
+    assert r["share_off_by_8th"] == pytest.approx(np.mean(8 * np.abs(err) > np.abs(rows)))
+  assert res[0]["share_off_by_8th"] < 0.01 < 0.2 < res[1]["share_off_by_8th"]

@@ -39,10 +39,11 @@ def _dist(name: str, shape, seed: int):
 
 DISTS = ["gaussian", "student_t2", "outlier_channels", "dense_near_zero", "zeros"]
 CONFIGS = {
-    "taco_g128": CompressionConfig(),
+    "taco_g128": CompressionConfig(hadamard=True),
+    "absmax_g128_dual": CompressionConfig(),
     "taco_g32_e5m2": CompressionConfig(format="e5m2", group_size=32),
     "absmax_g256": CompressionConfig(group_size=256, hadamard=False, dual_scale=False),
-    "hadamard_nodual_g64": CompressionConfig(group_size=64, dual_scale=False),
+    "hadamard_nodual_g64": CompressionConfig(group_size=64, hadamard=True, dual_scale=False),
 }
 
 
@@ -129,14 +130,17 @@ def test_nonfinite_group_decodes_nonfinite(bad):
   assert np.isfinite(out[1, 64:]).all()
 
 
+@pytest.mark.parametrize("hadamard", [True, False])
 @pytest.mark.parametrize("fmt, fmax", [("e4m3", 448.0), ("e5m2", 57344.0)])
-def test_saturation_threshold(fmt, fmax):
+def test_saturation_threshold(fmt, fmax, hadamard):
   """With alpha at its floor (1e-3) and s at its ceiling (1e6), the largest representable
   transformed value is fmax * 1e6 / 1e-3: a group saturates iff max|H x| / sqrt(G) exceeds
-  it (docs/codec.md). A constant group c has H x / sqrt(G) = (sqrt(G) c, 0, ...)."""
+  it (docs/codec.md; without Hadamard: max|x|). A constant group c has
+  H x / sqrt(G) = (sqrt(G) c, 0, ...)."""
   g = 128
-  limit = fmax * 1e6 / 1e-3 / np.sqrt(g)  # largest constant that still round-trips
-  cfg = CompressionConfig(format=fmt, group_size=g, implementation="xla")
+  # the largest constant that still round-trips
+  limit = fmax * 1e6 / 1e-3 / (np.sqrt(g) if hadamard else 1.0)
+  cfg = CompressionConfig(format=fmt, group_size=g, hadamard=hadamard, implementation="xla")
   x = jnp.asarray(np.array([[0.5 * limit] * g, [4.0 * limit] * g, [3.39e38] * g]), jnp.float32)
   out = np.asarray(decompress(compress(x, cfg), cfg, jnp.float32))
   assert np.isfinite(out).all()

@@ -17,7 +17,7 @@ from taco_jax import collectives as tc
 from taco_jax.testing import (assert_within, fp8_roundtrip_bound, fp8_sum_bound, mesh_1d,
                               mesh_3d)
 
-E4M3 = CompressionConfig()
+E4M3 = CompressionConfig(hadamard=True)
 CONFIGS = {
     "e4m3": E4M3,
     "e5m2_g64": CompressionConfig(format="e5m2", group_size=64),

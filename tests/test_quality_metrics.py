@@ -23,7 +23,7 @@ from taco_jax.parallel.mesh import make_mesh
 
 CFG = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=4,
                                   d_ff=128, max_seq_len=32, dtype="float32"))
-CODEC = CompressionConfig(group_size=32)
+CODEC = CompressionConfig(group_size=32, hadamard=True)
 ON = CompressionPlan(CODEC, CODEC, CODEC, CODEC)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
