@@ -108,24 +108,26 @@ def _check(kind: str, got, want, what: str) -> dict:
   return info
 
 
-def _fns(p: Params, g: int, interpret: bool):
-  kw = dict(dataclasses.asdict(p), interpret=interpret)
+def _fns(p: Params, g: int, interpret: bool, hadamard: bool):
+  kw = dict(dataclasses.asdict(p), interpret=interpret, hadamard=hadamard)
+  ref = dict(group_size=g, hadamard=hadamard)
   return dict(
       encode=(functools.partial(enc.encode_pallas, group_size=g, **kw),
-              jax.jit(functools.partial(enc.encode_reference, group_size=g))),
+              jax.jit(functools.partial(enc.encode_reference, **ref))),
       decode=(functools.partial(dec.decode_pallas, group_size=g, **kw),
-              jax.jit(functools.partial(dec.decode_reference, group_size=g))),
+              jax.jit(functools.partial(dec.decode_reference, **ref))),
       decode_sum=(functools.partial(dec.decode_sum_pallas, group_size=g, **kw),
-                  jax.jit(functools.partial(dec.decode_sum_reference, group_size=g))))
+                  jax.jit(functools.partial(dec.decode_sum_reference, **ref))))
 
 
-def run_sweep(x, g, interpret, timing_kw, sweep):
+def run_sweep(x, g, interpret, timing_kw, sweep, hadamard):
   """Times encode and decode for each parameter set on ``x``; returns (best, records)."""
-  codes, alpha, scale = jax.jit(functools.partial(enc.encode_reference, group_size=g))(x)
+  codes, alpha, scale = jax.jit(functools.partial(enc.encode_reference, group_size=g,
+                                                  hadamard=hadamard))(x)
   records, best = [], {}
   for kind in ("encode", "decode"):
     for p in sweep:
-      kernel = _fns(p, g, interpret)[kind][0]
+      kernel = _fns(p, g, interpret, hadamard)[kind][0]
       args = (x,) if kind == "encode" else (codes, alpha, scale)
       try:
         t = common.time_fn(kernel, *args, **timing_kw)
@@ -135,9 +137,11 @@ def run_sweep(x, g, interpret, timing_kw, sweep):
       records.append(dict(kind=kind, params=dataclasses.asdict(p), time=t.as_dict()))
       if kind not in best or t.median_s < best[kind][1]:
         best[kind] = (p, t.median_s)
+    if not hadamard:
+      continue
     # The in-register H against the best H-from-memory tile.
     p = dataclasses.replace(best[kind][0], h_iota=True)
-    kernel = _fns(p, g, interpret)[kind][0]
+    kernel = _fns(p, g, interpret, hadamard)[kind][0]
     args = (x,) if kind == "encode" else (codes, alpha, scale)
     t = common.time_fn(kernel, *args, **timing_kw)
     records.append(dict(kind=kind, params=dataclasses.asdict(p), time=t.as_dict()))
@@ -146,16 +150,16 @@ def run_sweep(x, g, interpret, timing_kw, sweep):
   return {k: v[0] for k, v in best.items()}, records
 
 
-def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps):
+def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, hadamard):
   rows_out = []
   for size_mib in sizes_mib:
     x = _inputs(int(size_mib * common.MIB), d, seed=int(size_mib * 16))
     rows = x.shape[0]
-    enc_ref = jax.jit(functools.partial(enc.encode_reference, group_size=g))
+    enc_ref = jax.jit(functools.partial(enc.encode_reference, group_size=g, hadamard=hadamard))
     encoded = enc_ref(x)
     for kind, n in [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]:
       p = best["encode" if kind == "encode" else "decode"]
-      kernel, ref = _fns(p, g, interpret)[kind]
+      kernel, ref = _fns(p, g, interpret, hadamard)[kind]
       if kind == "encode":
         args = (x,)
       elif kind == "decode":
@@ -245,6 +249,8 @@ def main(argv=None):
                   help="bf16 input sizes in MiB")
   ap.add_argument("--hidden", type=int, default=4096, help="last dim D of x")
   ap.add_argument("--group-size", type=int, default=128)
+  ap.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
+                  help="time the codec with the transform (off: the library default)")
   ap.add_argument("--n", type=int, nargs="+", default=[2, 4, 8], help="decode_sum chunks")
   ap.add_argument("--samples", type=int, default=20)
   ap.add_argument("--min-sample-ms", type=float, default=5.0)
@@ -280,11 +286,12 @@ def main(argv=None):
     best, sweep_records = dict(encode=Params(), decode=Params()), []
   else:
     xs = _inputs(int(args.sweep_size_mib * common.MIB), d, seed=1)
-    best, sweep_records = run_sweep(xs, g, interpret, timing_kw, sweep)
+    best, sweep_records = run_sweep(xs, g, interpret, timing_kw, sweep, args.hadamard)
     del xs
   print("best params:", {k: dataclasses.asdict(v) for k, v in best.items()}, flush=True)
 
-  bw = run_bandwidth(args.sizes_mib, d, g, args.n, interpret, timing_kw, best, copy["gbps"])
+  bw = run_bandwidth(args.sizes_mib, d, g, args.n, interpret, timing_kw, best, copy["gbps"],
+                     args.hadamard)
   fid = run_fidelity(tuple(args.fidelity_shape), args.fidelity_groups)
 
   config = dict(vars(args), interpret=interpret, backend=jax.default_backend(),

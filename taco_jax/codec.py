@@ -83,15 +83,21 @@ class CompressionConfig:
     """Wire cost: 8 bits of code plus two fp32 scales per group."""
     return 8 + 64 / self.group_size
 
-  def resolved_implementation(self) -> str:
+  def resolved_implementation(self, sum_of: int = 0) -> str:
+    """"auto": Pallas on GPU, the jnp reference elsewhere; except decode-and-sum of
+    ``sum_of`` >= 4 chunks without the Hadamard transform, where XLA's fusion of the
+    reference measured faster than the kernel on an H200 (0.82-0.85x at N = 4 and 8,
+    64 MiB-1 GiB; benchmarks/results/codec_*)."""
     if self.implementation != "auto":
       return self.implementation
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if jax.default_backend() != "gpu" or (sum_of >= 4 and not self.hadamard):
+      return "xla"
+    return "pallas"
 
-  def kernel_kwargs(self) -> dict:
+  def kernel_kwargs(self, sum_of: int = 0) -> dict:
     """``implementation``/``interpret`` for the dispatchers: the Pallas kernels run through
     Triton on GPU and in interpret mode (slow, for tests) on any other backend."""
-    impl = self.resolved_implementation()
+    impl = self.resolved_implementation(sum_of)
     return dict(implementation=impl,
                 interpret=impl == "pallas" and jax.default_backend() != "gpu")
 
@@ -153,5 +159,5 @@ def decompress_sum(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
   out = pallas_kernels.decode_sum(
       c.codes.reshape(n, -1, padded), c.alpha.reshape(n, -1, k), c.scale.reshape(n, -1, k),
       group_size=cfg.group_size, hadamard=cfg.hadamard, out_dtype=dtype,
-      **cfg.kernel_kwargs())
+      **cfg.kernel_kwargs(sum_of=n))
   return out.reshape(*lead, padded)[..., :c.size]

@@ -6,6 +6,7 @@ interpret mode, which must give the same bits (tests/test_kernels.py checks that
 """
 import dataclasses
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -165,6 +166,14 @@ def test_bits_per_element_and_auto_dispatch():
   cfg = CompressionConfig()
   on_gpu = jax.default_backend() == "gpu"
   assert cfg.resolved_implementation() == ("pallas" if on_gpu else "xla")
+  hadamard = CompressionConfig(hadamard=True)
+  for n in (2, 4, 8):  # decode-and-sum: XLA's fusion measured faster from N = 4 without H
+    assert cfg.resolved_implementation(sum_of=n) == ("pallas" if on_gpu and n < 4 else "xla")
+    assert hadamard.resolved_implementation(sum_of=n) == ("pallas" if on_gpu else "xla")
+  with mock.patch.object(jax, "default_backend", lambda: "gpu"):
+    assert [cfg.resolved_implementation(sum_of=n) for n in (0, 2, 4)] == ["pallas", "pallas",
+                                                                         "xla"]
+    assert hadamard.resolved_implementation(sum_of=8) == "pallas"
   assert codec.CompressionConfig(implementation="pallas").kernel_kwargs()["interpret"] == (
       jax.default_backend() != "gpu")
 
