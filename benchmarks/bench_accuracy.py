@@ -144,7 +144,7 @@ def main(argv=None) -> pathlib.Path:
     use_cpu_devices(8)
   import jax
   from benchmarks import common
-  from taco_jax import calibrate
+  from taco_jax import calibrate, data
   from taco_jax.parallel.train import train
 
   t_start = time.perf_counter()
@@ -164,6 +164,13 @@ def main(argv=None) -> pathlib.Path:
                 config=dict({k: v for k, v in vars(args).items()}), environment=env,
                 runs={}, skipped={})
   write = lambda: path.write_text(json.dumps(report, indent=1))  # noqa: E731
+  corpus_dir, include = corpus_path(args.corpus)
+  corpus = data.load_corpus(corpus_dir, include=include, cache_dir=root / "corpus")
+  report["corpus"] = dict(source=corpus.source, include=include, train_tokens=len(corpus.train),
+                          val_tokens=len(corpus.val))
+  print(f"corpus {corpus.source} ({include}): {len(corpus.train):,} train and "
+        f"{len(corpus.val):,} validation tokens", flush=True)
+  del corpus
 
   def run(variant, config):
     t0 = time.perf_counter()

@@ -45,27 +45,40 @@ def _table(header: list[str], rows: list[list]) -> str:
   return "\n".join(lines)
 
 
+def _codec_hadamard(d: dict) -> bool:
+  return d["config"].get("hadamard", True)  # runs before the flag timed the Hadamard codec
+
+
 def codec_section() -> str:
   runs = _load("codec_*.json")
   if not runs:
     return ""
-  name, d = runs[-1]  # newest (names sort by date-time)
-  env, copy, mm = d["environment"], d["copy"]["gbps"], d["matmul"]["tflops"]
-  rows = [[r["op"], r["size_mib"], r["pallas_ms"], r["xla_ms"], r["pallas_gbps"],
-           r["frac_of_copy"], r["speedup"]] for r in d["bandwidth"]]
+  parts = []
+  for hadamard, what in ((False, "default codec: per-group absmax + RMS pre-scale, no Hadamard"),
+                         (True, "with the Hadamard transform")):
+    mine = [(n, d) for n, d in runs if _codec_hadamard(d) == hadamard]
+    if not mine:
+      continue
+    name, d = mine[-1]  # newest (names sort by date-time)
+    env, copy, mm = d["environment"], d["copy"]["gbps"], d["matmul"]["tflops"]
+    rows = [[r["op"], r["size_mib"], r["pallas_ms"], r["xla_ms"], r["pallas_gbps"],
+             r["frac_of_copy"], r["speedup"]] for r in d["bandwidth"]]
+    parts.append(f"#### {what} (`{name}`: {env['device_kind']}, jax {env['jax_version']})\n\n"
+                 f"Ceilings measured in the same run: XLA elementwise copy {copy:.0f} GB/s "
+                 f"(read + write), bf16 matmul {mm:.0f} TFLOP/s.\n\n"
+                 + _table(["op", "MiB (bf16 in)", "Pallas ms", "jnp ms", "Pallas GB/s", "frac",
+                           "speedup"], rows) + "\n")
+  name, d = runs[-1]
   fid = {}
   for r in d["fidelity"]:
     fid.setdefault(r["variant"], {})[r["dist"]] = r["rel_l2"]
   dists = ["gaussian", "student_t3", "outlier_channels", "lognormal"]
   g128 = [[v] + [fid[v].get(k) for k in dists] for v in fid if v.endswith("128")
           or v == "per_tensor"]
-  return (f"### Codec kernels (`{name}`: {env['device_kind']}, jax {env['jax_version']})\n\n"
-          f"Ceilings measured in the same run: XLA elementwise copy {copy:.0f} GB/s (read + "
-          f"write), bf16 matmul {mm:.0f} TFLOP/s. Bandwidth = bytes read + written / time; "
-          "`frac` is of that copy; `speedup` is over the jitted jnp reference.\n\n"
-          + _table(["op", "MiB (bf16 in)", "Pallas ms", "jnp ms", "Pallas GB/s", "frac",
-                    "speedup"], rows)
-          + "\n\nRelative L2 error of the round trip at group size 128 (synthetic inputs):\n\n"
+  return ("### Codec kernels\n\nBandwidth = bytes read + written / time; `frac` is of the "
+          "copy ceiling; `speedup` is over the jitted jnp reference.\n\n" + "\n".join(parts)
+          + f"\nRelative L2 error of the round trip at group size 128 (synthetic inputs, "
+          f"`{name}`; `absmax` = no Hadamard, the default's codes):\n\n"
           + _table(["variant"] + dists, g128) + "\n")
 
 
@@ -100,7 +113,8 @@ def collectives_section() -> str:
             for (c, s), v in sorted(by.items())]
     th = ", ".join(f"{c} {'never' if b is None else f'{b / MIB:g} MiB'}"
                    for c, b in thresholds(d).items())
-    parts.append(f"#### `{d['label']}`: {d['num_devices']}x {d['device']} (`{name}`)\n\n"
+    parts.append(f"#### `{d['label']}`: {d['num_devices']}x {d['device']}, codec "
+                 f"{_codec_words(d['config'])} (`{name}`)\n\n"
                  + _table(["collective", "MiB/device", "bf16 ms", "raw fp8 ms", "TACO ms",
                            "speedup vs bf16", "TACO / raw-fp8 speed"], rows)
                  + f"\n\nCompression pays from: {th}.\n")
@@ -148,6 +162,89 @@ def train_section() -> str:
                     "speedup", "MFU off", "loss off", "loss on", "loss +%"], rows) + "\n")
 
 
+def _codec_words(c: dict) -> str:
+  return " ".join(w for w in (
+      c.get("format", "e4m3"), f"G={c.get('group_size')}",
+      "Hadamard" if c.get("hadamard", not c.get("no_hadamard")) else "no-Hadamard",
+      f"link={c['link']}" if c.get("link") else "") if w)
+
+
+def bench_train_section() -> str:
+  rows, models = [], set()
+  for name, d in _load("bench_train_*.json"):
+    if d["environment"]["platform"] != "gpu":
+      continue
+    c = d["config"]
+    models.add((c["model"], c["seq"], c["batch"], d["num_devices"], d["device"]))
+    by = {(r["layout"], r["variant"]): r for r in d["results"]}
+    for s in d["summary"]:
+      off = by.get((s["layout"], "off"))
+      rows.append([d["label"], s["layout"], _codec_words(c), s.get("off_ms"), s.get("on_ms"),
+                   s.get("ideal_ms"), s.get("gspmd_ms"), s.get("speedup_on_vs_off"),
+                   s.get("comm_share"), s.get("recovered"), s.get("off_vs_gspmd"),
+                   off and off["mfu"]])
+  if not rows:
+    return ""
+  if len(models) != 1:
+    raise ValueError(f"bench_train results mix models {sorted(models)}: add columns for them")
+  (model, seq, batch, n, device), = models
+  return (f"### Training step (`benchmarks/bench_train.py`: {model} GPT, seq {seq}, global "
+          f"batch {batch}, {n}x {device})\n\n"
+          "Step times in ms (median after warm-up, variants interleaved on the same batches). "
+          "`ideal` = the step with every TP collective replaced by a local stand-in of the "
+          "same shape (free communication); `comm share` = (off - ideal) / off; `recovered` "
+          "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
+          "than plain `jax.jit` + sharding annotations (with XLA's overlap flags; for a pp > "
+          "1 layout GSPMD runs the same devices as data x tensor, no pipeline). `nop2p*` runs "
+          "have `NCCL_P2P_DISABLE=1` (PCIe-class links).\n\n"
+          + _table(["run", "dp,pp,tp", "codec (on)", "off", "on", "ideal", "GSPMD",
+                    "on speedup", "comm share", "recovered", "GSPMD / off", "MFU off"], rows)
+          + "\n")
+
+
+def accuracy_section() -> str:
+  runs = [(n, d) for n, d in _load("accuracy_*.json") if d["environment"]["platform"] == "gpu"]
+  if not runs:
+    return ""
+  rows = []
+  for name, d in runs:
+    for v, r in d["runs"].items():
+      cost = r.get("accuracy_cost")
+      rows.append([d["label"], d["config"].get("seed") or 0, v,
+                   _codec_words(r["compression"]["tp_forward"])
+                   if r["compression"]["enabled"] else "off",
+                   r["summary"]["val_loss"], None if cost is None else 100 * cost])
+  m = runs[-1][1]["runs"]["off"]["model"]
+  d0 = runs[-1][1]
+  text = (f"### Accuracy (`benchmarks/bench_accuracy.py`: GPT {m['n_layers']} x "
+          f"{m['d_model']}, byte vocab, TP={d0['runs']['off']['parallel']['tp']}, "
+          f"{d0['config']['steps']} steps, {d0['num_devices']}x {d0['device']})\n\n"
+          "Validation loss after the same steps from the same seed and batches; `cost %` = "
+          "(val on - val off) / val off. `calibrated` trains with the codec "
+          "`taco_jax.calibrate` chose from tensors of the trained `off` model. Curves: "
+          "`docs/accuracy_loss.png` (`python -m benchmarks.plot_accuracy`).\n\n"
+          + _table(["run", "seed", "variant", "codec (TP)", "val loss", "cost %"], rows)
+          + "\n")
+  name, d = next(((n, d) for n, d in reversed(runs)
+                  if "share_off_by_8th" in next(iter(d.get("ablations", {}).values()), [{}])[0]),
+                 (None, None))
+  if name:
+    sites = sorted(d["ablations"])
+    names = [r["name"] for r in d["ablations"][sites[0]]]
+    rows = []
+    for i, ab in enumerate(names):
+      per = [d["ablations"][s][i] for s in sites]
+      rows.append([ab] + [r["rel_l2"] for r in per]
+                  + [sum(r["share_off_by_8th"] for r in per) / len(per)])
+    choice = "; ".join(f"{fam}: {c['setting']}" for fam, c in d["calibration"]["choices"].items())
+    text += (f"\nCodec settings on the messages each compressed collective sent, captured "
+             f"from the trained model (`{name}`): relative L2 error per site, and the share of "
+             "elements off by more than 1/8 of themselves (mean over sites). Calibration's "
+             f"choice (lowest mean relative L2 at no more wire bytes): {choice}.\n\n"
+             + _table(["setting"] + sites + ["share off by > 1/8"], rows) + "\n")
+  return text
+
+
 def measured_module() -> str:
   table, sources = {}, []
   for name, d in _load("collectives_*.json"):
@@ -163,7 +260,8 @@ def measured_module() -> str:
 
 
 def readme_text(old: str) -> str:
-  body = "\n".join(s for s in (codec_section(), collectives_section(), train_section()) if s)
+  body = "\n".join(s for s in (codec_section(), collectives_section(), train_section(),
+                                bench_train_section(), accuracy_section()) if s)
   head, _, rest = old.partition(BEGIN)
   _, _, tail = rest.partition(END)
   return (f"{head}{BEGIN}\n<!-- generated by `python -m benchmarks.report`; do not edit -->\n\n"
