@@ -107,6 +107,7 @@ def configure(config, args, variant: str, workdir: pathlib.Path):
     if args.seed is not None:
       config.seed = args.seed
     config.data.update(path=path, include=include, cache_dir=str(workdir / "corpus"))
+    config.optim.warmup_steps = min(config.optim.warmup_steps, args.steps)
     config.train.update(steps=args.steps, eval_every=args.eval_every, checkpoint_every=0,
                         progress_bar=False, log_every=min(config.train.log_every, 10))
     if args.smoke:
