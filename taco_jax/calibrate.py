@@ -13,7 +13,9 @@
    below ~448e-12) that the post-scale's lower clip binds: there alpha keeps precision
    (tiny gradients can be that small; kept as the config has it).
 3. Choose, per family (and, for the report, per site): among the settings whose wire cost
-   (8 + 64 / group_size bits per element) is at most that of the config's own setting,
+   (8 + 64 / group_size bits per element, more where a group overhangs the message's last
+   dimension and is padded; a family's: the mean over its sites) is at most that of the
+   config's own setting,
    the one with the lowest error; a family's error is the mean over its sites of their
    relative L2 errors (each site counts once, however many bytes it sends). Ties go to
    fewer bytes, then to the config's own setting, which is always a candidate, so the
@@ -52,8 +54,11 @@ def grid(formats=("e4m3", "e5m2"), group_sizes=(32, 64, 128, 256),
           for f, g, h in itertools.product(formats, group_sizes, hadamard)]
 
 
-def bits_per_element(setting: dict) -> float:
-  return CompressionConfig(**setting).bits_per_element
+def bits_per_element(setting: dict, width: int | None = None) -> float:
+  """Wire bits per element of `setting` (for messages of last dimension `width`: padding
+  to whole groups included)."""
+  cfg = CompressionConfig(**setting)
+  return cfg.bits_per_element if width is None else cfg.wire_bits(width)
 
 
 # --- 1. capture --------------------------------------------------------------------------
@@ -135,7 +140,7 @@ def measure_all(cap: quality.Capture, settings: list[dict], max_rows: int = 1 <<
       rows = rows[np.linspace(0, rows.shape[0] - 1, max_rows).astype(int)]
     by_width.setdefault(rows.shape[-1], []).append((site, rows))
   out = {}
-  for group in by_width.values():
+  for width, group in by_width.items():
     x = np.concatenate([r for _, r in group])
     seg = np.concatenate([np.full(len(r), i) for i, (_, r) in enumerate(group)])
     e = np.asarray(_errors(jnp.asarray(x), jnp.asarray(seg), frozen, len(group)), np.float64)
@@ -144,7 +149,7 @@ def measure_all(cap: quality.Capture, settings: list[dict], max_rows: int = 1 <<
                         max_abs=float(e[j, 2, i]),
                         max_abs_over_absmax=float(e[j, 2, i] / e[j, 3, i]),
                         share_off_by_8th=float(e[j, 4, i] / max(e[j, 5, i], 1.0)),
-                        bits_per_element=bits_per_element(s))
+                        bits_per_element=bits_per_element(s, width))
                    for j, s in enumerate(settings)]
   return out
 
@@ -156,12 +161,11 @@ def _key(setting: dict) -> tuple:
   return tuple(setting[k] for k in SETTING_FIELDS)
 
 
-def _pick(scores: dict, base: dict) -> tuple:
-  """The setting key with the lowest score among those no costlier than `base`."""
-  budget = bits_per_element(base)
-  ok = [k for k in scores if bits_per_element(dict(zip(SETTING_FIELDS, k))) <= budget]
-  return min(ok, key=lambda k: (scores[k], bits_per_element(dict(zip(SETTING_FIELDS, k))),
-                                k != _key(base)))
+def _pick(scores: dict, bits: dict, base: dict) -> tuple:
+  """The setting key with the lowest score among those no costlier (`bits`: key -> wire
+  bits per element) than `base`."""
+  ok = [k for k in scores if bits[k] <= bits[_key(base)]]
+  return min(ok, key=lambda k: (scores[k], bits[k], k != _key(base)))
 
 
 def choose(results: dict, plan) -> dict:
@@ -175,15 +179,18 @@ def choose(results: dict, plan) -> dict:
       continue
     base = {k: getattr(cfg, k) for k in SETTING_FIELDS}
     per_site = {s: {_key(r): r["rel_l2"] for r in results[s]} for s in sites}
+    site_bits = {s: {_key(r): r["bits_per_element"] for r in results[s]} for s in sites}
     keys = set.intersection(*(set(v) for v in per_site.values()))
     if _key(base) not in keys:
       raise ValueError(f"{fam}: the config's own setting {base} is not in the measured grid")
     family = {k: float(np.mean([per_site[s][k] for s in sites])) for k in keys}
-    best = _pick(family, base)
+    family_bits = {k: float(np.mean([site_bits[s][k] for s in sites])) for k in keys}
+    best = _pick(family, family_bits, base)
     out[fam] = dict(
         setting=dict(zip(SETTING_FIELDS, best)), error=family[best], base_setting=base,
         base_error=family[_key(base)],
-        sites={s: dict(setting=dict(zip(SETTING_FIELDS, b := _pick(per_site[s], base))),
+        sites={s: dict(setting=dict(zip(SETTING_FIELDS,
+                                        b := _pick(per_site[s], site_bits[s], base))),
                        error=per_site[s][b], base_error=per_site[s][_key(base)])
                for s in sites})
   return out

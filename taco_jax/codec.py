@@ -83,6 +83,13 @@ class CompressionConfig:
     """Wire cost: 8 bits of code plus two fp32 scales per group."""
     return 8 + 64 / self.group_size
 
+  def wire_bits(self, width: int) -> float:
+    """Wire bits per element of a message whose last dimension is ``width``: the codes of
+    the width padded to whole groups plus two fp32 scales per group (``bits_per_element``
+    when ``width`` is a multiple of the group size; more when a group overhangs it)."""
+    groups = -(-width // self.group_size)
+    return groups * (8 * self.group_size + 64) / width
+
   def resolved_implementation(self, sum_of: int = 0) -> str:
     """"auto": Pallas on GPU, the jnp reference elsewhere; except decode-and-sum of
     ``sum_of`` >= 4 chunks without the Hadamard transform, where XLA's fusion of the

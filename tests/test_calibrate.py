@@ -69,16 +69,17 @@ def test_choice_follows_the_rule(run):
     base = choice["base_setting"]
     assert base == {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS}
     sites = [s for s in rep["results"] if quality.SITES[s] == fam]
-    scores = {}
+    scores, bits = {}, {}
     for r in rep["results"][sites[0]]:
       key = calibrate._key(r)
-      scores[key] = np.mean([next(x["rel_l2"] for x in rep["results"][s]
-                                  if calibrate._key(x) == key) for s in sites])
-    budget = calibrate.bits_per_element(base)
-    ok = {k: v for k, v in scores.items()
-          if calibrate.bits_per_element(dict(zip(calibrate.SETTING_FIELDS, k))) <= budget}
+      mine = [next(x for x in rep["results"][s] if calibrate._key(x) == key) for s in sites]
+      scores[key] = np.mean([x["rel_l2"] for x in mine])
+      bits[key] = np.mean([calibrate.bits_per_element(dict(zip(calibrate.SETTING_FIELDS, key)),
+                                                      rep["shapes"][s][0][-1]) for s in sites])
+    budget = bits[calibrate._key(base)]
+    ok = {k: v for k, v in scores.items() if bits[k] <= budget}
     assert choice["error"] == pytest.approx(min(ok.values()))
-    assert calibrate.bits_per_element(choice["setting"]) <= budget
+    assert bits[calibrate._key(choice["setting"])] <= budget
     assert choice["error"] <= choice["base_error"]
   for site, rows in rep["results"].items():
     for r in rows:
@@ -90,9 +91,20 @@ def test_pick_prefers_fewer_bytes_then_the_configs_own():
   scores = {("e4m3", 32, True): 0.01,   # best, but costs more bytes than the base
             ("e4m3", 64, True): 0.03, ("e4m3", 64, False): 0.02,
             ("e4m3", 128, True): 0.02}  # ties with 64/False at fewer bytes
-  assert calibrate._pick(scores, base) == ("e4m3", 128, True)
-  assert calibrate._pick({("e4m3", 64, False): 0.03, ("e4m3", 64, True): 0.03}, base) == \
-      ("e4m3", 64, True)
+  bits = lambda width: {k: calibrate.bits_per_element(  # noqa: E731
+      dict(zip(calibrate.SETTING_FIELDS, k)), width) for k in scores}
+  assert calibrate._pick(scores, bits(1024), base) == ("e4m3", 128, True)
+  # on 64-wide messages a group of 128 is half padding: it costs more than the base
+  assert calibrate._pick(scores, bits(64), base) == ("e4m3", 64, False)
+  assert calibrate._pick({("e4m3", 64, False): 0.03, ("e4m3", 64, True): 0.03},
+                         bits(1024), base) == ("e4m3", 64, True)
+
+
+def test_wire_bits_count_the_padding():
+  cfg = CompressionConfig(group_size=128)
+  assert cfg.wire_bits(4096) == cfg.bits_per_element == 8.5
+  assert cfg.wire_bits(64) == (128 * 8 + 64) / 64     # one group, half of it padding
+  assert cfg.wire_bits(192) == 2 * (128 * 8 + 64) / 192
 
 
 def test_trainer_runs_the_written_config(run):
