@@ -74,6 +74,8 @@ def parse_args(argv=None):
   p.add_argument("--group-size", type=int, default=128)
   p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
                  help="Walsh-Hadamard transform in the codec (off: the measured better default)")
+  p.add_argument("--overlap", action="store_true", help="off/on: TP layers as ring "
+                 "collective matmuls (parallel.overlap; ideal keeps the plain layers)")
   p.add_argument("--link", default=None, help="'on' compresses only the collectives and sizes "
                  "measured to pay on this link (CompressionConfig.link: nvlink | p2p_disabled)")
   p.add_argument("--gspmd-activation", default="sp", choices=["sp", "replicated"],
@@ -168,7 +170,8 @@ def build(variant, layout, args, cfg, tx):
     plan = (CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
             if variant == "on" else CompressionPlan())
     m = args.microbatches if pp > 1 else 1
-    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan)
+    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan,
+                                 overlap=args.overlap and variant != "ideal")
     p_abs = model_lib.abstract_params(cfg, mesh)
     p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
     o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))

@@ -57,6 +57,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.dp = 1                       # data-parallel degree (mesh axis "data")
   p.pp = 1                       # pipeline-parallel degree (mesh axis "pipeline")
   p.tp = 1                       # tensor-parallel degree (mesh axis "tensor")
+  p.overlap = False              # TP layers as ring collective matmuls: each chunk's transfer
+  #                                overlaps a matmul (taco_jax.parallel.overlap)
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1

@@ -140,3 +140,32 @@ def test_qwen_block_matches_single_device():
   for (path, g), (_, r) in zip(_leaves(jax.device_get(grads)), _leaves(_parallel(ref)),
                                strict=True):
     assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+
+
+@pytest.mark.parametrize("layout", [(2, 1, 4), (1, 2, 4)], ids=lambda m: "dp%d-pp%d-tp%d" % m)
+def test_overlap_matches_single_device(layout, reference):
+  """`parallel.overlap` (ring collective matmuls) computes the same loss and gradients:
+  exactly to fp32 roundoff uncompressed, within the FP8 bound compressed (the ring's
+  reduce-scatter rounds n - 1 running sums: sqrt(n - 1) times one message's bound)."""
+  ref_params, ref_loss, ref_grads = reference
+  dp, pp, tp = layout
+  mesh = make_mesh(dp, pp, tp)
+  params = model_lib.shard_params(CFG, ref_params, mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  for plan in (CompressionPlan(), ON):
+    spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan, overlap=True)
+    exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
+        compiler_options=FAST_COMPILE)
+    loss, grads = exe(params, tokens)
+    assert any(c.kind == "collective-permute" for c in hlo.collectives(exe.as_text(), mesh))
+    if not plan.any:
+      np.testing.assert_allclose(float(loss), ref_loss, rtol=F32_TOL)
+    eps = EPS * np.sqrt(tp - 1)
+    assert abs(float(loss) - ref_loss) <= eps * abs(ref_loss)
+    for (path, g), (_, r) in zip(_leaves(jax.device_get(grads)), _leaves(ref_grads),
+                                 strict=True):
+      if plan.any:
+        rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert rel <= eps * (2 + (2 if dp > 1 else 0)), (path, rel)
+      else:
+        assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path

@@ -26,6 +26,7 @@ from flax import nnx
 from models.layers import normal_init
 from taco_jax import collectives, mappings
 from taco_jax.codec import CompressionConfig
+from taco_jax.parallel import overlap
 from taco_jax.parallel.mesh import TENSOR
 
 SEQ = 1  # the sequence axis of [B, T, D] activations
@@ -38,6 +39,8 @@ class TPContext:
   dtype: object = jnp.bfloat16               # compute dtype of the matmuls
   fwd: CompressionConfig | None = None       # codec of forward TP collectives (None: plain)
   bwd: CompressionConfig | None = None       # codec of their backward transposes
+  overlap: bool = False                      # column/row layers as ring collective matmuls
+  #                                            (taco_jax.parallel.overlap)
 
 
 def gather_seq(x_BSD, ctx: TPContext):
@@ -75,9 +78,12 @@ class ColumnParallelLinear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((d_local,), jnp.float32))
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
-    x_BTD = gather_seq(x_BSD.astype(self.ctx.dtype), self.ctx)
-    y = jnp.einsum("...i,io->...o", x_BTD, self.kernel[...].astype(self.ctx.dtype))
-    return y + self.bias[...].astype(self.ctx.dtype)
+    ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
+    if ctx.overlap and ctx.tp > 1:
+      y = overlap.gather_matmul(x_BSD.astype(ctx.dtype), w, TENSOR, ctx.fwd, ctx.bwd)
+    else:
+      y = jnp.einsum("...i,io->...o", gather_seq(x_BSD.astype(ctx.dtype), ctx), w)
+    return y + self.bias[...].astype(ctx.dtype)
 
 
 class RowParallelLinear(nnx.Module):
@@ -92,9 +98,12 @@ class RowParallelLinear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32))
 
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
-    part_BTD = jnp.einsum("...i,io->...o", y_BTF.astype(self.ctx.dtype),
-                          self.kernel[...].astype(self.ctx.dtype))
-    return scatter_seq(part_BTD, self.ctx) + self.bias[...].astype(self.ctx.dtype)
+    ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
+    if ctx.overlap and ctx.tp > 1:
+      x_BSD = overlap.matmul_scatter(y_BTF.astype(ctx.dtype), w, TENSOR, ctx.fwd, ctx.bwd)
+    else:
+      x_BSD = scatter_seq(jnp.einsum("...i,io->...o", y_BTF.astype(ctx.dtype), w), ctx)
+    return x_BSD + self.bias[...].astype(ctx.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,7 +53,8 @@ def validate(config, n_devices: int | None = None) -> None:
 def spec_from_config(config) -> step_lib.ParallelSpec:
   p = config.parallel
   return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
-                               p.get("microbatches", 1), plan_from_config(config.compression))
+                               p.get("microbatches", 1), plan_from_config(config.compression),
+                               overlap=bool(p.get("overlap", False)))
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:

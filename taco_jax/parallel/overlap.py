@@ -1,0 +1,159 @@
+"""Collective matmuls: a sequence-parallel layer's all-gather / reduce-scatter split into a
+ring of point-to-point transfers, each in flight while the matmul of another chunk runs.
+
+Used by the column / row-parallel layers when `parallel.overlap` is on; the math is that of
+`mappings.gather_from_sp` + matmul and matmul + `mappings.reduce_scatter_to_sp`
+(`tests/test_overlap.py` checks values and gradients against them). With n ranks on the
+axis and this rank r, chunk c is rows [c S, (c + 1) S) of the full sequence T = n S.
+
+  gather_matmul(x_BSD, w_DF)  = all_gather(x) @ w. Step k multiplies the chunk held (that of
+      rank r + k) while the next arrives from rank r + 1. With a codec, x is encoded once
+      and its codes travel the ring (one encode, n - 1 decodes: the all-gather's error).
+      backward: dx = ring reduce-scatter of dy @ w.T; dw = sum_c x_c.T @ dy_c, x gathered
+      again by the ring (with the forward codec: the same x_hat the forward used).
+  matmul_scatter(y_BTF, w_FD) = reduce_scatter(y @ w). The running sum of chunk c travels
+      r -> r + 1, each rank adding its y_c @ w, computed while the transfer is in flight.
+      With a codec each hop re-encodes the running sum: n - 1 roundings of partial sums
+      (about sqrt(n - 1) times the error of the direct compressed reduce-scatter).
+      backward: dy_c = dout_c @ w.T with dout gathered by the ring; dw = sum_c y_c.T @ dout_c.
+
+Whether a codec is used follows `CompressionConfig.pays_for` on the message the direct
+collective would send, so thresholds and `link` apply as they do there.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from taco_jax import collectives
+from taco_jax.codec import CompressionConfig, compress, decompress
+
+SEQ = 1  # the sequence axis of [B, T, D] activations
+
+
+def _codec_if_pays(codec: CompressionConfig | None, collective: str, shape, dtype, n: int):
+  nbytes = jnp.dtype(dtype).itemsize * math.prod(shape)
+  return codec if codec is not None and codec.pays_for(collective, nbytes, n) else None
+
+
+def _chunk(a, c, size: int):
+  return jax.lax.dynamic_slice_in_dim(a, c * size, size, axis=SEQ)
+
+
+def _ring_gather(x, axis_name, n: int, codec):
+  """Yields (c, x_c) for the n chunks of all_gather(x) along the sequence (c = the rank
+  that owns x_c), issuing the transfer of the next chunk before yielding the current."""
+  r = jax.lax.axis_index(axis_name)
+  from_next = [(i, (i - 1) % n) for i in range(n)]
+  if codec is None:
+    msg, read = x, lambda m: m
+  else:
+    msg = collectives._to_wire(compress(x, codec))  # the u8 wire format of the collectives
+    read = lambda m: decompress(collectives._from_wire(*m, x.shape[-1], codec), codec,  # noqa: E731
+                                x.dtype)
+  for k in range(n):
+    nxt = jax.lax.ppermute(msg, axis_name, from_next) if k + 1 < n else None
+    yield (r + k) % n, read(msg)
+    msg = nxt
+
+
+def _ring_reduce_scatter(part, axis_name, n: int, codec, dtype):
+  """sum over ranks of part(c) at c = this rank; part(c) is this rank's [B, S, ...] share
+  of chunk c. Sums in fp32, sends in `dtype` (or as codes)."""
+  r = jax.lax.axis_index(axis_name)
+  to_next = [(i, (i + 1) % n) for i in range(n)]
+
+  def send(a):
+    if codec is None:
+      return jax.lax.ppermute(a, axis_name, to_next)
+    codes, scales = jax.lax.ppermute(collectives._to_wire(compress(a, codec)), axis_name,
+                                     to_next)
+    return decompress(collectives._from_wire(codes, scales, a.shape[-1], codec), codec,
+                      jnp.float32)
+
+  acc = part((r - 1) % n).astype(dtype)
+  for k in range(1, n):
+    mine = part((r - k - 1) % n)  # independent of the transfer below: overlaps it
+    acc = (send(acc).astype(jnp.float32) + mine.astype(jnp.float32)).astype(dtype)
+  return acc
+
+
+# --- all-gather -> matmul ------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def gather_matmul(x_BSD, w_DF, axis_name, fwd: CompressionConfig | None = None,
+                  bwd: CompressionConfig | None = None):
+  """all_gather(x_BSD along the sequence) @ w_DF, as a ring (module docstring)."""
+  return _gather_matmul_fwd(x_BSD, w_DF, axis_name, fwd, bwd)[0]
+
+
+def _gather_matmul_fwd(x, w, axis_name, fwd, bwd):
+  n = collectives.axis_size(axis_name, "gather_matmul", x.shape)
+  s = x.shape[SEQ]
+  y = jnp.zeros((x.shape[0], n * s, w.shape[1]), jnp.result_type(x, w))
+  codec = _codec_if_pays(fwd, "all_gather", x.shape, x.dtype, n)
+  for c, x_c in _ring_gather(x, axis_name, n, codec):
+    y = jax.lax.dynamic_update_slice_in_dim(y, jnp.einsum("bsd,df->bsf", x_c, w), c * s,
+                                            axis=SEQ)
+  return y, (x, w)
+
+
+def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
+  x, w = res
+  n = collectives.axis_size(axis_name, "gather_matmul", x.shape)
+  s = x.shape[SEQ]
+  rs_codec = _codec_if_pays(bwd, "reduce_scatter", (*dy.shape[:-1], w.shape[0]), x.dtype, n)
+  dx = _ring_reduce_scatter(lambda c: jnp.einsum("bsf,df->bsd", _chunk(dy, c, s), w),
+                            axis_name, n, rs_codec, x.dtype)
+  dw = jnp.zeros(w.shape, jnp.float32)
+  ag_codec = _codec_if_pays(fwd, "all_gather", x.shape, x.dtype, n)
+  for c, x_c in _ring_gather(x, axis_name, n, ag_codec):
+    dw += jnp.einsum("bsd,bsf->df", x_c, _chunk(dy, c, s), preferred_element_type=jnp.float32)
+  return dx, dw.astype(w.dtype)
+
+
+gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+
+
+# --- matmul -> reduce-scatter --------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def matmul_scatter(y_BTF, w_FD, axis_name, fwd: CompressionConfig | None = None,
+                   bwd: CompressionConfig | None = None):
+  """reduce_scatter(y_BTF @ w_FD along the sequence), as a ring (module docstring)."""
+  return _matmul_scatter_fwd(y_BTF, w_FD, axis_name, fwd, bwd)[0]
+
+
+def _matmul_scatter_fwd(y, w, axis_name, fwd, bwd):
+  n = collectives.axis_size(axis_name, "matmul_scatter", y.shape)
+  if y.shape[SEQ] % n:
+    raise ValueError(f"matmul_scatter: sequence length {y.shape[SEQ]} of {y.shape} is not "
+                     f"divisible by the size {n} of axis {axis_name!r}")
+  s = y.shape[SEQ] // n
+  dtype = jnp.result_type(y, w)
+  codec = _codec_if_pays(fwd, "reduce_scatter", (*y.shape[:-1], w.shape[1]), dtype, n)
+  out = _ring_reduce_scatter(lambda c: jnp.einsum("bsf,fd->bsd", _chunk(y, c, s), w),
+                             axis_name, n, codec, dtype)
+  return out, (y, w)
+
+
+def _matmul_scatter_bwd(axis_name, fwd, bwd, res, dout):
+  y, w = res
+  n = collectives.axis_size(axis_name, "matmul_scatter", y.shape)
+  s = dout.shape[SEQ]
+  dy = jnp.zeros(y.shape, jnp.result_type(dout, w))
+  dw = jnp.zeros(w.shape, jnp.float32)
+  codec = _codec_if_pays(bwd, "all_gather", dout.shape, dout.dtype, n)
+  for c, d_c in _ring_gather(dout, axis_name, n, codec):
+    dy = jax.lax.dynamic_update_slice_in_dim(dy, jnp.einsum("bsd,fd->bsf", d_c, w), c * s,
+                                             axis=SEQ)
+    dw += jnp.einsum("bsf,bsd->fd", _chunk(y, c, s), d_c, preferred_element_type=jnp.float32)
+  return dy.astype(y.dtype), dw.astype(w.dtype)
+
+
+matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
