@@ -9,8 +9,9 @@ axis and this rank r, chunk c is rows [c S, (c + 1) S) of the full sequence T = 
   gather_matmul(x_BSD, w_DF)  = all_gather(x) @ w. Step k multiplies the chunk held (that of
       rank r + k) while the next arrives from rank r + 1. With a codec, x is encoded once
       and its codes travel the ring (one encode, n - 1 decodes: the all-gather's error).
-      backward: dx = ring reduce-scatter of dy @ w.T; dw = sum_c x_c.T @ dy_c, x gathered
-      again by the ring (with the forward codec: the same x_hat the forward used).
+      backward: dx = ring reduce-scatter of dy @ w.T, whose transfers overlap the weight
+      gradient dw = x_full.T @ dy (x_full: the chunks the forward received, kept as the
+      residual, as autodiff of the direct version keeps the gathered x).
   matmul_scatter(y_BTF, w_FD) = reduce_scatter(y @ w). The running sum of chunk c travels
       r -> r + 1, each rank adding its y_c @ w, computed while the transfer is in flight.
       With a codec each hop re-encodes the running sum: n - 1 roundings of partial sums
@@ -95,24 +96,23 @@ def _gather_matmul_fwd(x, w, axis_name, fwd, bwd):
   n = collectives.axis_size(axis_name, "gather_matmul", x.shape)
   s = x.shape[SEQ]
   y = jnp.zeros((x.shape[0], n * s, w.shape[1]), jnp.result_type(x, w))
+  x_full = jnp.zeros((x.shape[0], n * s, x.shape[2]), x.dtype)
   codec = _codec_if_pays(fwd, "all_gather", x.shape, x.dtype, n)
   for c, x_c in _ring_gather(x, axis_name, n, codec):
     y = jax.lax.dynamic_update_slice_in_dim(y, jnp.einsum("bsd,df->bsf", x_c, w), c * s,
                                             axis=SEQ)
-  return y, (x, w)
+    x_full = jax.lax.dynamic_update_slice_in_dim(x_full, x_c, c * s, axis=SEQ)
+  return y, (x_full, w)
 
 
 def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
-  x, w = res
-  n = collectives.axis_size(axis_name, "gather_matmul", x.shape)
-  s = x.shape[SEQ]
-  rs_codec = _codec_if_pays(bwd, "reduce_scatter", (*dy.shape[:-1], w.shape[0]), x.dtype, n)
+  x_full, w = res
+  n = collectives.axis_size(axis_name, "gather_matmul", x_full.shape)
+  s = x_full.shape[SEQ] // n
+  rs_codec = _codec_if_pays(bwd, "reduce_scatter", x_full.shape, x_full.dtype, n)
   dx = _ring_reduce_scatter(lambda c: jnp.einsum("bsf,df->bsd", _chunk(dy, c, s), w),
-                            axis_name, n, rs_codec, x.dtype)
-  dw = jnp.zeros(w.shape, jnp.float32)
-  ag_codec = _codec_if_pays(fwd, "all_gather", x.shape, x.dtype, n)
-  for c, x_c in _ring_gather(x, axis_name, n, ag_codec):
-    dw += jnp.einsum("bsd,bsf->df", x_c, _chunk(dy, c, s), preferred_element_type=jnp.float32)
+                            axis_name, n, rs_codec, x_full.dtype)
+  dw = jnp.einsum("btd,btf->df", x_full, dy, preferred_element_type=jnp.float32)
   return dx, dw.astype(w.dtype)
 
 
