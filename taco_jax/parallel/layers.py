@@ -8,7 +8,8 @@ mesh axis "tensor"). Every byte that crosses devices goes through `taco_jax.mapp
   RowParallelLinear     y_BTF/tp @ w[shard, :] --reduce_scatter_to_sp--> x_BSD + b
                         (forward: reduce-scatter over sequence; backward: all-gather)
   vocab_parallel_embed  masked lookup in the local V/tp rows --reduce_scatter_to_sp--> h_BSD
-  vocab_parallel_xent   h_BSD --gather_from_sp--> local logits_BTV/tp; max / sum-exp /
+  vocab_parallel_xent   h_BSD --gather_from_sp--> local logits_BTV/tp (with overlap: one
+                        ring gather_matmul, like the column layers); max / sum-exp /
                         target logit reduced over "tensor" (fp32, uncompressed, tiny)
 
 The factory (`TensorParallelFactory`) keeps the `models.layers.LinearFactory` contract, so
@@ -139,9 +140,12 @@ def _sum_tp(x, ctx: TPContext):
 def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array,
                         ctx: TPContext) -> jax.Array:
   """Per-token cross-entropy (fp32) of the tied head h @ w.T, never gathering full logits."""
-  h_BTD = gather_seq(h_BSD.astype(ctx.dtype), ctx)
-  logits_BTV = jnp.einsum("btd,vd->btv", h_BTD, w_VD.astype(ctx.dtype),
-                          preferred_element_type=jnp.float32)
+  if ctx.overlap and ctx.tp > 1:
+    logits_BTV = overlap.gather_matmul(h_BSD.astype(ctx.dtype), w_VD.astype(ctx.dtype).T,
+                                       TENSOR, ctx.fwd, ctx.bwd, jnp.float32)
+  else:
+    logits_BTV = jnp.einsum("btd,vd->btv", gather_seq(h_BSD.astype(ctx.dtype), ctx),
+                            w_VD.astype(ctx.dtype), preferred_element_type=jnp.float32)
   v_local = w_VD.shape[0]
   m_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
   if ctx.tp > 1:  # any common shift >= each local max keeps exp() finite; no gradient

@@ -85,27 +85,29 @@ def _ring_reduce_scatter(part, axis_name, n: int, codec, dtype):
 # --- all-gather -> matmul ------------------------------------------------------------------
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
 def gather_matmul(x_BSD, w_DF, axis_name, fwd: CompressionConfig | None = None,
-                  bwd: CompressionConfig | None = None):
-  """all_gather(x_BSD along the sequence) @ w_DF, as a ring (module docstring)."""
-  return _gather_matmul_fwd(x_BSD, w_DF, axis_name, fwd, bwd)[0]
+                  bwd: CompressionConfig | None = None, out_dtype=None):
+  """all_gather(x_BSD along the sequence) @ w_DF, as a ring (module docstring); the
+  products in `out_dtype` (default: that of x and w), e.g. fp32 logits."""
+  return _gather_matmul_fwd(x_BSD, w_DF, axis_name, fwd, bwd, out_dtype)[0]
 
 
-def _gather_matmul_fwd(x, w, axis_name, fwd, bwd):
+def _gather_matmul_fwd(x, w, axis_name, fwd, bwd, out_dtype):
   n = collectives.axis_size(axis_name, "gather_matmul", x.shape)
   s = x.shape[SEQ]
-  y = jnp.zeros((x.shape[0], n * s, w.shape[1]), jnp.result_type(x, w))
+  out_dtype = out_dtype or jnp.result_type(x, w)
+  y = jnp.zeros((x.shape[0], n * s, w.shape[1]), out_dtype)
   x_full = jnp.zeros((x.shape[0], n * s, x.shape[2]), x.dtype)
   codec = _codec_if_pays(fwd, "all_gather", x.shape, x.dtype, n)
   for c, x_c in _ring_gather(x, axis_name, n, codec):
-    y = jax.lax.dynamic_update_slice_in_dim(y, jnp.einsum("bsd,df->bsf", x_c, w), c * s,
-                                            axis=SEQ)
+    y_c = jnp.einsum("bsd,df->bsf", x_c, w, preferred_element_type=out_dtype)
+    y = jax.lax.dynamic_update_slice_in_dim(y, y_c, c * s, axis=SEQ)
     x_full = jax.lax.dynamic_update_slice_in_dim(x_full, x_c, c * s, axis=SEQ)
   return y, (x_full, w)
 
 
-def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
+def _gather_matmul_bwd(axis_name, fwd, bwd, out_dtype, res, dy):
   x_full, w = res
   n = collectives.axis_size(axis_name, "gather_matmul", x_full.shape)
   s = x_full.shape[SEQ] // n
