@@ -75,11 +75,14 @@ def test_resume_refuses_a_different_seed_data_or_optimizer(tmp_path, cache_dir, 
   c = micro(cache_dir, steps=2)
   train(c, tmp_path)
   for section, field, value in [(None, 'seed', 7), ('data', 'batch_size', 4),
-                                ('optim', 'lr', 1e-4)]:
+                                ('data', 'include', '*.py'), ('optim', 'lr', 1e-4)]:
     changed = micro(cache_dir, steps=2)
     (changed if section is None else changed[section])[field] = value
     with pytest.raises(ValueError, match=f'different {section or field}'):
       train(changed, tmp_path)
+  stored = json.loads((tmp_path / 'config.json').read_text())
+  del stored['data']['include']  # a run stored before the field existed had its default
+  (tmp_path / 'config.json').write_text(json.dumps(stored))
   longer = micro(cache_dir, steps=3)
   assert train(longer, tmp_path)['step'] == 3  # more steps: allowed, with a warning
   assert 'learning-rate schedule changes' in capsys.readouterr().err

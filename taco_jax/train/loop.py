@@ -40,11 +40,17 @@ def load_data(config, workdir) -> data.Corpus:
 # Sections whose change would make a resumed run differ from an uninterrupted one.
 RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim')
 _RESUME_IGNORED = {('data', 'cache_dir')}  # where the corpus cache lives changes nothing
+# Fields added after runs were stored: a config.json without them had their default.
+_ADDED_LATER = {('data', 'include'): '*'}
 
 
 def _resume_view(c: dict) -> dict:
-  return {k: ({f: v for f, v in c[k].items() if (k, f) not in _RESUME_IGNORED}
+  view = {k: ({f: v for f, v in c[k].items() if (k, f) not in _RESUME_IGNORED}
               if isinstance(c.get(k), dict) else c.get(k)) for k in RESUME_MUST_MATCH}
+  for (k, f), default in _ADDED_LATER.items():
+    if isinstance(view.get(k), dict):
+      view[k].setdefault(f, default)
+  return view
 
 
 def store_config(config, workdir: pathlib.Path, has_checkpoint: bool) -> None:
