@@ -40,6 +40,8 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SH
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+
 VARIANTS = ("off", "on", "calibrated")
 TACO = dict(format="e4m3", group_size=128, hadamard=True, dual_scale=True)
 # name -> the codec setting measured on the captured tensors (changes from TACO)
@@ -69,17 +71,10 @@ def parse_args(argv=None):
   p.add_argument("--workdir", default=None, help="runs go here (default: a temporary dir)")
   p.add_argument("--deadline-s", type=float, default=540.0,
                  help="skip the calibrated run if the off run's time no longer fits")
-  p.add_argument("--label", default="nvlink")
-  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
-  p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny model")
-  args = p.parse_args(argv)
-  if args.smoke:
-    smoke = dict(config=str(REPO / "configs" / "parallel_tiny.py"), steps=20, eval_every=10,
-                 corpus="embedded", label="smoke")
-    for k, v in smoke.items():
-      if getattr(args, k) == p.get_default(k):
-        setattr(args, k, v)
-  return args
+  add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
+  return parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
+                                        steps=20, eval_every=10, corpus="embedded",
+                                        label="smoke"))
 
 
 def load_config(path):
@@ -154,11 +149,9 @@ def main(argv=None) -> pathlib.Path:
   if unknown := set(variants) - set(VARIANTS):
     raise SystemExit(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
   env = common.environment()
-  n, kind = jax.device_count(), ("gpu" if env["platform"] == "gpu" else env["platform"])
-  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
-                                          REPO / "benchmarks" / "results"))
-  out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / f"accuracy_{args.label}_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
+  n = jax.device_count()
+  path = results_path("accuracy", args, num_devices=n, platform=env["platform"],
+                      date=env["date"])
   report = dict(benchmark="accuracy", label=args.label, device=env["device_kind"],
                 num_devices=n, jax_version=jax.__version__, date=env["date"],
                 env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE")},

@@ -37,10 +37,12 @@ import os
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -48,7 +50,6 @@ def parse_args(argv=None):
   p.add_argument("--sizes-mib", default="1,2,4,8,16,32,64,128,256",
                  help="comma-separated per-device message sizes in MiB (bf16 input bytes)")
   p.add_argument("--collectives", default="all_gather,reduce_scatter,all_reduce")
-  p.add_argument("--label", default="default", help='e.g. "nvlink" or "p2p_disabled"')
   p.add_argument("--iters", type=int, default=25, help="timed repetitions (median; >= 20)")
   p.add_argument("--inner", type=int, default=0,
                  help="collectives per timed call; 0 = enough for ~20 ms per call")
@@ -60,30 +61,21 @@ def parse_args(argv=None):
                  help="Walsh-Hadamard transform in the codec (off: the measured better default)")
   p.add_argument("--implementation", default="auto", choices=["auto", "pallas", "xla"])
   p.add_argument("--algorithm", default="two_shot", choices=["one_shot", "two_shot"])
-  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
-  p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny sizes")
-  args = p.parse_args(argv)
+  add_output_args(p, label="default", smoke="CPU, 8 fake devices, tiny sizes")
+  args = parse_with_smoke(p, argv, dict(sizes_mib="0.0625,0.25", iters=3, inner=2, warmup=1,
+                                        hidden=512, label="smoke"))
   args.warmup = max(args.warmup, 1)
-  if args.smoke:
-    smoke = dict(sizes_mib="0.0625,0.25", iters=3, inner=2, warmup=1, hidden=512,
-                 label="smoke")
-    for k, v in smoke.items():  # only where not given on the command line
-      if getattr(args, k) == p.get_default(k):
-        setattr(args, k, v)
   return args
 
 
 def run(args) -> dict:
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  here = pathlib.Path(__file__).resolve().parent
-  sys.path[:0] = [str(here.parent), str(here)]
-  import common  # benchmarks/common.py: ceilings and environment (timing here is interleaved)
-  import report as report_lib  # benchmarks/report.py: the threshold rule
+  from benchmarks import common  # ceilings and environment (timing here is interleaved)
+  from benchmarks import report as report_lib  # the threshold rule
   from taco_jax import CompressionConfig
   from taco_jax import collectives as tc
 
@@ -239,12 +231,8 @@ def main(argv=None) -> pathlib.Path:
     from taco_jax.train.cli import use_cpu_devices
     use_cpu_devices(8)
   report = run(args)
-  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
-                                          pathlib.Path(__file__).parent / "results"))
-  out_dir.mkdir(parents=True, exist_ok=True)
-  date = report["date"][:10].replace("-", "")
-  kind = "gpu" if report["platform"] == "gpu" else report["platform"]
-  path = out_dir / f"collectives_{args.label}_{report['num_devices']}{kind}_{date}.json"
+  path = results_path("collectives", args, num_devices=report["num_devices"],
+                      platform=report["platform"], date=report["date"])
   path.write_text(json.dumps(report, indent=1))
   print(table(report))
   print(f"wrote {path}")

@@ -39,41 +39,25 @@ import dataclasses
 import json
 import os
 import pathlib
-import statistics
 import sys
-import tempfile
 import time
 import traceback
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
 from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
-    SIZES, bench_setup, comm_summary, step_interleaved, timing_record)
+    SIZES, SMOKE, add_run_args, bench_setup, comm_summary, step_interleaved, timing_record)
 
 VARIANTS = ("off", "on", "ideal", "gspmd")
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default="1.3b", choices=sorted(SIZES))
-  p.add_argument("--layouts", default="1,1,4;1,2,2", help="dp,pp,tp;... (product = devices)")
+  add_run_args(p, model="1.3b", layouts="1,1,4;1,2,2", steps=40, warmup=3, seq=2048, batch=8)
   p.add_argument("--variants", default=",".join(VARIANTS))
-  p.add_argument("--steps", type=int, default=40, help="training steps per variant (max)")
-  p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
-  p.add_argument("--seq", type=int, default=2048)
-  p.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-  p.add_argument("--microbatches", type=int, default=4, help="GPipe micro-batches (pp > 1)")
-  p.add_argument("--vocab", type=int, default=50304)
-  p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--no-remat", action="store_true", help="keep activations (more memory)")
-  p.add_argument("--lr", type=float, default=6e-4)
-  p.add_argument("--compress", default="tp_forward,tp_backward,pp",
-                 help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
-  p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
-  p.add_argument("--group-size", type=int, default=128)
-  p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
-                 help="Walsh-Hadamard transform in the codec (off: the measured better default)")
   p.add_argument("--overlap", action="store_true", help="off/on: TP layers as ring "
                  "collective matmuls (parallel.overlap; ideal keeps the plain layers)")
   p.add_argument("--link", default=None, help="'on' compresses only the collectives and sizes "
@@ -84,17 +68,8 @@ def parse_args(argv=None):
                  help="do not add gspmd.XLA_OVERLAP_FLAGS to XLA_FLAGS")
   p.add_argument("--deadline-s", type=float, default=480.0,
                  help="wall-clock budget of the whole run, compiles included")
-  p.add_argument("--label", default="nvlink")
-  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
-  p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny model")
-  args = p.parse_args(argv)
-  if args.smoke:
-    smoke = dict(model="tiny", layouts="2,1,4;2,2,2", steps=4, warmup=1, seq=32, batch=8,
-                 microbatches=2, vocab=256, dtype="float32", group_size=32, label="smoke")
-    for k, v in smoke.items():
-      if getattr(args, k) == p.get_default(k):
-        setattr(args, k, v)
-  return args
+  add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
+  return parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2"))
 
 
 @contextlib.contextmanager
@@ -200,7 +175,6 @@ def _relabel(summary: dict, mesh) -> dict:
 
 
 def run_layout(layout, args, cfg, tx, corpus, until):
-  import jax
   from taco_jax import data
   from taco_jax.parallel import hlo
 
@@ -285,11 +259,8 @@ def main(argv=None) -> pathlib.Path:
   tx = make_optimizer(optim, args.steps)
   fpt = flops_per_token(cfg, args.seq)
   env = common.environment()
-  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
-                                          pathlib.Path(__file__).parent / "results"))
-  out_dir.mkdir(parents=True, exist_ok=True)
-  kind = "gpu" if env["platform"] == "gpu" else env["platform"]
-  path = out_dir / f"bench_train_{args.label}_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
+  path = results_path("bench_train", args, num_devices=n, platform=env["platform"],
+                      date=env["date"])
   rows, failed = [], []
   for k, lay in enumerate(layouts):
     done, bad = run_layout(lay, args, cfg, tx, corpus,

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
@@ -33,24 +32,30 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+
 # (n_layers, d_model, n_heads, d_ff)
 SIZES = {"tiny": (2, 64, 8, 256), "125m": (12, 768, 12, 3072), "350m": (24, 1024, 16, 4096),
          "760m": (24, 1536, 16, 6144), "1.3b": (24, 2048, 16, 8192)}
 
 
-def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--model", default="350m", choices=sorted(SIZES))
-  p.add_argument("--layouts", default="1,1,4;1,2,2;2,1,2", help="dp,pp,tp;... (product = "
-                 "number of devices)")
-  p.add_argument("--steps", type=int, default=200, help="training steps per variant")
-  p.add_argument("--warmup", type=int, default=5, help="steps left out of the timing")
-  p.add_argument("--seq", type=int, default=1024)
-  p.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+# --smoke: a tiny fp32 model on 8 fake CPU devices (each script adds its layouts)
+SMOKE = dict(model="tiny", steps=4, warmup=1, seq=32, batch=8, microbatches=2, vocab=256,
+             dtype="float32", group_size=32, label="smoke")
+
+
+def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps: int,
+                 warmup: int, seq: int, batch: int) -> None:
+  """The model, layout, data, optimizer and codec flags of both end-to-end scripts."""
+  p.add_argument("--model", default=model, choices=sorted(SIZES))
+  p.add_argument("--layouts", default=layouts, help="dp,pp,tp;... (product = devices)")
+  p.add_argument("--steps", type=int, default=steps, help="training steps per variant (max)")
+  p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the timing")
+  p.add_argument("--seq", type=int, default=seq)
+  p.add_argument("--batch", type=int, default=batch, help="global batch (sequences)")
   p.add_argument("--microbatches", type=int, default=4, help="GPipe micro-batches (pp > 1)")
   p.add_argument("--vocab", type=int, default=50304)
   p.add_argument("--dtype", default="bfloat16")
-  p.add_argument("--remat", action="store_true")
   p.add_argument("--lr", type=float, default=6e-4)
   p.add_argument("--compress", default="tp_forward,tp_backward,pp",
                  help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
@@ -58,22 +63,19 @@ def parse_args(argv=None):
   p.add_argument("--group-size", type=int, default=128)
   p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
                  help="Walsh-Hadamard transform in the codec (off: the measured better default)")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  add_run_args(p, model="350m", layouts="1,1,4;1,2,2;2,1,2", steps=200, warmup=5, seq=1024,
+               batch=16)
+  p.add_argument("--remat", action="store_true")
   p.add_argument("--min-bytes", type=int, default=0)
   p.add_argument("--deadline-s", type=float, default=320.0,
                  help="wall-clock budget of the whole run (compiles included): each layout "
                       "steps until its share of what is left (fewer steps are recorded)")
-  p.add_argument("--label", default="nvlink")
-  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
-  p.add_argument("--smoke", action="store_true", help="CPU, 8 fake devices, tiny model")
-  args = p.parse_args(argv)
-  if args.smoke:
-    smoke = dict(model="tiny", layouts="2,1,4;2,2,2;4,1,2", steps=4, warmup=1, seq=32,
-                 batch=8, microbatches=2, vocab=256, dtype="float32", group_size=32,
-                 label="smoke")
-    for k, v in smoke.items():
-      if getattr(args, k) == p.get_default(k):
-        setattr(args, k, v)
-  return args
+  add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
+  return parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2;4,1,2"))
 
 
 def comm_summary(colls) -> dict:
@@ -203,7 +205,6 @@ def main(argv=None) -> pathlib.Path:
   import jax
   from benchmarks import common
   from models.gpt import flops_per_token
-  from taco_jax import data
   from taco_jax.parallel.model import model_config
 
   n_layers, d, h, f = SIZES[args.model]
@@ -236,11 +237,8 @@ def main(argv=None) -> pathlib.Path:
                             flops_per_token=fpt),
                 environment=env, ceilings=dict(matmul_bf16=ceiling), results=rows,
                 wall_s=time.perf_counter() - t0)
-  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else
-                                          pathlib.Path(__file__).parent / "results"))
-  out_dir.mkdir(parents=True, exist_ok=True)
-  kind = "gpu" if env["platform"] == "gpu" else env["platform"]
-  path = out_dir / f"train_parallel_{args.label}_{n}{kind}_{env['date'][:10].replace('-', '')}.json"
+  path = results_path("train_parallel", args, num_devices=n, platform=env["platform"],
+                      date=env["date"])
   path.write_text(json.dumps(report, indent=1))
   print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
         f"bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s")

@@ -1,0 +1,40 @@
+"""What the benchmark scripts share on the command line and in naming their results.
+
+No JAX import: the scripts parse their arguments before they configure JAX (fake CPU
+devices for --smoke, XLA_FLAGS).
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import tempfile
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def add_output_args(p: argparse.ArgumentParser, *, label: str, smoke: str) -> None:
+  """--label (names the results file), --out-dir and --smoke (`smoke`: what it runs)."""
+  p.add_argument("--label", default=label)
+  p.add_argument("--out-dir", default=None, help="default: benchmarks/results (smoke: tmp)")
+  p.add_argument("--smoke", action="store_true", help=smoke)
+
+
+def parse_with_smoke(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.Namespace:
+  """`p.parse_args(argv)`; with --smoke, `smoke`'s values replace the options left at their
+  defaults (an option given on the command line wins)."""
+  args = p.parse_args(argv)
+  if args.smoke:
+    for k, v in smoke.items():
+      if getattr(args, k) == p.get_default(k):
+        setattr(args, k, v)
+  return args
+
+
+def results_path(benchmark: str, args, *, num_devices: int, platform: str,
+                 date: str) -> pathlib.Path:
+  """<dir>/<benchmark>_<label>_<devices><platform>_<yyyymmdd>.json, the directory created:
+  --out-dir, else a temporary one for --smoke, else benchmarks/results. `date`: ISO."""
+  out_dir = pathlib.Path(args.out_dir or (tempfile.mkdtemp() if args.smoke else RESULTS))
+  out_dir.mkdir(parents=True, exist_ok=True)
+  return out_dir / (f"{benchmark}_{args.label}_{num_devices}{platform}_"
+                    f"{date[:10].replace('-', '')}.json")
