@@ -18,7 +18,7 @@ from models.qwen import model_config
 
 
 def _checks(c) -> list[str]:
-  m, d, o, t, p = c.model, c.data, c.optim, c.train, c.parallel
+  m, d, o, t = c.model, c.data, c.optim, c.train
   errs = []
 
   def need(ok, msg):

@@ -24,8 +24,8 @@ from models.gpt import GPTConfig, flops_per_token
 from taco_jax import data
 from taco_jax.train import checkpoint, metrics, optim, step as step_lib
 from taco_jax.train.config import config_to_json, parallel_reason, validate_config
-# NonFiniteLossError and sigint_as_flag are imported from here by the CLI and other code.
-from taco_jax.train.runner import NonFiniteLossError, run_steps, sigint_as_flag  # noqa: F401
+# NonFiniteLossError is imported from here by the CLI and the tests.
+from taco_jax.train.runner import NonFiniteLossError, run_steps  # noqa: F401
 
 
 def load_data(config, workdir) -> data.Corpus:
