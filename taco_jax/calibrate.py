@@ -54,11 +54,10 @@ def grid(formats=("e4m3", "e5m2"), group_sizes=(32, 64, 128, 256),
           for f, g, h in itertools.product(formats, group_sizes, hadamard)]
 
 
-def bits_per_element(setting: dict, width: int | None = None) -> float:
-  """Wire bits per element of `setting` (for messages of last dimension `width`: padding
-  to whole groups included)."""
-  cfg = CompressionConfig(**setting)
-  return cfg.bits_per_element if width is None else cfg.wire_bits(width)
+def bits_per_element(setting: dict, width: int) -> float:
+  """Wire bits per element of `setting` on messages of last dimension `width` (padding to
+  whole groups included)."""
+  return CompressionConfig(**setting).wire_bits(width)
 
 
 # --- 1. capture --------------------------------------------------------------------------

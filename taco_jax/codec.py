@@ -81,7 +81,7 @@ class CompressionConfig:
   @property
   def bits_per_element(self) -> float:
     """Wire cost: 8 bits of code plus two fp32 scales per group."""
-    return 8 + 64 / self.group_size
+    return self.wire_bits(self.group_size)
 
   def wire_bits(self, width: int) -> float:
     """Wire bits per element of a message whose last dimension is ``width``: the codes of

@@ -221,11 +221,12 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
   return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
 
 
-def _ppermute(x, axis_name, perm, compression):
+def _ppermute(x, axis_name, perm, compression, out_dtype=None):
+  """Compressed ppermute (no gradient of its own), decoded to `out_dtype` (default x's)."""
   codes, scales = _to_wire(compress(x, compression))
   codes = jax.lax.ppermute(codes, axis_name, perm)
   scales = jax.lax.ppermute(scales, axis_name, perm)
   c = _from_wire(codes, scales, x.shape[-1], compression)
   # A rank that received nothing holds zero scales: decode 0 / alpha=1 instead of 0 / 0.
   c = Compressed(c.codes, jnp.where(c.alpha == 0, 1.0, c.alpha), c.scale, c.size)
-  return decompress(c, compression, x.dtype)
+  return decompress(c, compression, out_dtype or x.dtype)

@@ -24,7 +24,6 @@ collective would send, so thresholds and `link` apply as they do there.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,9 @@ SEQ = 1  # the sequence axis of [B, T, D] activations
 
 
 def _codec_if_pays(codec: CompressionConfig | None, collective: str, shape, dtype, n: int):
-  nbytes = jnp.dtype(dtype).itemsize * math.prod(shape)
-  return codec if codec is not None and codec.pays_for(collective, nbytes, n) else None
+  """`codec` if the direct `collective` would send a [shape] `dtype` message with it."""
+  message = jax.ShapeDtypeStruct(shape, dtype)
+  return codec if collectives.compresses(collective, message, codec, n) else None
 
 
 def _chunk(a, c, size: int):
@@ -70,10 +70,7 @@ def _ring_reduce_scatter(part, axis_name, n: int, codec, dtype):
   def send(a):
     if codec is None:
       return jax.lax.ppermute(a, axis_name, to_next)
-    codes, scales = jax.lax.ppermute(collectives._to_wire(compress(a, codec)), axis_name,
-                                     to_next)
-    return decompress(collectives._from_wire(codes, scales, a.shape[-1], codec), codec,
-                      jnp.float32)
+    return collectives._ppermute(a, axis_name, to_next, codec, out_dtype=jnp.float32)
 
   acc = part((r - 1) % n).astype(dtype)
   for k in range(1, n):
