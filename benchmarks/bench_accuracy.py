@@ -155,7 +155,7 @@ def main(argv=None) -> pathlib.Path:
   report = dict(benchmark="accuracy", label=args.label, device=env["device_kind"],
                 num_devices=n, jax_version=jax.__version__, date=env["date"],
                 env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_NVLS_ENABLE")},
-                config=dict({k: v for k, v in vars(args).items()}), environment=env,
+                config=dict(vars(args)), environment=env,
                 runs={}, skipped={})
   write = lambda: path.write_text(json.dumps(report, indent=1))  # noqa: E731
   corpus_dir, include = corpus_path(args.corpus)

@@ -226,9 +226,10 @@ def accuracy_section() -> str:
           "`docs/accuracy_loss.png` (`python -m benchmarks.plot_accuracy`).\n\n"
           + _table(["run", "seed", "variant", "codec (TP)", "val loss", "cost %"], rows)
           + "\n")
-  name, d = next(((n, d) for n, d in reversed(runs)
-                  if "share_off_by_8th" in next(iter(d.get("ablations", {}).values()), [{}])[0]),
-                 (None, None))
+  def has_share(d):  # runs before the metric existed measured rel. L2 only
+    return any("share_off_by_8th" in rows[0] for rows in d.get("ablations", {}).values())
+
+  name, d = next(((n, d) for n, d in reversed(runs) if has_share(d)), (None, None))
   if name:
     sites = sorted(d["ablations"])
     names = [r["name"] for r in d["ablations"][sites[0]]]
