@@ -29,8 +29,7 @@ from taco_jax import collectives, mappings
 from taco_jax.codec import CompressionConfig
 from taco_jax.parallel import overlap
 from taco_jax.parallel.mesh import TENSOR
-
-SEQ = 1  # the sequence axis of [B, T, D] activations
+from taco_jax.parallel.overlap import SEQ  # the sequence axis of [B, T, D] activations
 
 
 @dataclasses.dataclass(frozen=True)
