@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh train               # another (~6 min)
 #   bash benchmarks/gpu_suite.sh e2e                 # bench_train, NVLink + P2P off (~9 min)
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
-#   bash benchmarks/gpu_suite.sh overlap             # bench_train with parallel.overlap (~8 min)
+#   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Results land in benchmarks/results/ and, when $OUT is set, are copied there.
 set -uo pipefail
@@ -32,11 +32,11 @@ for job in "$@"; do
         --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 270 python3 benchmarks/bench_train.py --label nop2p \
         --layouts 1,1,4 --deadline-s 230 --out-dir "$out" ;;
-    overlap)  # ring collective matmuls (parallel.overlap) against GSPMD and the plain layers
-      timeout 280 python3 benchmarks/bench_train.py --label nvlink_overlap --layouts 1,1,4 \
-        --overlap --variants off,on,gspmd --deadline-s 250 --out-dir "$out"
-      NCCL_P2P_DISABLE=1 timeout 270 python3 benchmarks/bench_train.py --label nop2p_overlap \
-        --layouts 1,1,4 --overlap --variants off,on --deadline-s 230 --out-dir "$out" ;;
+    overlap)  # ring collective matmuls (parallel.overlap) beside the plain layers and GSPMD
+      timeout 290 python3 benchmarks/bench_train.py --label nvlink_ring --layouts 1,1,4 \
+        --variants off,ring_off,on,ring_on,ideal,gspmd --deadline-s 260 --out-dir "$out"
+      NCCL_P2P_DISABLE=1 timeout 260 python3 benchmarks/bench_train.py --label nop2p_ring \
+        --layouts 1,1,4 --variants off,ring_off,on,ring_on --deadline-s 220 --out-dir "$out" ;;
     accuracy) timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink \
                 --deadline-s 540 --out-dir "$out" ;;
     *) echo "unknown job $job" >&2 ;;
