@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_suite.sh codec collectives   # one call (~8 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh train               # another (~6 min)
 #   bash benchmarks/gpu_suite.sh e2e                 # bench_train, NVLink + P2P off (~9 min)
+#   bash benchmarks/gpu_suite.sh link ring           # --link nvlink; ring layers (~9 min)
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -23,9 +24,10 @@ for job in "$@"; do
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 ;;
     collectives)
-      timeout 200 python3 benchmarks/bench_collectives.py --label nvlink --sizes-mib "$sizes"
+      timeout 200 python3 benchmarks/bench_collectives.py --label nvlink --sizes-mib "$sizes" \
+        --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_collectives.py \
-        --label p2p_disabled --sizes-mib "$sizes" ;;
+        --label p2p_disabled --sizes-mib "$sizes" --out-dir "$out" ;;
     train) timeout 420 python3 benchmarks/train_parallel.py ;;
     e2e)  # results straight to $out: a run cut off by the call's limit keeps what it wrote
       timeout 290 python3 benchmarks/bench_train.py --label nvlink --deadline-s 250 \
@@ -37,10 +39,15 @@ for job in "$@"; do
         --variants off,ring_off,on,ring_on,ideal,gspmd --deadline-s 260 --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 260 python3 benchmarks/bench_train.py --label nop2p_ring \
         --layouts 1,1,4 --variants off,ring_off,on,ring_on --deadline-s 220 --out-dir "$out" ;;
+    link)  # 'on' compresses only what the collective benchmark measured to pay on NVLink
+      timeout 280 python3 benchmarks/bench_train.py --label nvlink_link --link nvlink \
+        --variants off,on --deadline-s 250 --out-dir "$out" ;;
+    ring)  # the NVLink half of `overlap`, without the compressed plain step
+      timeout 270 python3 benchmarks/bench_train.py --label nvlink_ring --layouts 1,1,4 \
+        --variants off,ring_off,ring_on,gspmd --deadline-s 240 --out-dir "$out" ;;
     accuracy) timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink \
                 --deadline-s 540 --out-dir "$out" ;;
     *) echo "unknown job $job" >&2 ;;
   esac 2>&1 | grep -v -E "DeprecationWarning|warnings.warn" | tee -a "$out/suite.log"
 done
-cp benchmarks/results/*.json "$out/" 2>/dev/null
 ls "$out"
