@@ -236,16 +236,22 @@ def summarize(rows) -> list[dict]:
   return out
 
 
-def main(argv=None) -> pathlib.Path:
-  args = parse_args(argv)
-  if args.smoke:
-    from taco_jax.train.cli import use_cpu_devices
-    use_cpu_devices(8)
+def add_overlap_flags(args) -> None:
+  """XLA's collective-overlap flags into XLA_FLAGS (before the backend starts), unless
+  --no-overlap-flags; a flag already set there is kept as it is."""
   from taco_jax.parallel.gspmd import XLA_OVERLAP_FLAGS  # imports jax; no backend yet
   if not args.no_overlap_flags:
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = " ".join([flags, *(f for f in XLA_OVERLAP_FLAGS
                                                   if f.split("=")[0] not in flags)]).strip()
+
+
+def main(argv=None) -> pathlib.Path:
+  args = parse_args(argv)
+  if args.smoke:
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
+  add_overlap_flags(args)
   import jax
   import ml_collections
   from benchmarks import common

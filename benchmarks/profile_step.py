@@ -1,0 +1,148 @@
+"""Where a training step's time goes: a device trace of bench_train's variants, summarized.
+
+For each variant (as in bench_train: off, on, ring_off, gspmd, ...) of one layout this
+compiles the step, runs --warmup steps, then traces --steps steps with `jax.profiler` and
+writes to --out-dir:
+
+  profile_<label>.json   per variant and device stream: busy time by kernel family
+                         (nccl, gemm, fusion, other) and the NCCL time that no compute
+                         kernel on the same device overlapped ("exposed")
+  hlo_<label>_<variant>.txt.gz   the optimized, scheduled HLO of the step
+  trace_<label>_<variant>.json.gz  the raw Perfetto trace (when it is under 15 MiB)
+
+GPU (4xH200): python benchmarks/profile_step.py --variants off,gspmd --out-dir $OUT
+CPU smoke:    python benchmarks/profile_step.py --smoke
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import os
+import pathlib
+import sys
+import tempfile
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks import bench_train  # noqa: E402 (no JAX import)
+
+
+def family(name: str) -> str:
+  n = name.lower()
+  if "nccl" in n:
+    return "nccl"
+  if any(k in n for k in ("gemm", "cublas", "cutlass", "sm90_xmma", "nvjet", "matmul")):
+    return "gemm"
+  if "fusion" in n or "triton" in n or "loop_" in n or "input_" in n:
+    return "fusion"
+  return "other"
+
+
+def _merge(intervals):
+  out = []
+  for a, b in sorted(intervals):
+    if out and a <= out[-1][1]:
+      out[-1][1] = max(out[-1][1], b)
+    else:
+      out.append([a, b])
+  return out
+
+
+def _covered(intervals, cover) -> float:
+  """Length of `intervals` (merged) inside the union `cover` (merged)."""
+  total, j = 0.0, 0
+  for a, b in intervals:
+    while j < len(cover) and cover[j][1] <= a:
+      j += 1
+    k = j
+    while k < len(cover) and cover[k][0] < b:
+      total += min(b, cover[k][1]) - max(a, cover[k][0])
+      k += 1
+  return total
+
+
+def summarize_trace(events: list[dict], steps: int) -> dict:
+  """Per device (a trace process whose name mentions a device): ms per step by kernel
+  family, and NCCL ms per step not overlapped by any compute kernel of that device."""
+  names = {e["pid"]: e["args"]["name"] for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
+  for e in events:
+    if e.get("ph") != "X" or "dur" not in e:
+      continue
+    dev = names.get(e["pid"], "")
+    if "GPU" not in dev and "/device:" not in dev:
+      continue
+    per_dev[dev][family(e["name"])].append((e["ts"], e["ts"] + e["dur"]))
+  out = {}
+  for dev, fams in sorted(per_dev.items()):
+    compute = _merge(fams.get("gemm", []) + fams.get("fusion", []) + fams.get("other", []))
+    nccl = _merge(fams.get("nccl", []))
+    busy = {f: sum(b - a for a, b in _merge(v)) / 1e3 / steps for f, v in fams.items()}
+    nccl_ms = sum(b - a for a, b in nccl) / 1e3 / steps
+    hidden = _covered(nccl, compute) / 1e3 / steps
+    out[dev] = dict(busy_ms=busy, nccl_ms=nccl_ms, nccl_exposed_ms=nccl_ms - hidden,
+                    compute_ms=sum(b - a for a, b in compute) / 1e3 / steps)
+  return out
+
+
+def main(argv=None):
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = bench_train.parse_args(argv)
+  if args.smoke:
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
+  bench_train.add_overlap_flags(args)
+  import jax
+  import ml_collections
+  from taco_jax import data
+  from taco_jax.parallel.model import model_config
+  from taco_jax.parallel.train import make_optimizer
+
+  n_layers, d, h, f = bench_train.SIZES[args.model]
+  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
+                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
+                          remat=not args.no_remat))
+  layout = tuple(int(v) for v in args.layouts.split(";")[0].split(","))
+  corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
+                            max_corpus_bytes=8_000_000).train
+  args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
+  tx = make_optimizer(ml_collections.ConfigDict(dict(
+      lr=args.lr, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.1, b1=0.9, b2=0.95,
+      eps=1e-8, grad_clip=1.0)), 100)
+  out_dir = pathlib.Path(args.out_dir or tempfile.mkdtemp())
+  out_dir.mkdir(parents=True, exist_ok=True)
+  trace_steps = min(args.steps, 3)
+  report = dict(benchmark="profile_step", label=args.label, layout=args.layouts.split(";")[0],
+                device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
+                config={k: v for k, v in vars(args).items() if not k.startswith("_")},
+                traced_steps=trace_steps, variants={})
+  for v in args.variants.split(","):
+    exe, state, batch, _, _ = bench_train.build(v, layout, args, cfg, tx)
+    (out_dir / f"hlo_{args.label}_{v}.txt.gz").write_bytes(gzip.compress(exe.as_text().encode()))
+    b = batch(args._tokens0)
+    for _ in range(args.warmup):
+      *state, met = exe(*state, b)
+      jax.block_until_ready(met)
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      for _ in range(trace_steps):
+        *state, met = exe(*state, b)
+        jax.block_until_ready(met)
+    del exe, state
+    path, = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
+    events = json.loads(gzip.decompress(path.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    report["variants"][v] = summarize_trace(events, trace_steps)
+    if path.stat().st_size < 15 << 20:
+      (out_dir / f"trace_{args.label}_{v}.json.gz").write_bytes(path.read_bytes())
+    print(v, json.dumps(report["variants"][v], indent=1)[:3000], flush=True)
+  dest = out_dir / f"profile_{args.label}.json"
+  dest.write_text(json.dumps(report, indent=1))
+  print(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+  main()
