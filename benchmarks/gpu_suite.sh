@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_suite.sh train               # another (~6 min)
 #   bash benchmarks/gpu_suite.sh e2e                 # bench_train, NVLink + P2P off (~9 min)
 #   bash benchmarks/gpu_suite.sh link ring           # --link nvlink; ring layers (~9 min)
+#   bash benchmarks/gpu_suite.sh e2e_2.7b            # 2.7B GPT at TP=4 (~8 min)
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -45,6 +46,11 @@ for job in "$@"; do
     ring)  # the NVLink half of `overlap`, without the compressed plain step
       timeout 270 python3 benchmarks/bench_train.py --label nvlink_ring --layouts 1,1,4 \
         --variants off,ring_off,ring_on,gspmd --deadline-s 240 --out-dir "$out" ;;
+    e2e_2.7b)  # the 2.7B GPT (32 x 2560) at TP=4, NVLink and P2P off
+      timeout 250 python3 benchmarks/bench_train.py --label nvlink_2.7b --model 2.7b \
+        --layouts 1,1,4 --variants off,on,gspmd --deadline-s 225 --out-dir "$out"
+      NCCL_P2P_DISABLE=1 timeout 230 python3 benchmarks/bench_train.py --label nop2p_2.7b \
+        --model 2.7b --layouts 1,1,4 --variants off,on --deadline-s 205 --out-dir "$out" ;;
     accuracy) timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink \
                 --deadline-s 540 --out-dir "$out" ;;
     *) echo "unknown job $job" >&2 ;;

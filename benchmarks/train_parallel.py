@@ -36,7 +36,8 @@ from benchmarks.args import add_output_args, parse_with_smoke, results_path  # n
 
 # (n_layers, d_model, n_heads, d_ff)
 SIZES = {"tiny": (2, 64, 8, 256), "125m": (12, 768, 12, 3072), "350m": (24, 1024, 16, 4096),
-         "760m": (24, 1536, 16, 6144), "1.3b": (24, 2048, 16, 8192)}
+         "760m": (24, 1536, 16, 6144), "1.3b": (24, 2048, 16, 8192),
+         "2.7b": (32, 2560, 32, 10240)}
 
 
 # --smoke: a tiny fp32 model on 8 fake CPU devices (each script adds its layouts)
