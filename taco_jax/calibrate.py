@@ -19,10 +19,14 @@
    the one with the lowest error; a family's error is the mean over its sites of their
    relative L2 errors (each site counts once, however many bytes it sends). Ties go to
    fewer bytes, then to the config's own setting, which is always a candidate, so the
-   choice is never worse than the config on the captured data.
+   choice is never worse than the config on the captured data. The same rule on one
+   site's errors and wire cost gives that collective's own choice.
 4. Write a config file (`get_config()`: the base config, the command-line overrides given
-   here, and the chosen `compression.<family>` sections) that `python -m taco_jax.train
-   --config=<out>` runs, and a JSON report beside it (every measurement, the choices).
+   here, the chosen `compression.<family>` sections, and `compression.sites.<site>` for
+   each collective whose own choice differs from its family's) that `python -m
+   taco_jax.train --config=<out>` runs, and a JSON report beside it (every measurement,
+   the choices). Every collective is compared against its family's codec; site overrides
+   already in the config are replaced.
 
 Families the config leaves uncompressed are not measured and stay uncompressed.
 """
@@ -208,23 +212,35 @@ def _flat(d: dict, prefix: str = "") -> dict:
   return out
 
 
+def _section(cfg: CompressionConfig, setting: dict) -> dict:
+  """A full codec section (dict): `cfg` with `setting`, the non-default fields spelled out."""
+  default = CompressionConfig()
+  cfg = dataclasses.replace(cfg, **setting)
+  return dict(enabled=True, **{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                               if f.name in SETTING_FIELDS + ("dual_scale", "min_bytes")
+                               or getattr(cfg, f.name) != getattr(default, f.name)})
+
+
 def calibrated_sections(plan, choices: dict) -> dict:
   """{family: full codec section (dict)}: the config's codec with the chosen setting."""
-  default = CompressionConfig()
-  out = {}
-  for fam, c in choices.items():
-    cfg = dataclasses.replace(getattr(plan, fam), **c["setting"])
-    out[fam] = dict(enabled=True, **{f.name: getattr(cfg, f.name)
-                                     for f in dataclasses.fields(cfg)
-                                     if f.name in SETTING_FIELDS + ("dual_scale", "min_bytes")
-                                     or getattr(cfg, f.name) != getattr(default, f.name)})
-  return out
+  return {fam: _section(getattr(plan, fam), c["setting"]) for fam, c in choices.items()}
 
 
-def config_source(config, sections: dict, base_module: str | None, header: str) -> str:
+def site_sections(plan, choices: dict) -> dict:
+  """{site_key: codec section} for each collective whose own best setting differs from
+  its family's choice (`compression.sites`; the others follow their family)."""
+  from taco_jax.parallel.compression import site_key
+  return {site_key(site): _section(plan.codec(site), c["setting"])
+          for fam, choice in choices.items() for site, c in choice["sites"].items()
+          if c["setting"] != choice["setting"]}
+
+
+def config_source(config, sections: dict, base_module: str | None, header: str,
+                  sites: dict | None = None) -> str:
   """Python source of a config file: `base_module`'s get_config() plus the fields where
-  `config` differs from it, then `sections`; a full literal of `config` if there is no
-  importable base or it lacks some of config's fields."""
+  `config` differs from it, then the family `sections` and the per-collective `sites`; a
+  full literal of `config` if there is no importable base or it lacks some of config's
+  fields."""
   lines = [f'"""{header}\n"""', "import ml_collections", ""]
   body = None
   if base_module:
@@ -244,6 +260,9 @@ def config_source(config, sections: dict, base_module: str | None, header: str) 
   body.append("  # calibrated codec per collective family (taco_jax.calibrate)")
   for fam, sec in sections.items():
     body.append(f"  c.compression.{fam} = ml_collections.ConfigDict({sec!r})")
+  if sites or "sites" in config.compression:
+    body.append("  # collectives whose own best setting differs from their family's")
+    body.append(f"  c.compression.sites = ml_collections.ConfigDict({sites!r})")
   if "log_errors" not in config.compression:  # so that --config.compression.log_errors=True works
     body.append("  c.compression.log_errors = False  # True: step metrics "
                 "compression_error/<family>")
@@ -286,14 +305,15 @@ def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
             f"Chosen per family (lowest mean relative L2 error over its sites, at <= the "
             f"config's wire bytes):\n{table}")
   out.parent.mkdir(parents=True, exist_ok=True)
+  sites = site_sections(plan, choices)
   out.write_text(config_source(config, calibrated_sections(plan, choices),
-                               base_module_of(config_path), header))
+                               base_module_of(config_path), header, sites))
   rep = dict(config=config.name, config_path=config_path, steps=steps, out=str(out),
              rule="per family: min over settings with bits/element <= the config's of the "
                   "mean over the family's sites of rel_l2; ties: fewer bits, then the config's",
              shapes={s: sorted(map(list, v)) for s, v in cap.shapes.items()},
              rows={s: int(cap.rows(s).shape[0]) for s in cap.tensors},
-             choices=choices, results=results)
+             choices=choices, site_overrides=sorted(sites), results=results)
   report = pathlib.Path(report) if report else out.with_suffix(".json")
   report.write_text(json.dumps(rep, indent=1))
   return rep

@@ -119,6 +119,10 @@ def test_trainer_runs_the_written_config(run):
   for fam, choice in rep["choices"].items():
     assert {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS} == \
         choice["setting"]
+    for site, own in choice["sites"].items():  # each collective runs its own choice
+      assert {k: getattr(plan.codec(site), k) for k in calibrate.SETTING_FIELDS} == \
+          own["setting"], site
+  assert sorted(c.compression.get("sites", {})) == rep["site_overrides"]
   assert json.loads((tmp / "calibrated_tiny.json").read_text())["choices"] == rep["choices"]
   c.compression.log_errors = True
   summary = parallel_train.train(c, tmp / "run")

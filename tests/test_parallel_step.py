@@ -169,3 +169,35 @@ def test_overlap_matches_single_device(layout, reference):
         assert rel <= eps * (2 + (2 if dp > 1 else 0)), (path, rel)
       else:
         assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+
+
+def test_site_overrides_reach_every_collective(reference):
+  """`CompressionPlan.sites`: with every site set to plain, a fully compressed plan compiles
+  to the uncompressed program's collectives and computes its loss and gradients exactly;
+  with every family off, one site override alone compresses that one collective."""
+  from taco_jax import quality
+  mesh = make_mesh(2, 2, 2)
+  params = model_lib.shard_params(CFG, reference[0], mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+
+  def compiled(plan):
+    spec = step_lib.ParallelSpec(CFG, 2, 2, 2, MICRO, plan)
+    exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
+        compiler_options=FAST_COMPILE)
+    return exe(params, tokens), hlo.collectives(exe.as_text(), mesh)
+
+  (loss_off, grads_off), colls_off = compiled(CompressionPlan())
+  all_plain = CompressionPlan(tp_forward=CODEC, tp_backward=CODEC, pp=CODEC, dp=CODEC,
+                              sites=tuple((s, None) for s in quality.SITES))
+  (loss, grads), colls = compiled(all_plain)
+  assert not [c.line for c in colls if c.fp8]
+  assert float(loss) == float(loss_off)
+  for (path, g), (_, r) in zip(_leaves(grads), _leaves(grads_off), strict=True):
+    np.testing.assert_array_equal(g, r, err_msg=path)
+
+  only_pp_fwd = CompressionPlan(sites=(("pp/fwd", CODEC),))
+  _, colls = compiled(only_pp_fwd)
+  fp8 = [c for c in colls if c.fp8]
+  assert fp8 and all(c.axes == {"pipeline"} for c in fp8)
+  # forward sends only: the backward shift's permutation (stage s+1 -> s) stays plain
+  assert len({c.line for c in fp8}) < len({c.line for c in colls if c.axes == {"pipeline"}})

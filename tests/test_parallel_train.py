@@ -114,3 +114,22 @@ def test_unified_entry_point_picks_the_trainer(tmp_path, tmp_path_factory, monke
   assert cli.train(c, tmp_path) == "single"  # one device, plain GPT
   c.model.block = "qwen"
   assert cli.train(c, tmp_path) == "parallel"  # only the parallel model has the Qwen block
+
+
+def test_compression_site_overrides_from_config():
+  c = _config()
+  c.compression.sites = dict(gather_from_sp_fwd=dict(group_size=32, format="e5m2"),
+                             pp_bwd=None)
+  plan = plan_from_config(c.compression)
+  assert plan.codec("gather_from_sp/fwd") == CompressionConfig(group_size=32, format="e5m2")
+  assert plan.codec("gather_from_sp/bwd") == plan.tp_backward == CompressionConfig(group_size=64)
+  assert plan.codec("pp/bwd") is None and plan.codec("pp/fwd") == plan.pp
+  assert plan.codec("dp") is None and not plan.compresses("dp") and plan.compresses("pp")
+  c.compression.sites = dict(gather_from_sp=dict(group_size=32))
+  with pytest.raises(ValueError, match="unknown site.*gather_from_sp'"):
+    plan_from_config(c.compression)
+  c.compression.sites = dict(dp=dict(group_size=48))
+  with pytest.raises(ValueError, match="compression.sites.dp"):
+    plan_from_config(c.compression)
+  with pytest.raises(ValueError, match="unknown site"):
+    CompressionPlan(sites=(("tp/fwd", None),))

@@ -5,6 +5,11 @@
     compression.tp_backward   their transposes in the backward pass (gradients of activations)
     compression.pp            pipeline ppermute of activations (forward and backward)
     compression.dp            data-parallel gradient all-reduce
+    compression.sites         optional per-collective overrides: `sites.<site>` (a
+                              `site_key` of a `quality.SITES` name, e.g. gather_from_sp_fwd)
+                              is a codec section (or enabled=False) that replaces its
+                              family's codec for that one collective; `taco_jax.calibrate`
+                              writes them where a collective's own best setting differs
     compression.log_errors    also report the relative error of what each family sent as
                               step metrics "compression_error/<family>" (taco_jax.quality);
                               off (absent or False) compiles to exactly the plain program
@@ -18,10 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 
+from taco_jax import quality
 from taco_jax.codec import CompressionConfig
 
-FAMILIES = ("tp_forward", "tp_backward", "pp", "dp")
+FAMILIES = quality.FAMILIES
 _CODEC_FIELDS = {f.name for f in dataclasses.fields(CompressionConfig)}
+
+
+def site_key(site: str) -> str:
+  """The config key of a `quality.SITES` name: "gather_from_sp/fwd" -> "gather_from_sp_fwd"."""
+  return site.replace("/", "_")
+
+
+_SITE_OF_KEY = {site_key(s): s for s in quality.SITES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,10 +46,29 @@ class CompressionPlan:
   pp: CompressionConfig | None = None           # pipeline ppermute, both directions
   dp: CompressionConfig | None = None           # data-parallel gradient all-reduce
   log_errors: bool = False  # step metrics: relative error of what each family sent
+  # (site, codec or None) pairs: one collective's codec instead of its family's
+  sites: tuple[tuple[str, CompressionConfig | None], ...] = ()
+
+  def __post_init__(self):
+    unknown = sorted(s for s, _ in self.sites if s not in quality.SITES)
+    if unknown:
+      raise ValueError(f"CompressionPlan.sites: unknown site(s) {unknown}; known: "
+                       f"{list(quality.SITES)}")
+
+  def codec(self, site: str) -> CompressionConfig | None:
+    """The codec of one collective (`quality.SITES` name): its override, else its family's."""
+    for s, cfg in self.sites:
+      if s == site:
+        return cfg
+    return getattr(self, quality.SITES[site])
+
+  def compresses(self, family: str) -> bool:
+    """Whether any collective of `family` is compressed."""
+    return any(self.codec(s) is not None for s, f in quality.SITES.items() if f == family)
 
   @property
   def any(self) -> bool:
-    return any(getattr(self, f) is not None for f in FAMILIES)
+    return any(self.compresses(f) for f in FAMILIES)
 
 
 def _codec(section, where: str) -> CompressionConfig | None:
@@ -61,8 +94,20 @@ def plan_from_config(section) -> CompressionPlan:
   log = section.get("log_errors", False)
   if not isinstance(log, bool):
     raise ValueError(f"compression.log_errors must be True or False, got {log!r}")
+  sites = _site_overrides(section.get("sites", None))
   if not any(f in section for f in FAMILIES):
     return CompressionPlan(tp_forward=CompressionConfig(), tp_backward=CompressionConfig(),
-                           log_errors=log)
+                           log_errors=log, sites=sites)
   return CompressionPlan(**{f: _codec(section.get(f, None), f) for f in FAMILIES},
-                         log_errors=log)
+                         log_errors=log, sites=sites)
+
+
+def _site_overrides(section) -> tuple:
+  if not section:
+    return ()
+  d = section.to_dict() if hasattr(section, "to_dict") else dict(section)
+  unknown = sorted(set(d) - set(_SITE_OF_KEY))
+  if unknown:
+    raise ValueError(f"compression.sites: unknown site(s) {unknown}; known: "
+                     f"{sorted(_SITE_OF_KEY)}")
+  return tuple((_SITE_OF_KEY[k], _codec(v, f"sites.{k}")) for k, v in sorted(d.items()))

@@ -28,6 +28,7 @@ from models.layers import normal_init
 from taco_jax import collectives, mappings
 from taco_jax.codec import CompressionConfig
 from taco_jax.parallel import overlap
+from taco_jax.parallel.compression import CompressionPlan
 from taco_jax.parallel.mesh import TENSOR
 from taco_jax.parallel.overlap import SEQ  # the sequence axis of [B, T, D] activations
 
@@ -37,18 +38,22 @@ class TPContext:
   """What a tensor-parallel layer needs to know besides its sizes."""
   tp: int                                    # size of mesh axis "tensor"
   dtype: object = jnp.bfloat16               # compute dtype of the matmuls
-  fwd: CompressionConfig | None = None       # codec of forward TP collectives (None: plain)
-  bwd: CompressionConfig | None = None       # codec of their backward transposes
+  plan: CompressionPlan = CompressionPlan()  # codec per collective (default: all plain)
   overlap: bool = False                      # column/row layers as ring collective matmuls
   #                                            (taco_jax.parallel.overlap)
+
+  def codecs(self, region: str) -> tuple[CompressionConfig | None, CompressionConfig | None]:
+    """(forward, backward) codecs of a `taco_jax.mappings` region, e.g. "gather_from_sp"."""
+    return self.plan.codec(f"{region}/fwd"), self.plan.codec(f"{region}/bwd")
 
 
 def gather_seq(x_BSD, ctx: TPContext):
   """Sequence shard -> full sequence. forward: all-gather, backward: reduce-scatter."""
   if ctx.tp == 1:
     return x_BSD
-  return mappings.gather_from_sp(x_BSD, TENSOR, axis=SEQ, fwd_compression=ctx.fwd,
-                                 bwd_compression=ctx.bwd)
+  fwd, bwd = ctx.codecs("gather_from_sp")
+  return mappings.gather_from_sp(x_BSD, TENSOR, axis=SEQ, fwd_compression=fwd,
+                                 bwd_compression=bwd)
 
 
 def scatter_seq(x_BTD, ctx: TPContext):
@@ -56,8 +61,9 @@ def scatter_seq(x_BTD, ctx: TPContext):
   forward: reduce-scatter, backward: all-gather."""
   if ctx.tp == 1:
     return x_BTD
-  return mappings.reduce_scatter_to_sp(x_BTD, TENSOR, axis=SEQ, fwd_compression=ctx.fwd,
-                                       bwd_compression=ctx.bwd)
+  fwd, bwd = ctx.codecs("reduce_scatter_to_sp")
+  return mappings.reduce_scatter_to_sp(x_BTD, TENSOR, axis=SEQ, fwd_compression=fwd,
+                                       bwd_compression=bwd)
 
 
 def _split(d: int, tp: int, what: str) -> int:
@@ -80,7 +86,8 @@ class ColumnParallelLinear(nnx.Module):
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     if ctx.overlap and ctx.tp > 1:
-      y = overlap.gather_matmul(x_BSD.astype(ctx.dtype), w, TENSOR, ctx.fwd, ctx.bwd)
+      y = overlap.gather_matmul(x_BSD.astype(ctx.dtype), w, TENSOR,
+                                *ctx.codecs("gather_from_sp"))
     else:
       y = jnp.einsum("...i,io->...o", gather_seq(x_BSD.astype(ctx.dtype), ctx), w)
     return y + self.bias[...].astype(ctx.dtype)
@@ -100,7 +107,8 @@ class RowParallelLinear(nnx.Module):
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     if ctx.overlap and ctx.tp > 1:
-      x_BSD = overlap.matmul_scatter(y_BTF.astype(ctx.dtype), w, TENSOR, ctx.fwd, ctx.bwd)
+      x_BSD = overlap.matmul_scatter(y_BTF.astype(ctx.dtype), w, TENSOR,
+                                      *ctx.codecs("reduce_scatter_to_sp"))
     else:
       x_BSD = scatter_seq(jnp.einsum("...i,io->...o", y_BTF.astype(ctx.dtype), w), ctx)
     return x_BSD + self.bias[...].astype(ctx.dtype)
@@ -141,7 +149,7 @@ def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array
   """Per-token cross-entropy (fp32) of the tied head h @ w.T, never gathering full logits."""
   if ctx.overlap and ctx.tp > 1:
     logits_BTV = overlap.gather_matmul(h_BSD.astype(ctx.dtype), w_VD.astype(ctx.dtype).T,
-                                       TENSOR, ctx.fwd, ctx.bwd, jnp.float32)
+                                       TENSOR, *ctx.codecs("gather_from_sp"), jnp.float32)
   else:
     logits_BTV = jnp.einsum("btd,vd->btv", gather_seq(h_BSD.astype(ctx.dtype), ctx),
                             w_VD.astype(ctx.dtype), preferred_element_type=jnp.float32)

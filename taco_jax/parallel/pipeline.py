@@ -3,9 +3,10 @@
 Stage s (= axis_index("pipeline")) holds layers [s L/pp, (s+1) L/pp). With m micro-batches
 the schedule runs m + pp - 1 ticks; at tick t stage s works on micro-batch t - s (when
 0 <= t - s < m), then hands its output to stage s + 1 with `shift_to_next_stage` (a
-ppermute, compressible by `compression.pp`). All micro-batches' forwards come before all
-backwards (jax.grad through the scan of ticks runs the ticks in reverse, and the ppermute's
-transpose carries cotangents from stage s + 1 back to s). Every stage idles for pp - 1 of
+ppermute, compressible by `compression.pp`, or per direction by the sites pp/fwd and
+pp/bwd). All micro-batches' forwards come before all backwards (jax.grad through the scan
+of ticks runs the ticks in reverse, and the ppermute's transpose carries cotangents from
+stage s + 1 back to s). Every stage idles for pp - 1 of
 the m + pp - 1 ticks in each direction: bubble fraction (pp - 1) / (m + pp - 1).
 """
 from __future__ import annotations
@@ -26,31 +27,34 @@ def bubble_fraction(pp: int, microbatches: int) -> float:
   return (pp - 1) / (microbatches + pp - 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def shift_to_next_stage(x, pp: int, compression: CompressionConfig | None = None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def shift_to_next_stage(x, pp: int, fwd: CompressionConfig | None = None,
+                        bwd: CompressionConfig | None = None):
   """Stage s sends x to stage s + 1; stage 0 receives zeros.
-  forward: ppermute s -> s+1, backward: ppermute s+1 -> s (both with `compression`)."""
+  forward: ppermute s -> s+1 (codec `fwd`), backward: ppermute s+1 -> s (codec `bwd`)."""
   perm = [(i, i + 1) for i in range(pp - 1)]
-  return collectives.ppermute(x, PIPE, perm, compression=compression)
+  return collectives.ppermute(x, PIPE, perm, compression=fwd)
 
 
-def _shift_fwd(x, pp, compression):
-  return shift_to_next_stage(x, pp, compression), None
+def _shift_fwd(x, pp, fwd, bwd):
+  return shift_to_next_stage(x, pp, fwd, bwd), None
 
 
-def _shift_bwd(pp, compression, _, g):
+def _shift_bwd(pp, fwd, bwd, _, g):
   perm = [(i + 1, i) for i in range(pp - 1)]
-  return (collectives.ppermute(g, PIPE, perm, compression=compression),)
+  return (collectives.ppermute(g, PIPE, perm, compression=bwd),)
 
 
 shift_to_next_stage.defvjp(_shift_fwd, _shift_bwd)
 
 
 def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
-          compression: CompressionConfig | None = None) -> jax.Array:
+          fwd: CompressionConfig | None = None,
+          bwd: CompressionConfig | None = None) -> jax.Array:
   """Runs `stage_fn` (this stage's layers) over m micro-batches x_MBSD in a GPipe schedule.
 
-  `x_MBSD` are stage 0's inputs (other stages ignore theirs). Returns the last stage's
+  `x_MBSD` are stage 0's inputs (other stages ignore theirs); `fwd` / `bwd`: the codecs
+  of the activations sent forward and of their gradients sent back. Returns the last stage's
   outputs [m, ...] (other stages return values of no meaning; mask them out of the loss).
   """
   if pp == 1:
@@ -61,8 +65,8 @@ def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
   xs = jnp.concatenate([x_MBSD, pad])  # stage 0's input at each of the m + pp - 1 ticks
 
   def tick(prev_out, x_in):
-    recv = quality.region(lambda x: shift_to_next_stage(x, pp, compression), prev_out,
-                          fwd=compression, bwd=compression, fwd_site="pp/fwd",
+    recv = quality.region(lambda x: shift_to_next_stage(x, pp, fwd, bwd), prev_out,
+                          fwd=fwd, bwd=bwd, fwd_site="pp/fwd",
                           bwd_site="pp/bwd", axis_name=PIPE)
     out = stage_fn(jnp.where(first, x_in, recv))
     return out, out

@@ -43,14 +43,13 @@ class ParallelSpec:
   pp: int                            # mesh axis "pipeline"
   tp: int                            # mesh axis "tensor"
   microbatches: int = 1              # GPipe micro-batches per step (per data rank)
-  plan: CompressionPlan = CompressionPlan()  # codec per collective family
+  plan: CompressionPlan = CompressionPlan()  # codec per collective
   overlap: bool = False              # TP layers as ring collective matmuls (parallel.overlap)
 
   @property
   def ctx(self) -> layers.TPContext:
     return layers.TPContext(tp=self.tp, dtype=self.cfg.compute_dtype,
-                            fwd=self.plan.tp_forward, bwd=self.plan.tp_backward,
-                            overlap=self.overlap)
+                            plan=self.plan, overlap=self.overlap)
 
 
 def _local_loss(spec: ParallelSpec, params, tokens_BT1):
@@ -78,7 +77,8 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
   def stage(h):
     return jax.lax.scan(layer, h, params["blocks"])[0]
 
-  out_MBSD = pipeline.gpipe(stage, h_MBSD, pp=spec.pp, compression=spec.plan.pp)
+  out_MBSD = pipeline.gpipe(stage, h_MBSD, pp=spec.pp, fwd=spec.plan.codec("pp/fwd"),
+                            bwd=spec.plan.codec("pp/bwd"))
 
   @jax.checkpoint  # do not keep the [b, T, V/tp] logits for the backward pass
   def head(h_BSD, tgt_BT):
@@ -116,15 +116,14 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
     for i, g in zip(idx, _fused_all_reduce([leaves[i] for i in idx], axis, None)):
       leaves[i] = g
   if spec.dp > 1:
-    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.dp, "dp")]
+    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
   return treedef.unflatten(leaves)
 
 
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
   size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp}
-  return tuple(f for f in quality.FAMILIES
-               if getattr(spec.plan, f) is not None and size[f] > 1)
+  return tuple(f for f in quality.FAMILIES if spec.plan.compresses(f) and size[f] > 1)
 
 
 def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
