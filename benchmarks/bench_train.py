@@ -26,7 +26,7 @@ comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that com
 time compression wins back (1 = compressed step as fast as free communication). The `best_*`
 figures take the faster of the plain and ring layers on each side (what a user would pick).
 Timing as in train_parallel.py (host wall-clock around block_until_ready, median after
---warmup); MFU = model FLOP/s / (devices x bf16 matmul rate measured in the same run).
+--warmup); MFU against the device's spec peak, as there.
 
 GPU, 4xH200, two calls (each < 10 minutes; NVLink multicast is off):
   python benchmarks/bench_train.py --label nvlink
@@ -284,10 +284,11 @@ def main(argv=None) -> pathlib.Path:
                            lambda c, k=k: until(len(layouts) - k - 1, c))
     failed += bad
     for r in done:
-      r["mfu"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
+      r["mfu"] = common.mfu(r["tokens_per_s"], fpt, n, env["device_kind"])
+      r["mfu_of_measured"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
       rows.append(r)
       print(f"{r['layout']:>7s} {r['variant']:>8s}: {r['step_ms']:9.2f} ms/step "
-            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu']:.3f}  loss {r['final_loss']:.4f}"
+            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu'] or 0:.3f}  loss {r['final_loss']:.4f}"
             f"  (compile {r['compile_s']:.1f} s)", flush=True)
     summary = summarize(rows)
     report = dict(benchmark="bench_train", label=args.label, device=env["device_kind"],

@@ -50,7 +50,21 @@ def _looped(fn: Callable, inner: int) -> Callable:
 
     return jax.lax.fori_loop(0, inner, body, (args, out0))[1]
 
-  return jax.jit(run)
+  # XLA's while-loop double buffering (one of gspmd.XLA_OVERLAP_FLAGS) unrolls the loop in
+  # two; once the barriers are lowered away, the copies of `fn` on the same carried inputs
+  # are merged, and a sample counts half its calls (measured: a bf16 matmul at 2x the
+  # H200's peak). The timing loop is compiled without it, whatever XLA_FLAGS say.
+  return jax.jit(run, compiler_options={"xla_gpu_enable_while_loop_double_buffering": False})
+
+
+# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device kind: the MFU denominator.
+PEAK_BF16_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4}
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, devices: int, device_kind: str):
+  """Model FLOP/s utilization against the device's spec peak; None for an unlisted device."""
+  peak = PEAK_BF16_TFLOPS.get(device_kind)
+  return None if peak is None else tokens_per_s * flops_per_token / (devices * peak * 1e12)
 
 
 def time_fn(fn: Callable, *args, samples: int = 20, warmup: int = 2,

@@ -1,14 +1,14 @@
 """Where a training step's time goes: a device trace of bench_train's variants, summarized.
 
 For each variant (as in bench_train: off, on, ring_off, gspmd, ...) of one layout this
-compiles the step, runs --warmup steps, then traces --steps steps with `jax.profiler` and
-writes to --out-dir:
+compiles the step, runs --warmup steps, then traces --steps steps (at most 3) with
+`jax.profiler` and writes:
 
-  profile_<label>.json   per variant and device stream: busy time by kernel family
-                         (nccl, gemm, fusion, other) and the NCCL time that no compute
-                         kernel on the same device overlapped ("exposed")
-  hlo_<label>_<variant>.txt.gz   the optimized, scheduled HLO of the step
-  trace_<label>_<variant>.json.gz  the raw Perfetto trace (when it is under 15 MiB)
+  profile_step_<label>_<devices><platform>_<date>.json   (--out-dir, else
+      benchmarks/results) per variant and device: busy ms per step by kernel family (nccl,
+      gemm, fusion, other), and the NCCL time no compute kernel of that device overlapped
+  hlo_<label>_<variant>.txt.gz     the optimized, scheduled HLO of the step  } --out-dir,
+  trace_<label>_<variant>.json.gz  the Perfetto trace (when under 15 MiB)    } else a tmp dir
 
 GPU (4xH200): python benchmarks/profile_step.py --variants off,gspmd --out-dir $OUT
 CPU smoke:    python benchmarks/profile_step.py --smoke
@@ -97,6 +97,8 @@ def main(argv=None):
   bench_train.add_overlap_flags(args)
   import jax
   import ml_collections
+  from benchmarks import common
+  from benchmarks.args import results_path
   from taco_jax import data
   from taco_jax.parallel.model import model_config
   from taco_jax.parallel.train import make_optimizer
@@ -112,7 +114,7 @@ def main(argv=None):
   tx = make_optimizer(ml_collections.ConfigDict(dict(
       lr=args.lr, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.1, b1=0.9, b2=0.95,
       eps=1e-8, grad_clip=1.0)), 100)
-  out_dir = pathlib.Path(args.out_dir or tempfile.mkdtemp())
+  out_dir = pathlib.Path(args.out_dir or tempfile.mkdtemp())  # HLO and traces
   out_dir.mkdir(parents=True, exist_ok=True)
   trace_steps = min(args.steps, 3)
   report = dict(benchmark="profile_step", label=args.label, layout=args.layouts.split(";")[0],
@@ -139,7 +141,10 @@ def main(argv=None):
     if path.stat().st_size < 15 << 20:
       (out_dir / f"trace_{args.label}_{v}.json.gz").write_bytes(path.read_bytes())
     print(v, json.dumps(report["variants"][v], indent=1)[:3000], flush=True)
-  dest = out_dir / f"profile_{args.label}.json"
+  env = common.environment()
+  report["environment"] = env
+  dest = results_path("profile_step", args, num_devices=jax.device_count(),
+                      platform=env["platform"], date=env["date"])
   dest.write_text(json.dumps(report, indent=1))
   print(f"wrote {dest}")
 

@@ -141,7 +141,7 @@ def train_section() -> str:
         off = next(o for o in d["results"] if o["layout"] == r["layout"] and
                    o["compression"] == "off")
         rows.append([d["label"], r["layout"], what, r["steps"], off["tokens_per_s"],
-                     r["tokens_per_s"], r["speedup"], off["mfu"], off["final_loss"],
+                     r["tokens_per_s"], r["speedup"], _mfu(d, off), off["final_loss"],
                      r["final_loss"], 100 * r["accuracy_cost"]])
   if not rows:
     return ""
@@ -170,36 +170,70 @@ def _codec_words(c: dict) -> str:
       f"link={c['link']}" if c.get("link") else "") if w)
 
 
+def _mfu(d: dict, r: dict):
+  """A step's MFU against the device's spec peak (recomputed: runs before 2026-11-21's fix
+  divided by a matmul ceiling that XLA's loop double buffering had doubled)."""
+  from benchmarks.common import PEAK_BF16_TFLOPS
+  peak = PEAK_BF16_TFLOPS.get(d["device"])
+  fpt = d["config"].get("flops_per_token")
+  return r["tokens_per_s"] * fpt / (d["num_devices"] * peak * 1e12) if peak and fpt else None
+
+
 def bench_train_section() -> str:
-  rows, models = [], set()
+  rows, hosts = [], set()
   for name, d in _load("bench_train_*.json"):
     if d["environment"]["platform"] != "gpu":
       continue
     c = d["config"]
-    models.add((c["model"], c["seq"], c["batch"], d["num_devices"], d["device"]))
+    hosts.add((c["seq"], c["batch"], d["num_devices"], d["device"]))
     by = {(r["layout"], r["variant"]): r for r in d["results"]}
     for s in d["summary"]:
       off = by.get((s["layout"], "off"))
-      rows.append([d["label"], s["layout"], _codec_words(c), s.get("off_ms"), s.get("on_ms"),
+      rows.append([d["label"], c["model"], s["layout"], _codec_words(c), s.get("off_ms"),
+                   s.get("on_ms"), s.get("ring_off_ms"), s.get("ring_on_ms"),
                    s.get("ideal_ms"), s.get("gspmd_ms"), s.get("speedup_on_vs_off"),
                    s.get("comm_share"), s.get("recovered"), s.get("off_vs_gspmd"),
-                   off and off["mfu"]])
+                   off and _mfu(d, off)])
   if not rows:
     return ""
-  if len(models) != 1:
-    raise ValueError(f"bench_train results mix models {sorted(models)}: add columns for them")
-  (model, seq, batch, n, device), = models
-  return (f"### Training step (`benchmarks/bench_train.py`: {model} GPT, seq {seq}, global "
-          f"batch {batch}, {n}x {device})\n\n"
+  if len(hosts) != 1:
+    raise ValueError(f"bench_train results mix setups {sorted(hosts)}: add columns for them")
+  (seq, batch, n, device), = hosts
+  return (f"### Training step (`benchmarks/bench_train.py`: GPT, seq {seq}, global batch "
+          f"{batch}, {n}x {device})\n\n"
           "Step times in ms (median after warm-up, variants interleaved on the same batches). "
           "`ideal` = the step with every TP collective replaced by a local stand-in of the "
-          "same shape (free communication); `comm share` = (off - ideal) / off; `recovered` "
+          "same shape (free communication); `ring` = the TP layers as ring collective "
+          "matmuls (`parallel.overlap`); `comm share` = (off - ideal) / off; `recovered` "
           "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
           "than plain `jax.jit` + sharding annotations (with XLA's overlap flags; for a pp > "
-          "1 layout GSPMD runs the same devices as data x tensor, no pipeline). `nop2p*` runs "
-          "have `NCCL_P2P_DISABLE=1` (PCIe-class links).\n\n"
-          + _table(["run", "dp,pp,tp", "codec (on)", "off", "on", "ideal", "GSPMD",
-                    "on speedup", "comm share", "recovered", "GSPMD / off", "MFU off"], rows)
+          "1 layout GSPMD runs the same devices as data x tensor, no pipeline); MFU of the "
+          "`off` step against the dense bf16 peak (989 TFLOP/s). `nop2p*` runs have "
+          "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
+          "`CompressionConfig(link=\"nvlink\")` measured to pay.\n\n"
+          + _table(["run", "model", "dp,pp,tp", "codec (on)", "off", "on", "ring off",
+                    "ring on", "ideal", "GSPMD", "on speedup", "comm share", "recovered",
+                    "GSPMD / off", "MFU off"], rows)
+          + "\n")
+
+
+def profile_section() -> str:
+  runs = _load("profile_step_*.json")
+  if not runs:
+    return ""
+  rows = []
+  for name, d in runs:
+    for v, devs in d["variants"].items():
+      mean = lambda k: sum(x[k] for x in devs.values()) / len(devs)  # noqa: E731
+      rows.append([d["label"], d["config"]["model"], d["layout"], v, mean("compute_ms"),
+                   mean("nccl_ms"), mean("nccl_exposed_ms")])
+  d = runs[-1][1]
+  return (f"### Where the step's time goes (`benchmarks/profile_step.py`, {d['num_devices']}x "
+          f"{d['device']})\n\n"
+          "Device trace of a step, ms per step, mean over the GPUs: `compute` = time some "
+          "compute kernel runs, `NCCL` = time some NCCL kernel runs, `exposed` = NCCL time "
+          "with no compute kernel beside it on that GPU.\n\n"
+          + _table(["run", "model", "dp,pp,tp", "variant", "compute", "NCCL", "exposed"], rows)
           + "\n")
 
 
@@ -263,7 +297,8 @@ def measured_module() -> str:
 
 def readme_text(old: str) -> str:
   body = "\n".join(s for s in (codec_section(), collectives_section(), train_section(),
-                                bench_train_section(), accuracy_section()) if s)
+                                bench_train_section(), profile_section(),
+                                accuracy_section()) if s)
   head, _, rest = old.partition(BEGIN)
   _, _, tail = rest.partition(END)
   return (f"{head}{BEGIN}\n<!-- generated by `python -m benchmarks.report`; do not edit -->\n\n"
