@@ -59,7 +59,7 @@ VARIANTS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_run_args(p, model="1.3b", layouts="1,1,4;1,2,2", steps=40, warmup=3, seq=2048, batch=8)
-  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--variants", default="off,on,ideal,gspmd", help=f"of {','.join(VARIANTS)}")
   p.add_argument("--no-remat", action="store_true", help="keep activations (more memory)")
   p.add_argument("--link", default=None, help="'on' compresses only the collectives and sizes "
                  "measured to pay on this link (CompressionConfig.link: nvlink | p2p_disabled)")

@@ -1,0 +1,44 @@
+"""The arithmetic the benchmark scripts report: step-time summaries, trace overlap, MFU."""
+import pytest
+
+from benchmarks import bench_train, common, profile_step
+
+
+def _rows(**ms):
+  return [dict(layout="1,1,4", variant=v, step_ms=t) for v, t in ms.items()]
+
+
+def test_bench_train_summary_takes_the_better_layers_per_side():
+  (s,) = bench_train.summarize(_rows(off=200.0, on=190.0, ideal=150.0, gspmd=180.0,
+                                     ring_off=220.0, ring_on=170.0))
+  assert s["comm_ms"] == 50.0 and s["comm_share"] == 0.25
+  assert s["recovered"] == pytest.approx(0.2)             # (200 - 190) / 50
+  assert s["best_off_ms"] == 200.0 and s["best_on_ms"] == 170.0
+  assert s["speedup_best"] == pytest.approx(200 / 170)
+  assert s["recovered_best"] == pytest.approx(0.6)        # (200 - 170) / 50
+  assert s["best_off_vs_gspmd"] == pytest.approx(0.9)
+  (plain,) = bench_train.summarize(_rows(off=200.0, on=190.0))
+  assert "best_off_ms" not in plain and "comm_ms" not in plain
+
+
+def test_trace_summary_counts_only_uncovered_nccl_time():
+  def x(name, ts, dur, pid=1):
+    return dict(ph="X", name=name, ts=ts, dur=dur, pid=pid, tid=0)
+
+  events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+            dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
+            x("sm90_xmma_gemm_bf16", 0, 100), x("loop_add_fusion", 150, 50),
+            x("ncclDevKernel_AllGather", 80, 40),    # 20 of 40 under the gemm
+            x("ncclDevKernel_ReduceScatter", 210, 30),  # none covered
+            x("host work", 0, 1000, pid=2)]
+  (dev, got), = profile_step.summarize_trace(events, steps=2).items()
+  assert dev == "/device:GPU:0"
+  assert got["nccl_ms"] == pytest.approx(70 / 1e3 / 2)
+  assert got["nccl_exposed_ms"] == pytest.approx(50 / 1e3 / 2)
+  assert got["compute_ms"] == pytest.approx(150 / 1e3 / 2)
+  assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
+
+
+def test_mfu_is_against_the_spec_peak():
+  assert common.mfu(1e4, 1e9, 4, "NVIDIA H200") == pytest.approx(1e13 / (4 * 989.4e12))
+  assert common.mfu(1e4, 1e9, 4, "cpu") is None
