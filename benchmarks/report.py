@@ -260,6 +260,14 @@ def accuracy_section() -> str:
           "`docs/accuracy_loss.png` (`python -m benchmarks.plot_accuracy`).\n\n"
           + _table(["run", "seed", "variant", "codec (TP)", "val loss", "cost %"], rows)
           + "\n")
+  by_codec = {}
+  for row in rows:
+    if row[-1] is not None:
+      by_codec.setdefault(row[3], []).append(row[-1])
+  text += ("\nPer codec over the seeds: " + "; ".join(
+      f"{codec}: mean {sum(v) / len(v):+.2f}% over {len(v)} (from {min(v):+.2f}% to "
+      f"{max(v):+.2f}%)" for codec, v in by_codec.items()) + ".\n")
+
   def has_share(d):  # runs before the metric existed measured rel. L2 only
     return any("share_off_by_8th" in rows[0] for rows in d.get("ablations", {}).values())
 
