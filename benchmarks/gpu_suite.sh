@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_suite.sh e2e_2.7b            # 2.7B GPT at TP=4 (~8 min)
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
-#   bash benchmarks/gpu_suite.sh profile             # device traces of off/on/GSPMD (~2 min)
+#   bash benchmarks/gpu_suite.sh profile             # device traces: off, ring_off, GSPMD (~2 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -35,7 +35,7 @@ for job in "$@"; do
     train) timeout 420 python3 benchmarks/train_parallel.py --out-dir "$out" ;;
     profile)  # device trace of one step per variant: exposed NCCL time, scheduled HLO
       timeout 400 python3 benchmarks/profile_step.py --label nvlink --layouts 1,1,4 \
-        --variants off,on,gspmd --steps 2 --warmup 2 --out-dir "$out" ;;
+        --variants off,ring_off,gspmd --steps 2 --warmup 2 --out-dir "$out" ;;
     e2e)  # results straight to $out: a run cut off by the call's limit keeps what it wrote
       timeout 290 python3 benchmarks/bench_train.py --label nvlink --deadline-s 250 \
         --out-dir "$out"

@@ -40,7 +40,8 @@ _SITE_OF_KEY = {site_key(s): s for s in quality.SITES}
 
 @dataclasses.dataclass(frozen=True)
 class CompressionPlan:
-  """Which codec each collective family uses; None = that family sends plain values."""
+  """Which codec each collective family uses (None: plain values), and per-collective
+  overrides (`sites`)."""
   tp_forward: CompressionConfig | None = None   # forward all-gather / reduce-scatter (TP+SP)
   tp_backward: CompressionConfig | None = None  # their transposes in the backward pass
   pp: CompressionConfig | None = None           # pipeline ppermute, both directions
