@@ -70,7 +70,11 @@ def parse_args(argv=None):
   p.add_argument("--deadline-s", type=float, default=480.0,
                  help="wall-clock budget of the whole run, compiles included")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
-  return parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2"))
+  args = parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2"))
+  unknown = set(args.variants.split(",")) - set(VARIANTS)
+  if unknown:
+    p.error(f"unknown variants {sorted(unknown)}; known: {','.join(VARIANTS)}")
+  return args
 
 
 @contextlib.contextmanager
@@ -236,6 +240,21 @@ def summarize(rows) -> list[dict]:
   return out
 
 
+def model_and_optimizer(args):
+  """The GPT config of `--model` and the AdamW schedule over `--steps` that every variant
+  trains with."""
+  import ml_collections
+  from taco_jax.parallel.model import model_config
+  from taco_jax.parallel.train import make_optimizer
+  n_layers, d, h, f = SIZES[args.model]
+  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
+                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
+                          remat=not args.no_remat))
+  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
+      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
+  return cfg, make_optimizer(optim, args.steps)
+
+
 def add_overlap_flags(args) -> None:
   """XLA's collective-overlap flags into XLA_FLAGS (before the backend starts), unless
   --no-overlap-flags; a flag already set there is kept as it is."""
@@ -253,27 +272,15 @@ def main(argv=None) -> pathlib.Path:
     use_cpu_devices(8)
   add_overlap_flags(args)
   import jax
-  import ml_collections
   from benchmarks import common
   from models.gpt import flops_per_token
   from taco_jax import data
-  from taco_jax.parallel.model import model_config
-  from taco_jax.parallel.train import make_optimizer
 
-  n_layers, d, h, f = SIZES[args.model]
-  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
-                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
-                          remat=not args.no_remat))
-  unknown = set(args.variants.split(",")) - set(VARIANTS)
-  if unknown:
-    raise SystemExit(f"unknown variants {sorted(unknown)}; known: {VARIANTS}")
+  cfg, tx = model_and_optimizer(args)
   t0 = time.perf_counter()
   layouts, corpus, ceiling, until = bench_setup(args)
   n = jax.device_count()
   args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
-  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
-      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
-  tx = make_optimizer(optim, args.steps)
   fpt = flops_per_token(cfg, args.seq)
   env = common.environment()
   path = results_path("bench_train", args, num_devices=n, platform=env["platform"],

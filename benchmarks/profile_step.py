@@ -96,24 +96,15 @@ def main(argv=None):
     use_cpu_devices(8)
   bench_train.add_overlap_flags(args)
   import jax
-  import ml_collections
   from benchmarks import common
   from benchmarks.args import results_path
   from taco_jax import data
-  from taco_jax.parallel.model import model_config
-  from taco_jax.parallel.train import make_optimizer
 
-  n_layers, d, h, f = bench_train.SIZES[args.model]
-  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
-                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
-                          remat=not args.no_remat))
+  cfg, tx = bench_train.model_and_optimizer(args)
   layout = tuple(int(v) for v in args.layouts.split(";")[0].split(","))
   corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
                             max_corpus_bytes=8_000_000).train
   args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
-  tx = make_optimizer(ml_collections.ConfigDict(dict(
-      lr=args.lr, min_lr_ratio=0.1, warmup_steps=1, weight_decay=0.1, b1=0.9, b2=0.95,
-      eps=1e-8, grad_clip=1.0)), 100)
   out_dir = pathlib.Path(args.out_dir or tempfile.mkdtemp())  # HLO and traces
   out_dir.mkdir(parents=True, exist_ok=True)
   trace_steps = min(args.steps, 3)
