@@ -58,10 +58,6 @@ def _check_dim(fn: str, axis_name, n: int, shape, dim: int, what: str) -> int:
   return dim
 
 
-def _compressed(fn: str, x, compression: CompressionConfig | None, n: int | None) -> bool:
-  return compression is not None and compression.pays_for(fn, x.size * x.dtype.itemsize, n)
-
-
 def _forward_only(fn: str, f, x):
   """Runs ``f(x)``; differentiating it raises a clear error instead of silently taking the
   gradient of the codec's own arithmetic (the u8 codes carry no tangent)."""
@@ -95,7 +91,8 @@ def compresses(collective: str, x, compression: CompressionConfig | None,
   """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
   x (the local input, as passed to it) compressed: static, from shapes and the config.
   Without ``axis_size``, a ``link`` threshold is the most cautious measured one."""
-  return _compressed(collective, x, compression, axis_size)
+  return compression is not None and compression.pays_for(
+      collective, x.size * x.dtype.itemsize, axis_size)
 
 
 def roundtrip(x, cfg: CompressionConfig, dtype=jnp.float32):
@@ -138,7 +135,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   if not -ndim <= axis < ndim:
     raise ValueError(f"{fn}: axis={axis} is out of range for an input of shape {x.shape}")
   axis %= ndim
-  if not _compressed(fn, x, compression, n):
+  if not compresses(fn, x, compression, n):
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
   return _forward_only(fn, lambda x: _all_gather(
       x, axis_name, axis, tiled, compression, "varying", n), x)
@@ -163,7 +160,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   fn = "reduce_scatter"
   n = axis_size(axis_name, fn, x.shape)
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
-  if not _compressed(fn, x, compression, n):
+  if not compresses(fn, x, compression, n):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
   return _forward_only(fn, lambda x: _reduce_scatter(
       x, axis_name, d, compression, x.dtype, n), x)
@@ -190,7 +187,7 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   if algorithm not in ("one_shot", "two_shot"):
     raise ValueError(f"{fn}: algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
   n = axis_size(axis_name, fn, x.shape)
-  if not _compressed(fn, x, compression, n):
+  if not compresses(fn, x, compression, n):
     return jax.lax.psum(x, axis_name)
   if x.ndim == 0:
     raise ValueError(f"{fn}: compression needs an array with at least one dimension")
@@ -216,7 +213,7 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
   that receive nothing get zeros. forward: ppermute, backward: ppermute with perm inverted.
   """
   n = axis_size(axis_name, "ppermute", x.shape)
-  if not _compressed("ppermute", x, compression, n):
+  if not compresses("ppermute", x, compression, n):
     return jax.lax.ppermute(x, axis_name, perm)
   return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
 
