@@ -21,12 +21,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from taco_jax.parallel import model as model_lib
+from taco_jax.parallel import mesh as mesh_lib
 from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
 
 AXES = (DATA, TENSOR)
@@ -42,12 +42,7 @@ XLA_OVERLAP_FLAGS = (
 
 def make_mesh(dp: int, tp: int, devices=None) -> jax.sharding.Mesh:
   """("data", "tensor") mesh, "tensor" innermost (devices ordered by (process, id))."""
-  devices = list(jax.devices() if devices is None else devices)
-  if dp * tp != len(devices):
-    raise ValueError(f"dp*tp = {dp}*{tp} = {dp * tp} does not match the {len(devices)} "
-                     "devices")
-  devices.sort(key=lambda d: (d.process_index, d.id))
-  return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(dp, tp), AXES)
+  return mesh_lib.host_ordered_mesh(dict(dp=dp, tp=tp), AXES, devices)
 
 
 def param_specs(cfg) -> dict:

@@ -7,6 +7,7 @@ hosts. `maybe_initialize_distributed` starts multi-process JAX when the environm
 """
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -75,14 +76,21 @@ def validate_parallel(c, n_devices: int | None = None) -> None:
     raise ValueError("invalid parallel config:\n  " + "\n  ".join(errs))
 
 
-def make_mesh(dp: int, pp: int, tp: int, devices=None) -> jax.sharding.Mesh:
-  """Mesh of shape (dp, pp, tp); devices ordered by (process, id) so "tensor" is inside a host."""
+def host_ordered_mesh(sizes: dict[str, int], axis_names, devices=None) -> jax.sharding.Mesh:
+  """Mesh of shape `sizes.values()` (keys name the sizes in errors, e.g. "dp"); devices
+  ordered by (process, id), so the innermost axis ("tensor") stays inside a host."""
   devices = list(jax.devices() if devices is None else devices)
-  if dp * pp * tp != len(devices):
-    raise ValueError(f"dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} does not match the "
-                     f"{len(devices)} devices")
+  shape = tuple(sizes.values())
+  if math.prod(shape) != len(devices):
+    raise ValueError(f"{'*'.join(sizes)} = {'*'.join(map(str, shape))} = {math.prod(shape)} "
+                     f"does not match the {len(devices)} devices")
   devices.sort(key=lambda d: (d.process_index, d.id))
-  return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(dp, pp, tp), AXES)
+  return jax.sharding.Mesh(np.array(devices, dtype=object).reshape(shape), tuple(axis_names))
+
+
+def make_mesh(dp: int, pp: int, tp: int, devices=None) -> jax.sharding.Mesh:
+  """Mesh of shape (dp, pp, tp) over ("data", "pipeline", "tensor")."""
+  return host_ordered_mesh(dict(dp=dp, pp=pp, tp=tp), AXES, devices)
 
 
 def mesh_from_config(c, devices=None) -> jax.sharding.Mesh:
