@@ -51,7 +51,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
 from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
-    SIZES, SMOKE, add_run_args, bench_setup, comm_summary, step_interleaved, timing_record)
+    SMOKE, add_run_args, bench_setup, comm_summary, model_and_optimizer, step_interleaved,
+    timing_record)
 
 VARIANTS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 
@@ -240,21 +241,6 @@ def summarize(rows) -> list[dict]:
   return out
 
 
-def model_and_optimizer(args):
-  """The GPT config of `--model` and the AdamW schedule over `--steps` that every variant
-  trains with."""
-  import ml_collections
-  from taco_jax.parallel.model import model_config
-  from taco_jax.parallel.train import make_optimizer
-  n_layers, d, h, f = SIZES[args.model]
-  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
-                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype,
-                          remat=not args.no_remat))
-  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
-      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
-  return cfg, make_optimizer(optim, args.steps)
-
-
 def add_overlap_flags(args) -> None:
   """XLA's collective-overlap flags into XLA_FLAGS (before the backend starts), unless
   --no-overlap-flags; a flag already set there is kept as it is."""
@@ -276,7 +262,7 @@ def main(argv=None) -> pathlib.Path:
   from models.gpt import flops_per_token
   from taco_jax import data
 
-  cfg, tx = model_and_optimizer(args)
+  cfg, tx = model_and_optimizer(args, remat=not args.no_remat)
   t0 = time.perf_counter()
   layouts, corpus, ceiling, until = bench_setup(args)
   n = jax.device_count()

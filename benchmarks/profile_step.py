@@ -27,6 +27,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SH
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_train  # noqa: E402 (no JAX import)
+from benchmarks.train_parallel import model_and_optimizer  # noqa: E402
 
 
 def family(name: str) -> str:
@@ -100,7 +101,7 @@ def main(argv=None):
   from benchmarks.args import results_path
   from taco_jax import data
 
-  cfg, tx = bench_train.model_and_optimizer(args)
+  cfg, tx = model_and_optimizer(args, remat=not args.no_remat)
   layout = tuple(int(v) for v in args.layouts.split(";")[0].split(","))
   corpus = data.load_corpus("", cache_dir=tempfile.gettempdir(),
                             max_corpus_bytes=8_000_000).train

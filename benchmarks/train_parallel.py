@@ -91,17 +91,30 @@ def comm_summary(colls) -> dict:
   return out
 
 
-def run_layout(layout, args, cfg, corpus, step_until):
+def model_and_optimizer(args, *, remat: bool):
+  """The GPT config of `--model` and the AdamW schedule over `--steps` that every variant
+  of the end-to-end benchmarks trains with."""
+  import ml_collections
+  from taco_jax.parallel.model import model_config
+  from taco_jax.parallel.train import make_optimizer
+  n_layers, d, h, f = SIZES[args.model]
+  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
+                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=remat))
+  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
+      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
+  return cfg, make_optimizer(optim, args.steps)
+
+
+def run_layout(layout, args, cfg, tx, corpus, step_until):
   """Compiles both variants, then steps them interleaved until `args.steps` or the time
   `step_until(compile_s)` returns (an absolute perf_counter deadline)."""
   import jax
-  import ml_collections
   from taco_jax import data
   from taco_jax.codec import CompressionConfig
   from taco_jax.parallel import hlo, model as model_lib, step as step_lib
   from taco_jax.parallel.compression import CompressionPlan
   from taco_jax.parallel.mesh import make_mesh
-  from taco_jax.parallel.train import global_batch, make_optimizer, opt_state_target
+  from taco_jax.parallel.train import global_batch, opt_state_target
 
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp)
@@ -109,9 +122,6 @@ def run_layout(layout, args, cfg, corpus, step_until):
   codec = CompressionConfig(format=args.format, group_size=args.group_size,
                             hadamard=args.hadamard, min_bytes=args.min_bytes)
   on = CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
-  optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
-      20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
-  tx = make_optimizer(optim, args.steps)
   p_abs = model_lib.abstract_params(cfg, mesh)
   o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
   p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
@@ -207,11 +217,8 @@ def main(argv=None) -> pathlib.Path:
   import jax
   from benchmarks import common
   from models.gpt import flops_per_token
-  from taco_jax.parallel.model import model_config
 
-  n_layers, d, h, f = SIZES[args.model]
-  cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
-                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=args.remat))
+  cfg, tx = model_and_optimizer(args, remat=args.remat)
   t0 = time.perf_counter()
   layouts, corpus, ceiling, step_until = bench_setup(args)
   n = jax.device_count()
@@ -220,7 +227,7 @@ def main(argv=None) -> pathlib.Path:
   rows = []
   for k, lay in enumerate(layouts):
     until = lambda c, k=k: step_until(len(layouts) - k - 1, c)
-    for r in run_layout(lay, args, cfg, corpus, until):
+    for r in run_layout(lay, args, cfg, tx, corpus, until):
       r["mfu"] = common.mfu(r["tokens_per_s"], fpt, n, env["device_kind"])
       r["mfu_of_measured"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
       rows.append(r)
