@@ -45,8 +45,9 @@ def _table(header: list[str], rows: list[list]) -> str:
   return "\n".join(lines)
 
 
-def _codec_hadamard(d: dict) -> bool:
-  return d["config"].get("hadamard", True)  # runs before the flag timed the Hadamard codec
+def _hadamard(config: dict) -> bool:
+  """Whether a run's codec had the transform: older runs had it unless --no-hadamard."""
+  return config.get("hadamard", not config.get("no_hadamard", False))
 
 
 def codec_section() -> str:
@@ -56,7 +57,7 @@ def codec_section() -> str:
   parts = []
   for hadamard, what in ((False, "default codec: per-group absmax + RMS pre-scale, no Hadamard"),
                          (True, "with the Hadamard transform")):
-    mine = [(n, d) for n, d in runs if _codec_hadamard(d) == hadamard]
+    mine = [(n, d) for n, d in runs if _hadamard(d["config"]) == hadamard]
     if not mine:
       continue
     name, d = mine[-1]  # newest (names sort by date-time)
@@ -134,8 +135,7 @@ def train_section() -> str:
     if d.get("environment", {}).get("platform", "gpu") != "gpu":
       continue
     c = d["config"]
-    hadamard = c.get("hadamard", not c.get("no_hadamard"))  # older results: --no-hadamard
-    what = c.get("compress", "") + ("" if hadamard else " no-Hadamard")
+    what = c.get("compress", "") + ("" if _hadamard(c) else " no-Hadamard")
     for r in d["results"]:
       if r["compression"] == "on":
         off = next(o for o in d["results"] if o["layout"] == r["layout"] and
@@ -166,7 +166,7 @@ def train_section() -> str:
 def _codec_words(c: dict) -> str:
   return " ".join(w for w in (
       c.get("format", "e4m3"), f"G={c.get('group_size')}",
-      "Hadamard" if c.get("hadamard", not c.get("no_hadamard")) else "no-Hadamard",
+      "Hadamard" if _hadamard(c) else "no-Hadamard",
       f"link={c['link']}" if c.get("link") else "") if w)
 
 
