@@ -117,7 +117,16 @@ def _fns(p: Params, g: int, interpret: bool, hadamard: bool):
       decode=(functools.partial(dec.decode_pallas, group_size=g, **kw),
               jax.jit(functools.partial(dec.decode_reference, **ref))),
       decode_sum=(functools.partial(dec.decode_sum_pallas, group_size=g, **kw),
-                  jax.jit(functools.partial(dec.decode_sum_reference, **ref))))
+                  jax.jit(functools.partial(dec.decode_sum_reference, **ref))),
+      # The wire format the collectives send: one uint8 buffer of codes and scales.
+      encode_wire=(functools.partial(enc.encode_pallas, group_size=g, packed=True, **kw),
+                   jax.jit(functools.partial(enc.encode, packed=True, **ref))),
+      decode_wire=(functools.partial(dec.decode_wire, group_size=g, implementation="pallas",
+                                     **kw),
+                   jax.jit(functools.partial(dec.decode_wire, **ref))),
+      decode_sum_wire=(functools.partial(dec.decode_sum_wire, group_size=g,
+                                         implementation="pallas", **kw),
+                       jax.jit(functools.partial(dec.decode_sum_wire, **ref))))
 
 
 def run_sweep(x, g, interpret, timing_kw, sweep, hadamard):
@@ -157,22 +166,30 @@ def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, ha
     rows = x.shape[0]
     enc_ref = jax.jit(functools.partial(enc.encode_reference, group_size=g, hadamard=hadamard))
     encoded = enc_ref(x)
-    for kind, n in [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]:
-      p = best["encode" if kind == "encode" else "decode"]
+    wire_rows = jax.jit(pallas_kernels.wire.pack)(*encoded)
+    kinds = [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]
+    kinds += [("encode_wire", 1), ("decode_wire", 1)] + [("decode_sum_wire", max(ns))]
+    for kind, n in kinds:
+      p = best["encode" if kind.startswith("encode") else "decode"]
       kernel, ref = _fns(p, g, interpret, hadamard)[kind]
-      if kind == "encode":
+      if kind.startswith("encode"):
         args = (x,)
-      elif kind == "decode":
-        args = encoded
-      else:  # N chunks: the same encoding rolled along rows, so every chunk differs
-        args = tuple(jnp.stack([jnp.roll(a, i, axis=0) for i in range(n)]) for a in encoded)
-      check = _check(kind, kernel(*args), ref(*args), f"{kind} {size_mib} MiB N={n}")
-      nbytes = _bytes(kind, rows, d, g, n)
+      elif kind.startswith("decode_sum"):  # N chunks: the same rows rolled, so each differs
+        msg = (wire_rows,) if kind.endswith("wire") else encoded
+        args = tuple(jnp.stack([jnp.roll(a, i, axis=0) for i in range(n)]) for a in msg)
+      else:
+        args = (wire_rows,) if kind.endswith("wire") else encoded
+      unpack = functools.partial(pallas_kernels.wire.unpack, group_size=g, fmt="e4m3")
+      got, want = kernel(*args), ref(*args)
+      if kind == "encode_wire":
+        got, want = unpack(got), unpack(want)
+      check = _check(kind.removesuffix("_wire"), got, want, f"{kind} {size_mib} MiB N={n}")
+      nbytes = _bytes(kind.removesuffix("_wire"), rows, d, g, n)
       t_k = common.time_fn(kernel, *args, **timing_kw)
       t_r = common.time_fn(ref, *args, **timing_kw)
       gbps = nbytes / t_k.median_s / 1e9
       rows_out.append(dict(
-          op=kind if kind != "decode_sum" else f"decode_sum{n}", size_mib=size_mib, n=n,
+          op=f"{kind}{n}" if kind.startswith("decode_sum") else kind, size_mib=size_mib, n=n,
           bytes=nbytes, pallas_ms=t_k.median_s * 1e3, xla_ms=t_r.median_s * 1e3,
           pallas_gbps=gbps, xla_gbps=nbytes / t_r.median_s / 1e9,
           frac_of_copy=gbps / copy_gbps, speedup=t_r.median_s / t_k.median_s,

@@ -5,6 +5,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -38,6 +39,13 @@ def check_2d(x, group_size: int, what: str) -> None:
 # backend is an implementation detail behind `implementation="pallas"`; keep the noise out.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                         category=DeprecationWarning)
+
+
+def row_mask(rows: int, shape):
+  """Inside a kernel: True for the tile's rows (axis 0 of ``shape``, tiles along grid axis 0)
+  that lie inside the array's ``rows`` (the last row block may overhang)."""
+  row_ids = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+  return row_ids < rows
 
 
 def hadamard_dot(u_MG, h_GG, *, two_term: bool = False):

@@ -14,17 +14,22 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import wire
 from pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadamard_iota,
-                                   hadamard_matrix)
+                                   hadamard_matrix, row_mask)
 
 
 def decode_groups(codes_MG, alpha_M, scale_M, h_GG):
   """Decodes M groups to fp32 ``[M, G]``; ``h_GG`` is None for no transform."""
   g = codes_MG.shape[-1]
   q_MG = codes_MG.astype(jnp.float32)
+  # alpha = 0 only in all-zero wire rows (a message never sent, e.g. what ppermute's
+  # non-receivers hold): they decode to zeros, not 0 / 0.
+  unsent_M = alpha_M == 0
   if h_GG is None:
-    return q_MG * (scale_M / alpha_M)[:, None]
-  return hadamard_dot(q_MG, h_GG) * (scale_M * (g**-0.5) / alpha_M)[:, None]
+    return q_MG * jnp.where(unsent_M, 0.0, scale_M / alpha_M)[:, None]
+  return hadamard_dot(q_MG, h_GG) * jnp.where(unsent_M, 0.0,
+                                              scale_M * (g**-0.5) / alpha_M)[:, None]
 
 
 def _decode_f32(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool):
@@ -57,23 +62,22 @@ def decode_sum_reference(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int,
   return total.astype(out_dtype)
 
 
-def _row_mask(rows: int, shape):
-  """True for the tile's rows that lie inside the array (the last row block may overhang)."""
-  row_ids = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-  return row_ids < rows
-
-
 def _load(ref, rows, ragged, other):
   """Loads a ``[block_rows, cols]`` tile; with ``ragged``, rows past the end read ``other``."""
   if not ragged:
     return ref[...]
-  return plgpu.load(ref, mask=_row_mask(rows, ref.shape[-2:]),
+  return plgpu.load(ref, mask=row_mask(rows, ref.shape[-2:]),
                     other=jnp.full((), other, ref.dtype))
 
 
-def _decode_sum_kernel(codes_ref, alpha_ref, scale_ref, *refs, rows, group_size, hadamard,
-                       n, stacked, h_iota):
-  """Decodes the tile of each of the ``n`` chunks and sums them in fp32 (chunk 0 first)."""
+def _decode_sum_kernel(*refs, rows, group_size, groups, hadamard, n, stacked, h_iota,
+                       packed_fmt):
+  """Decodes the tile of each of the ``n`` chunks and sums them in fp32 (chunk 0 first).
+
+  Inputs: ``codes, alpha, scale`` refs, or with ``packed_fmt`` (the codes' format) one ref
+  of wire rows (``pallas_kernels.wire``); then H (unless ``h_iota``), then the output."""
+  n_in = 1 if packed_fmt else 3
+  in_refs, refs = refs[:n_in], refs[n_in:]
   if hadamard and not h_iota:
     h_ref, out_ref = refs
     h = h_ref[...]
@@ -85,39 +89,52 @@ def _decode_sum_kernel(codes_ref, alpha_ref, scale_ref, *refs, rows, group_size,
   ragged = rows % br != 0
   total = jnp.zeros((br * bk, group_size), jnp.float32)
   for i in range(n):
-    chunk = [ref.at[jnp.int32(i)] if stacked else ref
-             for ref in (codes_ref, alpha_ref, scale_ref)]
     # Rows past the end load alpha = scale = 1 and decode to zeros (never stored).
-    codes, alpha, scale = (_load(ref, rows, ragged, other)
-                           for ref, other in zip(chunk, (0.0, 1.0, 1.0)))
+    if packed_fmt:
+      codes, alpha, scale = wire.load_tile(
+          in_refs[0], j=pl.program_id(1), group_size=group_size, bk=bk, groups=groups,
+          fmt=packed_fmt, rows=rows if ragged else None,
+          chunk=jnp.int32(i) if stacked else None)
+    else:
+      chunk = [ref.at[jnp.int32(i)] if stacked else ref for ref in in_refs]
+      codes, alpha, scale = (_load(ref, rows, ragged, other)
+                             for ref, other in zip(chunk, (0.0, 1.0, 1.0)))
     total = total + decode_groups(codes.reshape(br * bk, group_size), alpha.reshape(br * bk),
                                   scale.reshape(br * bk), h)
   out = total.reshape(br, bkg).astype(out_ref.dtype)
   if ragged:
-    plgpu.store(out_ref, out, mask=_row_mask(rows, (br, bkg)))
+    plgpu.store(out_ref, out, mask=row_mask(rows, (br, bkg)))
   else:
     out_ref[...] = out
 
 
 @functools.partial(jax.jit, static_argnames=(
     "group_size", "hadamard", "out_dtype", "interpret", "block_rows", "block_groups",
-    "num_warps", "num_stages", "stacked", "h_iota"))
-def _decode_sum_call(codes, alpha, scale, *, group_size, hadamard, out_dtype, interpret,
-                     block_rows, block_groups, num_warps, num_stages, stacked, h_iota):
-  n = codes.shape[0] if stacked else 1
-  rows, d = codes.shape[-2:]
+    "num_warps", "num_stages", "stacked", "h_iota", "packed_fmt"))
+def _decode_sum_call(*inputs, group_size, hadamard, out_dtype, interpret, block_rows,
+                     block_groups, num_warps, num_stages, stacked, h_iota, packed_fmt=None):
+  """``inputs``: (codes, alpha, scale), or (wire rows,) with ``packed_fmt``."""
+  n = inputs[0].shape[0] if stacked else 1
+  rows, d = inputs[0].shape[-2:]
+  if packed_fmt:
+    d = wire.message_width(d, group_size)
   k = d // group_size
   br, bk = choose_blocks(rows, k, block_rows, block_groups)
   lead = (n,) if stacked else ()
   tile = (lambda i, j: (0, i, j)) if stacked else (lambda i, j: (i, j))
-  in_specs = [pl.BlockSpec(lead + (br, bk * group_size), tile),
-              pl.BlockSpec(lead + (br, bk), tile), pl.BlockSpec(lead + (br, bk), tile)]
-  operands = [codes, alpha, scale]
+  if packed_fmt:  # whole wire rows; each program reads its own columns (wire.load_tile)
+    row_block = (lambda i, j: (0, i, 0)) if stacked else (lambda i, j: (i, 0))
+    in_specs = [pl.BlockSpec(lead + (br, inputs[0].shape[-1]), row_block)]
+  else:
+    in_specs = [pl.BlockSpec(lead + (br, bk * group_size), tile),
+                pl.BlockSpec(lead + (br, bk), tile), pl.BlockSpec(lead + (br, bk), tile)]
+  operands = list(inputs)
   if hadamard and not h_iota:
     in_specs.append(pl.BlockSpec((group_size, group_size), lambda i, j: (0, 0)))
     operands.append(jnp.asarray(hadamard_matrix(group_size), jnp.bfloat16))
-  kernel = functools.partial(_decode_sum_kernel, rows=rows, group_size=group_size,
-                             hadamard=hadamard, n=n, stacked=stacked, h_iota=h_iota)
+  kernel = functools.partial(_decode_sum_kernel, rows=rows, group_size=group_size, groups=k,
+                             hadamard=hadamard, n=n, stacked=stacked, h_iota=h_iota,
+                             packed_fmt=packed_fmt)
   return pl.pallas_call(
       kernel,
       out_shape=jax.ShapeDtypeStruct((rows, d), out_dtype),
@@ -191,3 +208,45 @@ def decode_sum(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int, hadamard: bo
                              hadamard=hadamard, out_dtype=out_dtype, interpret=interpret,
                              **block_kwargs)
   raise NotImplementedError(f"decode_sum implementation {implementation!r}")
+
+
+def decode_wire(wire_RW, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
+                out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False,
+                **block_kwargs):
+  """``decode`` of packed wire rows ``[rows, D + 8 K]`` (``pallas_kernels.wire``): the
+  kernel reads the codes and scales straight from them; the reference unpacks (XLA fuses
+  the unpacking into the decode)."""
+  return _decode_wire(wire_RW, False, group_size=group_size, fmt=fmt, hadamard=hadamard,
+                      out_dtype=out_dtype, implementation=implementation,
+                      interpret=interpret, **block_kwargs)
+
+
+def decode_sum_wire(wire_NRW, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
+                    out_dtype=jnp.bfloat16, implementation: str = "xla",
+                    interpret: bool = False, **block_kwargs):
+  """``decode_sum`` of N stacked chunks of packed wire rows ``[N, rows, D + 8 K]``."""
+  if wire_NRW.ndim != 3:
+    raise ValueError(f"decode_sum_wire expects [N, rows, width] wire rows, got shape "
+                     f"{wire_NRW.shape}")
+  return _decode_wire(wire_NRW, True, group_size=group_size, fmt=fmt, hadamard=hadamard,
+                      out_dtype=out_dtype, implementation=implementation,
+                      interpret=interpret, **block_kwargs)
+
+
+def _decode_wire(w, stacked, *, group_size, fmt, hadamard, out_dtype, implementation,
+                 interpret, block_rows=8, block_groups=8, num_warps=4, num_stages=2,
+                 h_iota=False):
+  if w.dtype != jnp.uint8:
+    raise TypeError(f"wire rows must be uint8, got {w.dtype}")
+  wire.message_width(w.shape[-1], group_size)  # a clear error for a bad width
+  if implementation == "xla":
+    ref = decode_sum_reference if stacked else decode_reference
+    return ref(*wire.unpack(w, group_size=group_size, fmt=fmt), group_size=group_size,
+               hadamard=hadamard, out_dtype=out_dtype)
+  if implementation == "pallas":
+    return _decode_sum_call(w, group_size=group_size, hadamard=hadamard,
+                            out_dtype=jnp.dtype(out_dtype), interpret=interpret,
+                            block_rows=block_rows, block_groups=block_groups,
+                            num_warps=num_warps, num_stages=num_stages, stacked=stacked,
+                            h_iota=h_iota, packed_fmt=fmt)
+  raise NotImplementedError(f"decode implementation {implementation!r}")

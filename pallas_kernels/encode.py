@@ -12,10 +12,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import wire
 from pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
                                    SCALE_MIN, check_2d, choose_blocks, hadamard_dot,
                                    hadamard_iota, hadamard_matrix, needs_two_terms,
-                                   pairwise_sum, pow2_floor_f32, sum_of_squares)
+                                   pow2_floor_f32, row_mask, sum_of_squares)
 
 
 def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
@@ -89,48 +90,50 @@ def encode_reference(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool
   return codes_MG.reshape(rows, d), alpha_M.reshape(rows, k), scale_M.reshape(rows, k)
 
 
-def _row_mask(rows: int, shape):
-  """True for the tile's rows that lie inside the array (the last row block may overhang)."""
-  row_ids = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
-  return row_ids < rows
-
-
 def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, lam, h_iota,
-                   fixed_order):
+                   fixed_order, packed):
   two_term = needs_two_terms(x_ref.dtype)
   if hadamard and not h_iota:
-    h_ref, codes_ref, alpha_ref, scale_ref = refs
+    h_ref, *out_refs = refs
     h = h_ref[...]
   else:
-    codes_ref, alpha_ref, scale_ref = refs
+    out_refs = refs
     h = hadamard_iota(group_size, 1 + two_term) if hadamard else None
   br, bkg = x_ref.shape
   bk = bkg // group_size
   ragged = rows % br != 0
   if ragged:
-    x = plgpu.load(x_ref, mask=_row_mask(rows, (br, bkg)), other=0.0)
+    x = plgpu.load(x_ref, mask=row_mask(rows, (br, bkg)), other=0.0)
   else:
     x = x_ref[...]
   codes, alpha, scale = encode_groups(
       x.astype(jnp.float32).reshape(br * bk, group_size), h, fmt=fmt, dual_scale=dual_scale,
       lam=lam, two_term=two_term, fixed_order=fixed_order)
   codes, alpha, scale = codes.reshape(br, bkg), alpha.reshape(br, bk), scale.reshape(br, bk)
-  if ragged:
-    plgpu.store(codes_ref, codes, mask=_row_mask(rows, (br, bkg)))
-    plgpu.store(alpha_ref, alpha, mask=_row_mask(rows, (br, bk)))
-    plgpu.store(scale_ref, scale, mask=_row_mask(rows, (br, bk)))
-  else:
-    codes_ref[...], alpha_ref[...], scale_ref[...] = codes, alpha, scale
+  if packed:
+    (wire_ref,) = out_refs
+    groups = wire.message_width(wire_ref.shape[-1], group_size) // group_size
+    wire.store_tile(wire_ref, codes, alpha, scale, j=pl.program_id(1), groups=groups,
+                    rows=rows if ragged else None)
+    return
+  for ref, value in zip(out_refs, (codes, alpha, scale)):
+    if ragged:
+      plgpu.store(ref, value, mask=row_mask(rows, value.shape))
+    else:
+      ref[...] = value
 
 
 @functools.partial(jax.jit, static_argnames=(
     "group_size", "fmt", "hadamard", "dual_scale", "lam", "interpret", "block_rows",
-    "block_groups", "num_warps", "num_stages", "h_iota"))
+    "block_groups", "num_warps", "num_stages", "h_iota", "packed"))
 def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
                   dual_scale: bool = True, lam: float = 1e-6, interpret: bool = False,
                   block_rows: int = 8, block_groups: int = 8, num_warps: int = 4,
-                  num_stages: int = 2, h_iota: bool = False):
+                  num_stages: int = 2, h_iota: bool = False, packed: bool = False):
   """Fused encode, one pass: reads x once, writes codes and both scales once.
+
+  ``packed``: returns the ``[rows, D + 8 K]`` uint8 wire rows (``pallas_kernels.wire``)
+  instead of ``(codes, alpha, scale)``.
 
   Reference: ``encode_reference`` (same outputs; codes bit-exact in interpret mode).
   Grid over ``[block_rows, block_groups * G]`` tiles (powers of two; ``choose_blocks``);
@@ -152,16 +155,23 @@ def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = 
     operands.append(jnp.asarray(h, jnp.bfloat16))
   kernel = functools.partial(_encode_kernel, rows=rows, group_size=group_size, fmt=fmt,
                              hadamard=hadamard, dual_scale=dual_scale, lam=lam,
-                             h_iota=h_iota, fixed_order=interpret)
+                             h_iota=h_iota, fixed_order=interpret, packed=packed)
+  if packed:  # each program writes its codes and scales into its rows (wire.store_tile)
+    w = wire.width(d, group_size)
+    out_shape = jax.ShapeDtypeStruct((rows, w), jnp.uint8)
+    out_specs = pl.BlockSpec((br, w), lambda i, j: (i, 0))
+  else:
+    out_shape = (jax.ShapeDtypeStruct((rows, d), FP8_DTYPES[fmt]),
+                 jax.ShapeDtypeStruct((rows, k), jnp.float32),
+                 jax.ShapeDtypeStruct((rows, k), jnp.float32))
+    out_specs = (pl.BlockSpec((br, bk * group_size), tile), pl.BlockSpec((br, bk), tile),
+                 pl.BlockSpec((br, bk), tile))
   return pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((rows, d), FP8_DTYPES[fmt]),
-                 jax.ShapeDtypeStruct((rows, k), jnp.float32),
-                 jax.ShapeDtypeStruct((rows, k), jnp.float32)),
+      out_shape=out_shape,
       grid=(pl.cdiv(rows, br), k // bk),
       in_specs=in_specs,
-      out_specs=(pl.BlockSpec((br, bk * group_size), tile), pl.BlockSpec((br, bk), tile),
-                 pl.BlockSpec((br, bk), tile)),
+      out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=f"taco_encode_{fmt}_g{group_size}",
@@ -170,16 +180,19 @@ def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = 
 
 def encode(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
            dual_scale: bool = True, lam: float = 1e-6, implementation: str = "xla",
-           interpret: bool = False, **block_kwargs):
+           interpret: bool = False, packed: bool = False, **block_kwargs):
   """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``).
 
-  ``block_kwargs`` (``block_rows``, ``block_groups``, ``num_warps``, ``num_stages``) tune
-  the kernel and are ignored by the reference.
+  ``packed``: return the uint8 wire rows (``pallas_kernels.wire``) instead of
+  ``(codes, alpha, scale)``. ``block_kwargs`` (``block_rows``, ``block_groups``,
+  ``num_warps``, ``num_stages``) tune the kernel and are ignored by the reference.
   """
   if implementation == "xla":
-    return encode_reference(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
-                            dual_scale=dual_scale, lam=lam)
+    out = encode_reference(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
+                           dual_scale=dual_scale, lam=lam)
+    return wire.pack(*out) if packed else out
   if implementation == "pallas":
     return encode_pallas(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
-                         dual_scale=dual_scale, lam=lam, interpret=interpret, **block_kwargs)
+                         dual_scale=dual_scale, lam=lam, interpret=interpret, packed=packed,
+                         **block_kwargs)
   raise NotImplementedError(f"encode implementation {implementation!r}")

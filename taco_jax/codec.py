@@ -132,21 +132,31 @@ def _check_input(x) -> None:
     raise ValueError("compress expects an array with at least one dimension")
 
 
-def compress(x, cfg: CompressionConfig) -> Compressed:
-  """Encodes ``x`` (any leading dims, groups along the last axis) to FP8 + scales."""
+def _pad_groups(x, cfg: CompressionConfig):
+  """x with its last dimension zero-padded to whole groups, as [rows, padded] and its
+  leading shape."""
   _check_input(x)
   g = cfg.group_size
   size = x.shape[-1]
   padded = -(-size // g) * g
   if padded != size:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - size)])
-  lead = x.shape[:-1]
-  codes, alpha, scale = pallas_kernels.encode(
-      x.reshape(-1, padded), group_size=g, fmt=cfg.format, hadamard=cfg.hadamard,
-      dual_scale=cfg.dual_scale, lam=cfg.lam, **cfg.kernel_kwargs())
-  k = padded // g
+  return x.reshape(-1, padded), x.shape[:-1]
+
+
+def _encode_kwargs(cfg: CompressionConfig) -> dict:
+  return dict(group_size=cfg.group_size, fmt=cfg.format, hadamard=cfg.hadamard,
+              dual_scale=cfg.dual_scale, lam=cfg.lam, **cfg.kernel_kwargs())
+
+
+def compress(x, cfg: CompressionConfig) -> Compressed:
+  """Encodes ``x`` (any leading dims, groups along the last axis) to FP8 + scales."""
+  x_RD, lead = _pad_groups(x, cfg)
+  codes, alpha, scale = pallas_kernels.encode(x_RD, **_encode_kwargs(cfg))
+  padded = x_RD.shape[-1]
+  k = padded // cfg.group_size
   return Compressed(codes.reshape(*lead, padded), alpha.reshape(*lead, k),
-                    scale.reshape(*lead, k), size)
+                    scale.reshape(*lead, k), x.shape[-1])
 
 
 def decompress(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
@@ -168,3 +178,33 @@ def decompress_sum(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
       group_size=cfg.group_size, hadamard=cfg.hadamard, out_dtype=dtype,
       **cfg.kernel_kwargs(sum_of=n))
   return out.reshape(*lead, padded)[..., :c.size]
+
+
+# --- the wire format: codes and scales in one uint8 buffer (pallas_kernels.wire) -------
+
+
+def to_wire(x, cfg: CompressionConfig):
+  """``compress`` straight to wire rows: uint8 ``[..., P + 8 P / G]`` for x ``[..., D]``
+  (P: D padded to whole groups), the codes then the scales of each row in one buffer, so a
+  collective moves a message in one transfer. The encode kernel writes it directly."""
+  x_RD, lead = _pad_groups(x, cfg)
+  w = pallas_kernels.encode(x_RD, packed=True, **_encode_kwargs(cfg))
+  return w.reshape(*lead, w.shape[-1])
+
+
+def from_wire(w, cfg: CompressionConfig, size: int, dtype=jnp.bfloat16):
+  """Inverse of ``to_wire`` for a message whose true last dimension is ``size``."""
+  *lead, width = w.shape
+  out = pallas_kernels.decode_wire(w.reshape(-1, width), group_size=cfg.group_size,
+                                   fmt=cfg.format, hadamard=cfg.hadamard, out_dtype=dtype,
+                                   **cfg.kernel_kwargs())
+  return out.reshape(*lead, out.shape[-1])[..., :size]
+
+
+def sum_from_wire(w, cfg: CompressionConfig, size: int, dtype=jnp.bfloat16):
+  """``decompress_sum`` of N messages' wire rows stacked on axis 0, in one pass."""
+  n, *lead, width = w.shape
+  out = pallas_kernels.decode_sum_wire(w.reshape(n, -1, width), group_size=cfg.group_size,
+                                       fmt=cfg.format, hadamard=cfg.hadamard,
+                                       out_dtype=dtype, **cfg.kernel_kwargs(sum_of=n))
+  return out.reshape(*lead, out.shape[-1])[..., :size]

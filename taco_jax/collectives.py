@@ -3,18 +3,20 @@
 ``compression=None`` (the default) gives exactly the ``jax.lax`` collective (same HLO), so
 the baseline and the compressed run share one code path. With a ``CompressionConfig``:
 
-* all-gather: compress the local shard -> all-gather codes and scales -> decompress.
-* reduce-scatter: compress each of the N destination chunks -> all-to-all codes and
-  scales -> decode the N received chunks and sum them in fp32 -> cast to x.dtype.
+* all-gather: compress the local shard -> all-gather its wire rows -> decompress.
+* reduce-scatter: compress each of the N destination chunks -> all-to-all the wire rows
+  -> decode the N received chunks and sum them in fp32 -> cast to x.dtype.
 * all-reduce: one-shot (compress -> all-gather -> decode+sum) or two-shot (compressed
   reduce-scatter over rows, fp32 result recompressed -> compressed all-gather).
-* ppermute: compress -> ppermute codes and scales -> decompress.
+* ppermute: compress -> ppermute the wire rows -> decompress (ranks that receive
+  nothing hold zero bytes, which decode to zeros).
 
-FP8 codes are never summed by a collective (every rank has its own scales). Wire format:
-codes bitcast to uint8 (the CPU backend silently widens fp8 collectives to f16, and every
-backend moves u8), and the two fp32 scales stacked as ``[..., groups, 2]``. Groups run
-along the last axis of each message, so gathering or scattering along the last axis never
-makes a group straddle two ranks. Messages for which compression does not pay go through
+FP8 codes are never summed by a collective (every rank has its own scales). Wire format
+(``codec.to_wire``, ``pallas_kernels.wire``): one uint8 buffer per message, each row its
+codes then its groups' fp32 scales as bytes, so every compressed collective is one
+transfer (uint8 because the CPU backend silently widens fp8 collectives to f16, and every
+backend moves u8). Groups run along the last axis of each message, so gathering or
+scattering along the last axis never makes a group straddle two ranks. Messages for which compression does not pay go through
 the plain collective: smaller than ``compression.min_bytes`` per device (the local input's
 bytes) or, with ``compression.link`` set, below the size measured for that collective on
 that kind of link (``CompressionConfig.pays_for``).
@@ -30,7 +32,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-from taco_jax.codec import Compressed, CompressionConfig, compress, decompress, decompress_sum
+from taco_jax.codec import CompressionConfig, from_wire, sum_from_wire, to_wire
 
 AxisName = str | tuple[str, ...]
 Algorithm = Literal["one_shot", "two_shot"]
@@ -74,18 +76,6 @@ def _forward_only(fn: str, f, x):
   return g(x)
 
 
-# --- wire format ---------------------------------------------------------------------
-
-
-def _to_wire(c: Compressed):
-  return jax.lax.bitcast_convert_type(c.codes, jnp.uint8), jnp.stack([c.alpha, c.scale], -1)
-
-
-def _from_wire(codes_u8, scales, size: int, cfg: CompressionConfig) -> Compressed:
-  codes = jax.lax.bitcast_convert_type(codes_u8, cfg.fp8_dtype)
-  return Compressed(codes, scales[..., 0], scales[..., 1], size)
-
-
 def compresses(collective: str, x, compression: CompressionConfig | None,
                axis_size: int | None = None) -> bool:
   """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
@@ -100,24 +90,19 @@ def roundtrip(x, cfg: CompressionConfig, dtype=jnp.float32):
   u8 wire format -> decode, with an optimization barrier on the wire arrays so that XLA
   cannot fold the fp32 -> fp8 -> fp32 round trip away (it may under excess precision).
   Not a collective: for measuring the error of what is sent (``taco_jax.quality``)."""
-  codes, scales = jax.lax.optimization_barrier(_to_wire(compress(x, cfg)))
-  return decompress(_from_wire(codes, scales, x.shape[-1], cfg), cfg, dtype)
+  w = jax.lax.optimization_barrier(to_wire(x, cfg))
+  return from_wire(w, cfg, x.shape[-1], dtype)
 
 
-def _gather_codes(x, axis_name, cfg, to: str) -> Compressed:
-  """Compresses x and all-gathers codes and scales into a new leading axis [N, ...]."""
-  codes, scales = _to_wire(compress(x, cfg))
-  codes = jax.lax.all_gather(codes, axis_name, axis=0, tiled=False, to=to)
-  scales = jax.lax.all_gather(scales, axis_name, axis=0, tiled=False, to=to)
-  return _from_wire(codes, scales, x.shape[-1], cfg)
+def _gather_wire(x, axis_name, cfg, to: str):
+  """Compresses x and all-gathers its wire rows into a new leading axis [N, ...]."""
+  return jax.lax.all_gather(to_wire(x, cfg), axis_name, axis=0, tiled=False, to=to)
 
 
 def _reduce_stacked(chunks, axis_name, cfg, out_dtype):
   """Compressed reduce-scatter of chunks [N, ...]: rank i gets sum_j chunks_j[i] (fp32 sum)."""
-  codes, scales = _to_wire(compress(chunks, cfg))
-  codes = jax.lax.all_to_all(codes, axis_name, 0, 0, tiled=True)
-  scales = jax.lax.all_to_all(scales, axis_name, 0, 0, tiled=True)
-  return decompress_sum(_from_wire(codes, scales, chunks.shape[-1], cfg), cfg, out_dtype)
+  w = jax.lax.all_to_all(to_wire(chunks, cfg), axis_name, 0, 0, tiled=True)
+  return sum_from_wire(w, cfg, chunks.shape[-1], out_dtype)
 
 
 # --- public collectives ----------------------------------------------------------------
@@ -141,8 +126,9 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
       x, axis_name, axis, tiled, compression, "varying", n), x)
 
 
-def _all_gather(x, axis_name, axis, tiled, compression, to, n):
-  y = decompress(_gather_codes(x, axis_name, compression, to), compression, x.dtype)
+def _all_gather(x, axis_name, axis, tiled, compression, to, n, out_dtype=None):
+  y = from_wire(_gather_wire(x, axis_name, compression, to), compression, x.shape[-1],
+                out_dtype or x.dtype)
   y = jnp.moveaxis(y, 0, axis)  # [N, *x.shape] -> the gathered axis in place
   if tiled:
     y = y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:])
@@ -197,15 +183,15 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
 def _all_reduce(x, axis_name, compression, algorithm, n):
   rows = x.reshape(-1, x.shape[-1])
   if algorithm == "one_shot" or rows.shape[0] < n:
-    return decompress_sum(_gather_codes(x, axis_name, compression, "invarying"),
-                          compression, x.dtype)
+    return sum_from_wire(_gather_wire(x, axis_name, compression, "invarying"), compression,
+                         x.shape[-1], x.dtype)
   r = rows.shape[0]
   pad = -r % n
   if pad:
     rows = jnp.pad(rows, [(0, pad), (0, 0)])  # [rows, D]: scatter the rows
   part = _reduce_scatter(rows, axis_name, 0, compression, jnp.float32, n)
-  out = _all_gather(part, axis_name, 0, True, compression, "invarying", n)
-  return out.reshape(-1, x.shape[-1])[:r].astype(x.dtype).reshape(x.shape)
+  out = _all_gather(part, axis_name, 0, True, compression, "invarying", n, x.dtype)
+  return out[:r].reshape(x.shape)
 
 
 def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | None = None):
@@ -220,10 +206,5 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
 
 def _ppermute(x, axis_name, perm, compression, out_dtype=None):
   """Compressed ppermute (no gradient of its own), decoded to `out_dtype` (default x's)."""
-  codes, scales = _to_wire(compress(x, compression))
-  codes = jax.lax.ppermute(codes, axis_name, perm)
-  scales = jax.lax.ppermute(scales, axis_name, perm)
-  c = _from_wire(codes, scales, x.shape[-1], compression)
-  # A rank that received nothing holds zero scales: decode 0 / alpha=1 instead of 0 / 0.
-  c = Compressed(c.codes, jnp.where(c.alpha == 0, 1.0, c.alpha), c.scale, c.size)
-  return decompress(c, compression, out_dtype or x.dtype)
+  w = jax.lax.ppermute(to_wire(x, compression), axis_name, perm)
+  return from_wire(w, compression, x.shape[-1], out_dtype or x.dtype)  # zero bytes -> zeros

@@ -79,6 +79,21 @@ def test_odd_last_dim_is_padded_and_cut(implementation):
   assert_within(out, x, fp8_roundtrip_bound(x, cfg, jnp.float32), "odd last dim")
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_wire_rows_decode_like_compressed(implementation):
+  """to_wire / from_wire / sum_from_wire (one buffer per message, what collectives send)
+  give the bits of compress / decompress / decompress_sum, odd last dims included."""
+  cfg = CompressionConfig(group_size=128, implementation=implementation)
+  x = jnp.asarray(_dist("student_t2", (2, 3, 300), 12), jnp.bfloat16)
+  w = codec.to_wire(x, cfg)
+  assert w.dtype == jnp.uint8 and w.shape == (2, 3, 384 + 8 * 3)
+  c = compress(x, cfg)
+  np.testing.assert_array_equal(codec.from_wire(w, cfg, 300, jnp.float32),
+                                decompress(c, cfg, jnp.float32))
+  np.testing.assert_array_equal(codec.sum_from_wire(w, cfg, 300, jnp.float32),
+                                decompress_sum(c, cfg, jnp.float32))
+
+
 def test_pallas_and_xla_codecs_agree_bitwise():
   x = jnp.asarray(_dist("outlier_channels", (2, 9, 256), 12), jnp.bfloat16)
   cx, cp = (CompressionConfig(group_size=64, implementation=i) for i in ("xla", "pallas"))

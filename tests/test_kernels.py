@@ -14,6 +14,8 @@ import pytest
 
 import pallas_kernels  # noqa: F401  (registers the modules below)
 
+from pallas_kernels import wire
+
 enc = sys.modules["pallas_kernels.encode"]
 dec = sys.modules["pallas_kernels.decode"]
 
@@ -101,6 +103,60 @@ def test_decode_sum_kernel_matches_reference(n, case):
   assert (err <= fp32_reassociation_bound(terms)).all(), err.max()
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[3]],
+                         ids=[IDS[0], IDS[1], IDS[3]])
+def test_wire_kernels_match_reference(case):
+  """The packed encode writes ``wire.pack`` of the reference's outputs (codes bit-exact,
+  scales within 1 ulp); the wire decode kernels return what the reference decodes from the
+  unpacked rows (decode bit-exact, decode-and-sum within the reassociation bound)."""
+  rows, d, g, dtype, fmt, hadamard, dual_scale, h_iota = case
+  x = _activations(50 + CASES.index(case), rows, d, dtype)
+  opts = dict(group_size=g, fmt=fmt, hadamard=hadamard, dual_scale=dual_scale)
+  w = enc.encode_pallas(x, interpret=True, h_iota=h_iota, packed=True, **opts, **TILES)
+  assert w.dtype == jnp.uint8 and w.shape == (rows, wire.width(d, g))
+  codes, alpha, scale = wire.unpack(w, group_size=g, fmt=fmt)
+  codes_r, alpha_r, scale_r = enc.encode_reference(x, **opts)
+  np.testing.assert_array_equal(_u8(codes), _u8(codes_r))
+  assert_within_ulps(alpha, alpha_r, 1, "alpha")
+  assert_within_ulps(scale, scale_r, 1, "scale")
+
+  kw = dict(group_size=g, hadamard=hadamard, out_dtype=jnp.float32)
+  out = dec.decode_wire(w, fmt=fmt, implementation="pallas", interpret=True, h_iota=h_iota,
+                        **kw, **TILES)
+  np.testing.assert_array_equal(np.asarray(out), dec.decode_reference(codes, alpha, scale, **kw))
+
+  w_N = jnp.stack([w, enc.encode(-3.0 * x, packed=True, **opts)])
+  out = dec.decode_sum_wire(w_N, fmt=fmt, implementation="pallas", interpret=True, **kw,
+                            **TILES)
+  parts = [wire.unpack(w_i, group_size=g, fmt=fmt) for w_i in w_N]
+  out_r = dec.decode_sum_wire(w_N, fmt=fmt, **kw)
+  terms = np.stack([dec.decode_reference(*p, **kw) for p in parts])
+  err = np.abs(np.asarray(out, np.float64) - np.asarray(out_r, np.float64))
+  assert (err <= fp32_reassociation_bound(terms)).all(), err.max()
+
+
+def test_wire_pack_unpack_and_unsent_rows():
+  """unpack(pack(.)) is the identity on every bit (NaN, -0, subnormal scales included),
+  all-zero wire rows (a message never sent) decode to zeros, and a width that is not
+  D + 8 D / G is a clear error."""
+  rng = np.random.default_rng(3)
+  codes = jnp.asarray(rng.integers(0, 256, (5, 64), np.uint8)).view(jnp.float8_e4m3fn)
+  special = np.array([np.nan, -0.0, 1e-45, -np.inf, 3.0e38], np.float32)
+  alpha = jnp.asarray(np.resize(special, (5, 2)))
+  scale = jnp.asarray(rng.normal(size=(5, 2)).astype(np.float32))
+  back = wire.unpack(wire.pack(codes, alpha, scale), group_size=32, fmt="e4m3")
+  for a, b in zip(back, (codes, alpha, scale)):
+    np.testing.assert_array_equal(_u8(a), _u8(b))  # every byte
+  zeros = jnp.zeros((3, wire.width(256, 128)), jnp.uint8)
+  for impl in ("xla", "pallas"):
+    out = dec.decode_wire(zeros, group_size=128, implementation=impl, interpret=True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 0.0)
+  with pytest.raises(ValueError, match="whole groups"):
+    dec.decode_wire(jnp.zeros((3, 260), jnp.uint8), group_size=128)
+  with pytest.raises(TypeError, match="uint8"):
+    dec.decode_wire(jnp.zeros((3, 264), jnp.float32), group_size=128)
+
+
 def _special_groups(dtype):
   """One row per kind of awkward group, G = 32: zeros, constant, denormal range, huge,
   mixed-sign huge, one spike, NaN, +Inf, -Inf (with finite neighbours)."""
@@ -162,6 +218,13 @@ def test_kernels_lower_to_triton(monkeypatch):
     f = functools.partial(dec.decode_sum_pallas, group_size=g, hadamard=not h_iota)
     jax.jit(f).trace(sds((3, rows, d), fp8), sds((3, rows, k), jnp.float32),
                      sds((3, rows, k), jnp.float32)).lower(lowering_platforms=("cuda",))
+    # The wire format: packed encode, decode and decode-and-sum of wire rows.
+    f = functools.partial(enc.encode_pallas, group_size=g, h_iota=h_iota, packed=True)
+    jax.jit(f).trace(sds((rows, d), dtype)).lower(lowering_platforms=("cuda",))
+    w = wire.width(d, g)
+    for fn, shape in ((dec.decode_wire, (rows, w)), (dec.decode_sum_wire, (3, rows, w))):
+      f = functools.partial(fn, group_size=g, h_iota=h_iota, implementation="pallas")
+      jax.jit(f).trace(sds(shape, jnp.uint8)).lower(lowering_platforms=("cuda",))
 
 
 def test_kernel_rejects_bad_shapes_and_dtypes():

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from taco_jax import collectives
-from taco_jax.codec import CompressionConfig, compress, decompress
+from taco_jax.codec import CompressionConfig, from_wire, to_wire
 
 SEQ = 1  # the sequence axis of [B, T, D] activations
 
@@ -52,9 +52,8 @@ def _ring_gather(x, axis_name, n: int, codec):
   if codec is None:
     msg, read = x, lambda m: m
   else:
-    msg = collectives._to_wire(compress(x, codec))  # the u8 wire format of the collectives
-    read = lambda m: decompress(collectives._from_wire(*m, x.shape[-1], codec), codec,  # noqa: E731
-                                x.dtype)
+    msg = to_wire(x, codec)  # the u8 wire rows of the collectives
+    read = lambda m: from_wire(m, codec, x.shape[-1], x.dtype)  # noqa: E731
   for k in range(n):
     nxt = jax.lax.ppermute(msg, axis_name, from_next) if k + 1 < n else None
     yield (r + k) % n, read(msg)
