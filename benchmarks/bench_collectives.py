@@ -82,8 +82,8 @@ def run(args) -> dict:
   devices = jax.devices()
   n = len(devices)
   mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-  cfg = CompressionConfig(format=args.format, group_size=args.group_size,
-                          hadamard=args.hadamard, implementation=args.implementation)
+  cfg = CompressionConfig(format=args.format, group_size=args.group_size,  # every size
+                          hadamard=args.hadamard, implementation=args.implementation, link=None)
   fp8, fmax = cfg.fp8_dtype, {"e4m3": 448.0, "e5m2": 57344.0}[args.format]
   d = args.hidden
 

@@ -120,7 +120,7 @@ def run_layout(layout, args, cfg, tx, corpus, step_until):
   mesh = make_mesh(dp, pp, tp)
   m = args.microbatches if pp > 1 else 1
   codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                            hadamard=args.hadamard, min_bytes=args.min_bytes)
+                            hadamard=args.hadamard, min_bytes=args.min_bytes, link=None)
   on = CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
   p_abs = model_lib.abstract_params(cfg, mesh)
   o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))

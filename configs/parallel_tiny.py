@@ -17,8 +17,10 @@ def codec(**kw) -> ml_collections.ConfigDict:
   #                          measured to cost accuracy; see taco_jax.codec.CompressionConfig)
   c.dual_scale = True      # RMS pre-scale before the transform
   c.min_bytes = 0          # smaller messages (per device) go uncompressed
-  c.link = ml_collections.FieldReference(None, field_type=str)  # 'nvlink' | 'p2p_disabled':
-  #                          compress only from the sizes measured to pay on that link
+  c.link = ml_collections.FieldReference('auto', field_type=str)  # compress only the sizes
+  #                          measured to pay on this link: 'auto' (on GPU 'p2p_disabled' if
+  #                          NCCL_P2P_DISABLE=1 else 'nvlink'; none off GPU) | 'nvlink' |
+  #                          'p2p_disabled' | None (every message from min_bytes on)
   c.update(kw)
   return c
 

@@ -8,6 +8,7 @@ length; ``decompress`` cuts the padding off again), so any shape works mid-train
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Literal
 
 import jax
@@ -34,7 +35,9 @@ class CompressionConfig:
   lam: float = 1e-6  # Added to mean(x^2) before the RMS pre-scale's square root.
   implementation: Implementation = "auto"  # auto: Pallas on GPU, the jnp reference elsewhere.
   min_bytes: int = 0  # Collectives send messages smaller than this (per device) uncompressed.
-  link: str | None = None  # Or: use the sizes measured on this link (see `pays_for`).
+  # Compress only the sizes measured to pay on this link (`pays_for`): "nvlink",
+  # "p2p_disabled", None (no measured sizes: min_bytes alone), or "auto" (`resolved_link`).
+  link: str | None = "auto"
 
   def __post_init__(self):
     if self.format not in pallas_kernels.FP8_DTYPES:
@@ -50,22 +53,35 @@ class CompressionConfig:
       raise ValueError(f"lam must be >= 0, got {self.lam!r}")
     if self.min_bytes < 0:
       raise ValueError(f"min_bytes must be >= 0, got {self.min_bytes!r}")
-    if self.link is not None and self.link not in _measured.MIN_BYTES:
-      raise ValueError(f"link must be None or one of {sorted(_measured.MIN_BYTES)} (links "
-                       f"benchmarked in benchmarks/results), got {self.link!r}")
+    if self.link not in (None, "auto", *_measured.MIN_BYTES):
+      raise ValueError(f"link must be None, 'auto' or one of {sorted(_measured.MIN_BYTES)} "
+                       f"(links benchmarked in benchmarks/results), got {self.link!r}")
+
+  def resolved_link(self) -> str | None:
+    """``link``, with "auto" read from where this process runs: on GPU "p2p_disabled" when
+    NCCL_P2P_DISABLE=1 (traffic through host memory) and "nvlink" otherwise (the
+    benchmarked GPUs; the cautious choice for other intra-node links too: it compresses
+    from larger sizes); no link off GPU, where nothing was measured (CPU runs compress
+    every message, as the tests need)."""
+    if self.link != "auto":
+      return self.link
+    if jax.default_backend() != "gpu":
+      return None
+    return "p2p_disabled" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
 
   def pays_for(self, collective: str, nbytes: int, axis_size: int | None = None) -> bool:
     """Whether ``collective`` over ``axis_size`` devices should compress ``nbytes`` per device.
 
-    Without ``link``: from ``min_bytes`` on. With ``link`` (the label of a collective
-    benchmark run, e.g. "nvlink" or "p2p_disabled"): from the size at which the measured
-    compressed collective beat bf16, never where it never did. An axis size that was not
+    Without a link: from ``min_bytes`` on. With one (``resolved_link``: the label of a
+    collective benchmark run, "nvlink" or "p2p_disabled"): from the size at which the
+    measured compressed collective beat bf16, never where it never did. An axis size that was not
     measured on that link takes the most cautious of the measured ones; a collective that
     was not measured (ppermute) falls back to ``min_bytes``. The larger bound wins.
     """
     if nbytes < self.min_bytes:
       return False
-    by_size = _measured.MIN_BYTES.get(self.link, {}) if self.link else {}
+    link = self.resolved_link()
+    by_size = _measured.MIN_BYTES.get(link, {}) if link else {}
     rows = [by_size[axis_size]] if axis_size in by_size else list(by_size.values())
     found = [r[collective] for r in rows if collective in r]
     if not found:

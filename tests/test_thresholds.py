@@ -11,10 +11,27 @@ MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.MIN_BYTES.item
 
 
 def test_without_link_min_bytes_decides():
-  cfg = CompressionConfig(min_bytes=MIB)
+  cfg = CompressionConfig(min_bytes=MIB, link=None)
   assert not cfg.pays_for("reduce_scatter", MIB - 1, 4)
   assert cfg.pays_for("reduce_scatter", MIB, 4)
-  assert CompressionConfig().pays_for("all_reduce", 1)
+  assert CompressionConfig(link=None).pays_for("all_reduce", 1)
+
+
+def test_auto_link_is_the_measured_one_on_gpu_and_none_elsewhere(monkeypatch):
+  """The default (link="auto"): off GPU no measured sizes apply (CPU runs compress every
+  message); on GPU the NVLink sizes, or the host-memory ones under NCCL_P2P_DISABLE=1."""
+  assert CompressionConfig().link == "auto"
+  assert CompressionConfig().resolved_link() is None  # the tests run on CPU
+  assert CompressionConfig().pays_for("all_reduce", 1, 4)
+  monkeypatch.setattr("jax.default_backend", lambda: "gpu")
+  monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+  assert CompressionConfig().resolved_link() == "nvlink"
+  t = _measured.MIN_BYTES["nvlink"][4]["all_gather"]
+  assert not CompressionConfig().pays_for("all_gather", t - 1, 4)
+  assert CompressionConfig().pays_for("all_gather", t, 4)
+  monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+  assert CompressionConfig().resolved_link() == "p2p_disabled"
+  assert CompressionConfig(link=None).resolved_link() is None
 
 
 @pytest.mark.parametrize("link,n,collective,threshold", MEASURED)
@@ -50,7 +67,7 @@ def test_larger_bound_wins():
 
 
 def test_unknown_link_is_a_clear_error():
-  with pytest.raises(ValueError, match="link must be None or one of"):
+  with pytest.raises(ValueError, match="link must be None, 'auto' or one of"):
     CompressionConfig(link="infiniband")
 
 
