@@ -14,6 +14,12 @@ same batches, their steps interleaved (the order rotates every step):
           attribute, only around `.lower()`; nothing else is changed.
   ring_off, ring_on  off / on with the TP layers as ring collective matmuls
           (`parallel.overlap`: each chunk's transfer in flight during another's matmul)
+  off_il2, on_il2  off / on with each micro-batch split into 2 sub-batches whose blocks
+          run side by side (`parallel.interleave=2`: one's TP collectives can overlap the
+          other's matmuls), compiled with `step.INTERLEAVE_XLA_OPTIONS` (DotMerger and the
+          all-gather / reduce-scatter combiners off, so XLA does not merge the two chains
+          back into one; `--no-interleave-options` keeps XLA's defaults). Only these two
+          variants get those options.
   gspmd   the same model under plain `jax.jit` with Megatron NamedSharding annotations
           (`taco_jax.parallel.gspmd`) on a (dp * pp, tp) ("data", "tensor") mesh (no
           pipeline: for a pp > 1 layout this is the GSPMD run on the same devices with the
@@ -24,7 +30,8 @@ same batches, their steps interleaved (the order rotates every step):
 Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
 comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication
 time compression wins back (1 = compressed step as fast as free communication). The `best_*`
-figures take the faster of the plain and ring layers on each side (what a user would pick).
+figures take the fastest of the plain, ring and interleaved steps on each side (what a user
+would pick).
 Timing as in train_parallel.py (host wall-clock around block_until_ready, median after
 --warmup); MFU against the device's spec peak, as there.
 
@@ -54,7 +61,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     SMOKE, add_run_args, bench_setup, comm_summary, model_and_optimizer, step_interleaved,
     timing_record)
 
-VARIANTS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
+VARIANTS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on", "off_il2", "on_il2")
 
 
 def parse_args(argv=None):
@@ -68,6 +75,8 @@ def parse_args(argv=None):
                  help="GSPMD residual stream: sequence-parallel or replicated over tensor")
   p.add_argument("--no-overlap-flags", action="store_true",
                  help="do not add gspmd.XLA_OVERLAP_FLAGS to XLA_FLAGS")
+  p.add_argument("--no-interleave-options", action="store_true",
+                 help="compile the *_il2 variants without step.INTERLEAVE_XLA_OPTIONS")
   p.add_argument("--deadline-s", type=float, default=480.0,
                  help="wall-clock budget of the whole run, compiles included")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
@@ -124,6 +133,19 @@ def noop_tensor_collectives():
       setattr(collectives, k, f)
 
 
+def interleave(variant: str) -> int:
+  """Sub-batches per micro-batch of one of our step's variants (`parallel.interleave`)."""
+  return 2 if variant.endswith("_il2") else 1
+
+
+def xla_options(variant: str, args) -> dict:
+  """The per-compile XLA options of `variant`: `step.INTERLEAVE_XLA_OPTIONS` for the
+  interleaved ones (unless --no-interleave-options), none for the others."""
+  from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
+  return {} if interleave(variant) == 1 or args.no_interleave_options else dict(
+      INTERLEAVE_XLA_OPTIONS)
+
+
 def build(variant, layout, args, cfg, tx):
   """(executable, (params, opt_state), batch_fn, mesh, plan) of one variant."""
   import jax
@@ -150,9 +172,10 @@ def build(variant, layout, args, cfg, tx):
                               hadamard=args.hadamard, link=args.link)
     ring = variant.startswith("ring_")
     plan = (CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
-            if variant.removeprefix("ring_") == "on" else CompressionPlan())
+            if variant.removeprefix("ring_").removesuffix("_il2") == "on" else CompressionPlan())
     m = args.microbatches if pp > 1 else 1
-    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, overlap=ring)
+    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, overlap=ring,
+                                 interleave=interleave(variant))
     p_abs = model_lib.abstract_params(cfg, mesh)
     p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
     o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
@@ -165,7 +188,8 @@ def build(variant, layout, args, cfg, tx):
   with ctx:
     lowered = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
         params, opt_state, batch(args._tokens0))
-  return lowered.compile(), (params, opt_state), batch, mesh, plan
+  return (lowered.compile(xla_options(variant, args)), (params, opt_state), batch, mesh,
+          plan)
 
 
 def _relabel(summary: dict, mesh) -> dict:
@@ -207,7 +231,8 @@ def run_layout(layout, args, cfg, tx, corpus, until):
     out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, variant=name,
                     mesh=(f"data={dp * pp},tensor={tp}" if name == "gspmd" else
                           f"data={dp},pipeline={pp},tensor={tp}"),
-                    plan=r["plan"], **timing_record(r, args)))
+                    plan=r["plan"], xla_options=xla_options(name, args),
+                    **timing_record(r, args)))
     del r["exe"], r["state"]
   return out, failed
 
@@ -227,9 +252,15 @@ def summarize(rows) -> list[dict]:
       s["speedup_on_vs_off"] = t["off"] / t["on"]
     if "gspmd" in t and "off" in t:
       s["off_vs_gspmd"] = t["gspmd"] / t["off"]  # > 1: our bf16 step is faster
-    if "ring_off" in t or "ring_on" in t:
-      best_off = min((t[v] for v in ("off", "ring_off") if v in t), default=None)
-      best_on = min((t[v] for v in ("on", "ring_on") if v in t), default=None)
+    if "off_il2" in t and "off" in t:
+      s["speedup_il2_off"] = t["off"] / t["off_il2"]  # > 1: interleaving pays
+    if "on_il2" in t and "on" in t:
+      s["speedup_il2_on"] = t["on"] / t["on_il2"]
+    if "off_il2" in t and "gspmd" in t:
+      s["off_il2_vs_gspmd"] = t["gspmd"] / t["off_il2"]
+    if any(v in t for v in ("ring_off", "ring_on", "off_il2", "on_il2")):
+      best_off = min((t[v] for v in ("off", "ring_off", "off_il2") if v in t), default=None)
+      best_on = min((t[v] for v in ("on", "ring_on", "on_il2") if v in t), default=None)
       s.update(best_off_ms=best_off, best_on_ms=best_on)
       if best_off and best_on:
         s["speedup_best"] = best_off / best_on
@@ -309,6 +340,9 @@ def main(argv=None) -> pathlib.Path:
   print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",
                                "comm_share", "recovered", "speedup_on_vs_off",
                                "off_vs_gspmd"]))
+  if any(s["off_il2_ms"] or s["on_il2_ms"] for s in summary):
+    print(common.table(summary, ["layout", "off_ms", "off_il2_ms", "on_ms", "on_il2_ms",
+                                 "speedup_il2_off", "speedup_il2_on", "off_il2_vs_gspmd"]))
   if any("best_off_ms" in s for s in summary):
     print(common.table(summary, ["layout", "ring_off_ms", "ring_on_ms", "best_off_ms",
                                  "best_on_ms", "speedup_best", "recovered_best",

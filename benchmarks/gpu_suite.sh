@@ -8,6 +8,7 @@
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
 #   bash benchmarks/gpu_suite.sh profile             # device traces: off, ring_off, GSPMD (~2 min)
+#   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -52,6 +53,11 @@ for job in "$@"; do
     ring)  # the NVLink half of `overlap`, without the compressed plain step
       timeout 270 python3 benchmarks/bench_train.py --label nvlink_ring --layouts 1,1,4 \
         --variants off,ring_off,ring_on,gspmd --deadline-s 240 --out-dir "$out" ;;
+    interleave)  # parallel.interleave=2 (off_il2, on_il2) beside the plain step and GSPMD
+      timeout 280 python3 benchmarks/bench_train.py --label nvlink_il2 --layouts 1,1,4 \
+        --variants off,off_il2,on,on_il2,gspmd --deadline-s 250 --out-dir "$out"
+      NCCL_P2P_DISABLE=1 timeout 260 python3 benchmarks/bench_train.py --label nop2p_il2 \
+        --layouts 1,1,4 --variants off,off_il2,on,on_il2 --deadline-s 220 --out-dir "$out" ;;
     e2e_2.7b)  # the 2.7B GPT (32 x 2560) at TP=4, NVLink and P2P off
       timeout 250 python3 benchmarks/bench_train.py --label nvlink_2.7b --model 2.7b \
         --layouts 1,1,4 --variants off,on,gspmd --deadline-s 225 --out-dir "$out"

@@ -180,7 +180,7 @@ def _mfu(d: dict, r: dict):
 
 
 def bench_train_section() -> str:
-  rows, hosts = [], set()
+  rows, il2_ms, hosts = [], [], set()
   for name, d in _load("bench_train_*.json"):
     if d["environment"]["platform"] != "gpu":
       continue
@@ -194,27 +194,33 @@ def bench_train_section() -> str:
                    s.get("ideal_ms"), s.get("gspmd_ms"), s.get("speedup_on_vs_off"),
                    s.get("comm_share"), s.get("recovered"), s.get("off_vs_gspmd"),
                    off and _mfu(d, off)])
+      il2_ms.append([s.get("off_il2_ms"), s.get("on_il2_ms")])
   if not rows:
     return ""
   if len(hosts) != 1:
     raise ValueError(f"bench_train results mix setups {sorted(hosts)}: add columns for them")
   (seq, batch, n, device), = hosts
+  header = ["run", "model", "dp,pp,tp", "codec (on)", "off", "on", "ring off", "ring on",
+            "ideal", "GSPMD", "on speedup", "comm share", "recovered", "GSPMD / off", "MFU off"]
+  il2 = ""
+  if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
+    header[8:8] = ["off il2", "on il2"]
+    rows = [r[:8] + ms + r[8:] for r, ms in zip(rows, il2_ms)]
+    il2 = ("; `il2` = each micro-batch as 2 sub-batches whose blocks run side by side "
+           "(`parallel.interleave=2`)")
   return (f"### Training step (`benchmarks/bench_train.py`: GPT, seq {seq}, global batch "
           f"{batch}, {n}x {device})\n\n"
           "Step times in ms (median after warm-up, variants interleaved on the same batches). "
           "`ideal` = the step with every TP collective replaced by a local stand-in of the "
           "same shape (free communication); `ring` = the TP layers as ring collective "
-          "matmuls (`parallel.overlap`); `comm share` = (off - ideal) / off; `recovered` "
+          f"matmuls (`parallel.overlap`){il2}; `comm share` = (off - ideal) / off; `recovered` "
           "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
           "than plain `jax.jit` + sharding annotations (with XLA's overlap flags; for a pp > "
           "1 layout GSPMD runs the same devices as data x tensor, no pipeline); MFU of the "
           "`off` step against the dense bf16 peak (989 TFLOP/s). `nop2p*` runs have "
           "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
           "`CompressionConfig(link=\"nvlink\")` measured to pay.\n\n"
-          + _table(["run", "model", "dp,pp,tp", "codec (on)", "off", "on", "ring off",
-                    "ring on", "ideal", "GSPMD", "on speedup", "comm share", "recovered",
-                    "GSPMD / off", "MFU off"], rows)
-          + "\n")
+          + _table(header, rows) + "\n")
 
 
 def profile_section() -> str:

@@ -59,6 +59,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.tp = 1                       # tensor-parallel degree (mesh axis "tensor")
   p.overlap = False              # TP layers as ring collective matmuls: each chunk's transfer
   #                                overlaps a matmul (taco_jax.parallel.overlap)
+  p.interleave = 1               # sub-batches per micro-batch whose blocks run side by side, so
+  #                                one's TP collectives can overlap another's matmuls; 1 = off
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1

@@ -1,4 +1,7 @@
-"""The arithmetic the benchmark scripts report: step-time summaries, trace overlap, MFU."""
+"""The arithmetic the benchmark scripts report: step-time summaries (and the interleaved
+variants' options and report columns), trace overlap, MFU."""
+import json
+
 import pytest
 
 from benchmarks import bench_train, common, profile_step
@@ -19,6 +22,48 @@ def test_bench_train_summary_takes_the_better_layers_per_side():
   assert s["best_off_vs_gspmd"] == pytest.approx(0.9)
   (plain,) = bench_train.summarize(_rows(off=200.0, on=190.0))
   assert "best_off_ms" not in plain and "comm_ms" not in plain
+
+
+def test_bench_train_summary_of_the_interleaved_variants():
+  (s,) = bench_train.summarize(_rows(off=200.0, on=190.0, gspmd=180.0, off_il2=175.0,
+                                     on_il2=170.0))
+  assert s["speedup_il2_off"] == pytest.approx(200 / 175)
+  assert s["speedup_il2_on"] == pytest.approx(190 / 170)
+  assert s["off_il2_vs_gspmd"] == pytest.approx(180 / 175)
+  assert s["best_off_ms"] == 175.0 and s["best_on_ms"] == 170.0
+  assert s["best_off_vs_gspmd"] == pytest.approx(180 / 175)
+
+
+def test_bench_train_variants_and_their_compile_options():
+  from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
+  args = bench_train.parse_args(["--variants", "off,off_il2,on_il2"])
+  assert [bench_train.interleave(v) for v in ("off", "off_il2", "on_il2")] == [1, 2, 2]
+  assert bench_train.xla_options("off", args) == {}
+  assert bench_train.xla_options("on_il2", args) == INTERLEAVE_XLA_OPTIONS
+  args = bench_train.parse_args(["--variants", "on_il2", "--no-interleave-options"])
+  assert bench_train.xla_options("on_il2", args) == {}
+
+
+def test_report_adds_the_interleaved_columns_only_once_measured(tmp_path, monkeypatch):
+  from benchmarks import report
+
+  def write(name, **summary):
+    d = dict(label=name, device="NVIDIA H200", num_devices=4,
+             environment=dict(platform="gpu"),
+             config=dict(model="1.3b", seq=2048, batch=8, group_size=128, flops_per_token=1e10),
+             results=[dict(layout="1,1,4", variant="off", tokens_per_s=1e5)],
+             summary=[dict(layout="1,1,4", off_ms=200.0, **summary)])
+    (tmp_path / f"bench_train_{name}.json").write_text(json.dumps(d))
+
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  write("a")
+  assert "il2" not in report.bench_train_section()
+  write("b", off_il2_ms=180.0)
+  text = report.bench_train_section()
+  header, _, row_a, row_b = text.strip().splitlines()[-4:]
+  assert "| ring on | off il2 | on il2 | ideal |" in header
+  assert "| – | – | – | – | – |" in row_a  # ring off, ring on, off il2, on il2, ideal
+  assert "| – | – | 180 | – | – |" in row_b
 
 
 def test_trace_summary_counts_only_uncovered_nccl_time():

@@ -1,8 +1,11 @@
 """The 3D-parallel step against the single-device model, and the collectives it compiles to.
 
 One tiny fp32 GPT, one batch; per mesh the loss-and-gradients function is compiled twice
-(compression off / on) and every test of that mesh reuses the two compiled programs.
+(compression off / on) and every test of that mesh reuses the two compiled programs (on
+the meshes of INTERLEAVED, also with `interleave=2`).
 """
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +20,7 @@ from taco_jax.parallel.compression import CompressionPlan
 from taco_jax.parallel.mesh import make_mesh
 
 MESHES = [(1, 1, 8), (2, 2, 2), (1, 2, 4), (8, 1, 1), (2, 1, 4)]  # (dp, pp, tp)
+INTERLEAVED = [(2, 2, 2)]  # meshes whose run also compiles interleave=2 ("off_il2", "on_il2")
 CFG = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=128, n_heads=8,
                                   d_ff=256, max_seq_len=32, dtype="float32"))
 BATCH, SEQ, MICRO = 16, 32, 2
@@ -61,13 +65,20 @@ def run(request, reference):
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   out = {"mesh": mesh, "layout": request.param,
          "shard_elems": BATCH // dp // MICRO * SEQ // tp * CFG.d_model}
-  for name, plan in (("off", CompressionPlan()), ("on", ON)):
-    spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan)
-    exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
-        compiler_options=FAST_COMPILE)
-    loss, grads = exe(params, tokens)
-    out[name] = (float(loss), jax.device_get(grads), hlo.collectives(exe.as_text(), mesh))
+  variants = [("off", CompressionPlan(), 1), ("on", ON, 1)]
+  if request.param in INTERLEAVED:
+    variants += [("off_il2", CompressionPlan(), 2), ("on_il2", ON, 2)]
+  for name, plan, k in variants:
+    spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan, interleave=k)
+    out[name] = _loss_grads_collectives(spec, mesh, params, tokens)
   return out
+
+
+def _loss_grads_collectives(spec, mesh, params, tokens):
+  exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
+      compiler_options=FAST_COMPILE)
+  loss, grads = exe(params, tokens)
+  return float(loss), jax.device_get(grads), hlo.collectives(exe.as_text(), mesh)
 
 
 def test_uncompressed_matches_single_device(run, reference):
@@ -201,3 +212,75 @@ def test_site_overrides_reach_every_collective(reference):
   assert fp8 and all(c.axes == {"pipeline"} for c in fp8)
   # forward sends only: the backward shift's permutation (stage s+1 -> s) stays plain
   assert len({c.line for c in fp8}) < len({c.line for c in colls if c.axes == {"pipeline"}})
+
+
+def _assert_f32_close(loss, grads, ref_loss, ref_grads):
+  np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
+  for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
+    assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+
+
+def _block_messages(colls, rows):
+  """All-gathers / reduce-scatters over "tensor" of residual-stream activations of `rows`
+  sequences ([rows, T, D] gathered, [rows, T/tp, D] scattered), each instruction once (the
+  layer scan's bodies count once however many layers they run)."""
+  return collections.Counter(
+      c.kind for c in colls if c.axes == {"tensor"} and c.kind in ("all-gather",
+      "reduce-scatter") and c.shape[0] == rows and c.shape[-1] == CFG.d_model)
+
+
+def test_interleave_matches_one_chain_and_doubles_the_block_collectives():
+  """`interleave=2` on (1, 1, 4): the loss and gradients of `interleave=1` to fp32 roundoff
+  (the weight gradients sum the batch in another order), and in the compiled CPU program
+  each layer body's all-gathers / reduce-scatters twice, on half the rows, next to the same
+  head collectives: nothing merged the two chains back (the GPU's DotMerger and combiners,
+  which could, are not in the CPU pipeline; `step.INTERLEAVE_XLA_OPTIONS`)."""
+  mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
+  model = model_lib.single_device_model(CFG, seed=0)
+  params = model_lib.shard_params(CFG, _parallel(model), mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  (loss1, grads1, colls1), (loss2, grads2, colls2) = (
+      _loss_grads_collectives(step_lib.ParallelSpec(CFG, 1, 1, 4, MICRO, interleave=k),
+                              mesh, params, tokens) for k in (1, 2))
+  _assert_f32_close(loss2, grads2, loss1, grads1)
+  rows = BATCH // MICRO
+  head = _block_messages(colls2, rows)  # the LM head's gather and its transpose
+  blocks = _block_messages(colls1, rows) - head
+  # 2 forward + 2 backward (transposed) of each kind per block, in the forward and the
+  # backward layer scan
+  assert blocks == {"all-gather": 4, "reduce-scatter": 4}
+  assert _block_messages(colls2, rows // 2) == {k: 2 * n for k, n in blocks.items()}
+
+
+@pytest.mark.parametrize("run", INTERLEAVED, indirect=True, ids=lambda m: "dp%d-pp%d-tp%d" % m)
+def test_interleave_with_pipeline_and_compression(run):
+  """`interleave=2` on (2, 2, 2) (GPipe over 2 stages, each tick splitting its micro-batch):
+  uncompressed, the loss and gradients of `interleave=1` to fp32 roundoff; compressed,
+  within the fp8 bounds of the compressed test. Each FP8 group lies in one token, so the
+  messages are those of `interleave=1` row by row, except where a matmul over fewer rows
+  rounds a value across an FP8 rounding boundary (that element then moves by one step)."""
+  loss, grads, _ = run["off"]
+  _assert_f32_close(*run["off_il2"][:2], loss, grads)
+  loss, grads, _ = run["on"]
+  loss2, grads2, _ = run["on_il2"]
+  assert abs(loss2 - loss) <= EPS * abs(loss)
+  for (path, g), (_, r) in zip(_leaves(grads2), _leaves(grads), strict=True):
+    rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+    assert rel <= 2 * EPS, (path, rel)
+
+
+def test_interleave_errors():
+  with pytest.raises(ValueError, match=r"parallel.interleave=0 must be a positive integer"):
+    step_lib.ParallelSpec(CFG, 1, 1, 8, interleave=0)
+  with pytest.raises(ValueError, match=r"parallel.interleave=2.0 must be"):
+    step_lib.ParallelSpec(CFG, 1, 1, 8, interleave=2.0)
+  mesh = make_mesh(1, 1, 8)
+  spec = step_lib.ParallelSpec(CFG, 1, 1, 8, MICRO, interleave=3)
+  params = model_lib.abstract_params(CFG, mesh)
+  tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
+                                sharding=step_lib.batch_sharding(mesh))
+  with pytest.raises(ValueError, match=r"parallel.interleave=3 does not divide the 8 "
+                     r"sequences of a micro-batch"):
+    jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens)
+  assert step_lib.compiler_options(spec) == step_lib.INTERLEAVE_XLA_OPTIONS
+  assert step_lib.compiler_options(step_lib.ParallelSpec(CFG, 1, 1, 8)) == {}

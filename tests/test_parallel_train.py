@@ -35,6 +35,10 @@ def _config(cache_dir="", **parallel):
                                              "parallel.pp=8"]),
     (dict(parallel=dict(dp=4, pp=1, tp=2, microbatches=4)),
      ["data.batch_size=8 is not divisible by parallel.dp * parallel.microbatches = 4*4"]),
+    (dict(parallel=dict(dp=2, pp=2, tp=2, microbatches=2, interleave=4)),
+     ["data.batch_size=8 is not divisible by parallel.dp * parallel.microbatches * "
+      "parallel.interleave = 2*2*4 = 16 (each micro-batch splits into 4 sub-batches)"]),
+    (dict(parallel=dict(interleave=0)), ["parallel.interleave=0 must be a positive integer"]),
     (dict(parallel=dict(dp=1, pp=1, tp=8), data=dict(seq_len=36), model=dict(vocab_size=260,
                                                                              max_seq_len=36)),
      ["data.seq_len=36", "model.vocab_size=260"]),

@@ -31,9 +31,10 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
                     ) -> list[str]:
   """Every way `c.parallel` does not fit the model, the batch or the devices."""
   p, m, d = c.parallel, c.model, c.data
-  mb = p.get("microbatches", 1)
+  mb, il = p.get("microbatches", 1), p.get("interleave", 1)
   errs = []
-  for n, v in (("dp", p.dp), ("pp", p.pp), ("tp", p.tp), ("microbatches", mb)):
+  for n, v in (("dp", p.dp), ("pp", p.pp), ("tp", p.tp), ("microbatches", mb),
+               ("interleave", il)):
     if not (isinstance(v, int) and v > 0):
       errs.append(f"parallel.{n}={v!r} must be a positive integer")
   if errs:
@@ -63,6 +64,11 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
     errs.append(f"data.batch_size={d.batch_size} is not divisible by parallel.dp * "
                 f"parallel.microbatches = {dp}*{mb} = {dp * mb}; use a batch size that is a "
                 f"multiple of {dp * mb}")
+  elif d.batch_size % (dp * mb * il):
+    errs.append(f"data.batch_size={d.batch_size} is not divisible by parallel.dp * "
+                f"parallel.microbatches * parallel.interleave = {dp}*{mb}*{il} = "
+                f"{dp * mb * il} (each micro-batch splits into {il} sub-batches); use a "
+                f"multiple of {dp * mb * il} or a smaller parallel.interleave")
   return errs
 
 

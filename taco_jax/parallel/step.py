@@ -4,7 +4,8 @@ Per device (data rank d, stage s, tensor rank r), for its B/dp sequences split i
 micro-batches:
 
     embed:  vocab-parallel lookup -> reduce-scatter over sequence (+ positions of shard r)
-    trunk:  GPipe over "pipeline" of this stage's L/pp blocks (TP + SP linears)
+    trunk:  GPipe over "pipeline" of this stage's L/pp blocks (TP + SP linears), each
+            block on `interleave` sub-batches of the micro-batch side by side
     loss:   final norm -> vocab-parallel cross-entropy; counted on the last stage only
     grads:  jax.grad of the above, then summed over every mesh axis a parameter is
             replicated on: "tensor" (norms / biases / positions see only their sequence
@@ -34,6 +35,18 @@ from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
 
 _BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
 
+# XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
+# chain: DotMerger fuses dots sharing an operand (here the weight: A's and B's projection
+# become one dot over both gathered inputs, which waits for both all-gathers), and the
+# all-gather / reduce-scatter combiners fuse independent collectives of the same kind (A's
+# and B's become one, which waits for both producers). Thresholds of 0 switch them off
+# (docs/parallel.md: when each would apply). The CPU compiler accepts and ignores them.
+INTERLEAVE_XLA_OPTIONS = {
+    "xla_gpu_dot_merger_threshold_mb": 0,
+    "xla_gpu_all_gather_combine_threshold_bytes": 0,
+    "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSpec:
@@ -45,6 +58,14 @@ class ParallelSpec:
   microbatches: int = 1              # GPipe micro-batches per step (per data rank)
   plan: CompressionPlan = CompressionPlan()  # codec per collective
   overlap: bool = False              # TP layers as ring collective matmuls (parallel.overlap)
+  # sub-batches per micro-batch whose blocks run side by side, so that one's TP collectives
+  # can overlap another's matmuls (parallel.interleave; see `_local_loss`)
+  interleave: int = 1
+
+  def __post_init__(self):
+    if not (isinstance(self.interleave, int) and self.interleave >= 1):
+      raise ValueError(f"parallel.interleave={self.interleave!r} must be a positive integer "
+                       "(1 = no interleaving)")
 
   @property
   def ctx(self) -> layers.TPContext:
@@ -52,12 +73,32 @@ class ParallelSpec:
                             plan=self.plan, overlap=self.overlap)
 
 
+def compiler_options(spec: ParallelSpec) -> dict:
+  """XLA options to compile the step of `spec` with (`jax.jit(..., compiler_options=)`):
+  `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches, none otherwise."""
+  return dict(INTERLEAVE_XLA_OPTIONS) if spec.interleave > 1 else {}
+
+
 def _local_loss(spec: ParallelSpec, params, tokens_BT1):
-  """Mean token loss of this device's batch on the last stage, 0 on the others."""
-  cfg, ctx, m = spec.cfg, spec.ctx, spec.microbatches
+  """Mean token loss of this device's batch on the last stage, 0 on the others.
+
+  With `spec.interleave` = k > 1 each micro-batch is split into k sub-batches and every
+  layer of the scan runs its block on each of them: k independent chains in one loop body,
+  so the TP all-gather / reduce-scatter of one sub-batch has no data dependence on the
+  other sub-batches' matmuls and XLA's latency-hiding scheduler may run them side by side
+  (forward and, through jax.grad of the scan, backward). Per sequence the math is that of
+  k = 1; only the sums over the batch in the weight gradients change order. The stage's
+  output is the concatenated micro-batch again, so the pipeline and the loss head see
+  what they see without interleaving.
+  """
+  cfg, ctx, m, k = spec.cfg, spec.ctx, spec.microbatches, spec.interleave
   block_gd, _ = model_lib.block_template(cfg, ctx)
   norm_gd, _ = model_lib.norm_template(cfg)
   b, t1 = tokens_BT1.shape
+  if (b // m) % k:
+    raise ValueError(f"parallel.interleave={k} does not divide the {b // m} sequences of a "
+                     f"micro-batch ({b} per data rank / {m} micro-batches); pick a batch size "
+                     f"that is a multiple of dp * microbatches * interleave")
   inputs = tokens_BT1[:, :-1].reshape(m, b // m, t1 - 1)
   targets = tokens_BT1[:, 1:].reshape(m, b // m, t1 - 1)
 
@@ -68,14 +109,17 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
     h_BSD = h_BSD + pos_SD.astype(ctx.dtype)
   h_MBSD = h_BSD.reshape(m, b // m, *h_BSD.shape[1:])
 
-  def layer(h, p):
-    return nnx.merge(block_gd, p)(h), None
+  def layer(hs, p):  # one block on each sub-batch: k chains with no data between them
+    block = nnx.merge(block_gd, p)
+    return tuple(block(h) for h in hs), None
 
   if cfg.remat:
     layer = jax.checkpoint(layer)
 
-  def stage(h):
-    return jax.lax.scan(layer, h, params["blocks"])[0]
+  def stage(h_BSD):
+    hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)
+    hs = jax.lax.scan(layer, hs, params["blocks"])[0]
+    return jnp.concatenate(hs) if k > 1 else hs[0]
 
   out_MBSD = pipeline.gpipe(stage, h_MBSD, pp=spec.pp, fwd=spec.plan.codec("pp/fwd"),
                             bwd=spec.plan.codec("pp/bwd"))

@@ -54,7 +54,8 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
   p = config.parallel
   return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
                                p.get("microbatches", 1), plan_from_config(config.compression),
-                               overlap=bool(p.get("overlap", False)))
+                               overlap=bool(p.get("overlap", False)),
+                               interleave=p.get("interleave", 1))
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
@@ -103,9 +104,11 @@ def train(config, workdir) -> dict:
     opt_state = jax.jit(tx.init, out_shardings=shardings(o_abs))(params)
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
+  xla = step_lib.compiler_options(spec)
   train_step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                       out_shardings=(shardings(p_abs), shardings(o_abs), None))
-  eval_step = jax.jit(step_lib.make_eval_step(spec, mesh))
+                       out_shardings=(shardings(p_abs), shardings(o_abs), None),
+                       compiler_options=xla)
+  eval_step = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
   t0 = time.perf_counter()
   if start < t.steps:  # compile now, so that compile time stays out of the throughput
     train_step = train_step.lower(params, opt_state, batch(start)).compile()
