@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
 #   bash benchmarks/gpu_suite.sh profile             # device traces: off, ring_off, GSPMD (~2 min)
+#   bash benchmarks/gpu_suite.sh codec codec_hadamard  # one GPU (H100 or H200; ~6 min)
+#   bash benchmarks/gpu_suite.sh accuracy_seed2 collectives_2gpu  # (~6 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
@@ -28,6 +30,11 @@ for job in "$@"; do
   case $job in
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
+    codec_hadamard) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
+             --hadamard --sweep-size-mib 64 --out-dir "$out" ;;
+    collectives_2gpu)  # the NVLink run on an axis of 2 (GPUs 0 and 1)
+      CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 benchmarks/bench_collectives.py \
+        --label nvlink --sizes-mib "$sizes" --out-dir "$out" ;;
     collectives)
       timeout 200 python3 benchmarks/bench_collectives.py --label nvlink --sizes-mib "$sizes" \
         --out-dir "$out"
@@ -65,6 +72,10 @@ for job in "$@"; do
         --model 2.7b --layouts 1,1,4 --variants off,on --deadline-s 205 --out-dir "$out" ;;
     accuracy) timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink \
                 --deadline-s 540 --out-dir "$out" ;;
+    accuracy_seed*)  # e.g. accuracy_seed2: off and on (the default codec) from seed 2
+      seed=${job#accuracy_seed}
+      timeout 280 python3 benchmarks/bench_accuracy.py --label "nvlink_seed$seed" \
+        --seed "$seed" --variants off,on --deadline-s 260 --out-dir "$out" ;;
     *) echo "unknown job $job" >&2 ;;
   esac 2>&1 | grep -v -E "DeprecationWarning|warnings.warn" | tee -a "$out/suite.log"
 done

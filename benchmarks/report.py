@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import pathlib
@@ -55,12 +56,15 @@ def codec_section() -> str:
   if not runs:
     return ""
   parts = []
-  for hadamard, what in ((False, "default codec: per-group absmax + RMS pre-scale, no Hadamard"),
-                         (True, "with the Hadamard transform")):
-    mine = [(n, d) for n, d in runs if _hadamard(d["config"]) == hadamard]
+  devices = sorted({d["environment"]["device_kind"] for _, d in runs})
+  codecs = ((False, "default codec: per-group absmax + RMS pre-scale, no Hadamard"),
+            (True, "with the Hadamard transform"))
+  for device, (hadamard, what) in itertools.product(devices, codecs):
+    mine = [(n, d) for n, d in runs if _hadamard(d["config"]) == hadamard
+            and d["environment"]["device_kind"] == device]
     if not mine:
       continue
-    name, d = mine[-1]  # newest (names sort by date-time)
+    name, d = mine[-1]  # newest on this device (names sort by date-time)
     env, copy, mm = d["environment"], d["copy"]["gbps"], d["matmul"]["tflops"]
     rows = [[r["op"], r["size_mib"], r["pallas_ms"], r["xla_ms"], r["pallas_gbps"],
              r["frac_of_copy"], r["speedup"]] for r in d["bandwidth"]]

@@ -8,7 +8,7 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'collectives_nvlink_4gpu_20261121.json',
  'collectives_p2p_disabled_4gpu_20261121.json']
 
-MIN_BYTES = {'nvlink': {2: {'all_gather': None, 'all_reduce': None, 'reduce_scatter': None},
+MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
                 'all_reduce': 67108864,
                 'reduce_scatter': 4194304}},

@@ -41,11 +41,6 @@ class Collective:
   def fp8(self) -> bool:
     return self.dtype in FP8_WIRE
 
-  @property
-  def codec_scales(self) -> bool:
-    """The fp32 (alpha, scale) pairs of a compressed message: wire shape [..., groups, 2]."""
-    return self.dtype == "f32" and len(self.shape) >= 2 and self.shape[-1] == 2
-
 
 def _axes_of_groups(groups, mesh_shape, names) -> frozenset:
   axes = set()
