@@ -8,7 +8,8 @@
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
 #   bash benchmarks/gpu_suite.sh profile             # device traces: off, ring_off, GSPMD (~2 min)
-#   bash benchmarks/gpu_suite.sh codec codec_hadamard  # one GPU (H100 or H200; ~6 min)
+#   bash benchmarks/gpu_suite.sh codec               # one GPU (H100 or H200; ~5 min; the
+#   bash benchmarks/gpu_suite.sh codec_hadamard      #   two do not fit one call together)
 #   bash benchmarks/gpu_suite.sh accuracy_seed2 collectives_2gpu  # (~6 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
