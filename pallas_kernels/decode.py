@@ -89,7 +89,8 @@ def _decode_sum_kernel(*refs, rows, group_size, groups, hadamard, n, stacked, h_
   ragged = rows % br != 0
   total = jnp.zeros((br * bk, group_size), jnp.float32)
   for i in range(n):
-    # Rows past the end load alpha = scale = 1 and decode to zeros (never stored).
+    # Rows past the end decode to zeros (never stored): wire rows read zero bytes (alpha = 0,
+    # see decode_groups), separate arrays alpha = scale = 1 and zero codes.
     if packed_fmt:
       codes, alpha, scale = wire.load_tile(
           in_refs[0], j=pl.program_id(1), group_size=group_size, bk=bk, groups=groups,

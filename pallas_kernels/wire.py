@@ -89,7 +89,7 @@ def store_tile(wire_ref, codes, alpha, scale, *, j, groups: int, rows: int | Non
   """Writes program (i, j)'s ``[br, bk G]`` codes and ``[br, bk]`` scales into its wire
   rows (``groups`` = K per row; ``rows``: the message's rows when the last block
   overhangs them, else None)."""
-  br, bk = alpha.shape
+  bk = alpha.shape[-1]
   bkg = codes.shape[-1]
   d = groups * (bkg // bk)
   _store(wire_ref, j * bkg, jax.lax.bitcast_convert_type(codes, jnp.uint8), rows)
@@ -101,14 +101,12 @@ def load_tile(wire_ref, *, j, group_size: int, bk: int, groups: int, fmt: str,
               rows: int | None, chunk=None):
   """Reads program (i, j)'s codes ``[br, bk G]``, alpha and scale ``[br, bk]`` (inverse
   of ``store_tile``) from chunk ``chunk`` of stacked wire rows (None: not stacked); rows
-  past ``rows`` read zero codes and alpha = scale = 1, so they decode to zeros."""
+  past ``rows`` read zero bytes, which decode to zeros like any unsent row."""
   chunk = () if chunk is None else (chunk,)
   bkg = bk * group_size
   d = groups * group_size
   codes = _read(wire_ref, chunk, j * bkg, bkg, rows)
-  planes = [_read(wire_ref, chunk, d + b * groups + j * bk, bk, rows) for b in range(SCALE_BYTES)]
+  planes = [_read(wire_ref, chunk, d + b * groups + j * bk, bk, rows)
+            for b in range(SCALE_BYTES)]
   alpha, scale = from_bytes(planes[:4]), from_bytes(planes[4:])
-  if rows is not None:
-    inside = row_mask(rows, alpha.shape)
-    alpha, scale = jnp.where(inside, alpha, 1.0), jnp.where(inside, scale, 1.0)
   return jax.lax.bitcast_convert_type(codes, FP8_DTYPES[fmt]), alpha, scale

@@ -16,10 +16,12 @@ FP8 codes are never summed by a collective (every rank has its own scales). Wire
 codes then its groups' fp32 scales as bytes, so every compressed collective is one
 transfer (uint8 because the CPU backend silently widens fp8 collectives to f16, and every
 backend moves u8). Groups run along the last axis of each message, so gathering or
-scattering along the last axis never makes a group straddle two ranks. Messages for which compression does not pay go through
-the plain collective: smaller than ``compression.min_bytes`` per device (the local input's
-bytes) or, with ``compression.link`` set, below the size measured for that collective on
-that kind of link (``CompressionConfig.pays_for``).
+scattering along the last axis never makes a group straddle two ranks.
+
+Messages for which compression does not pay go through the plain collective: smaller than
+``compression.min_bytes`` per device (the local input's bytes) or below the size measured
+for that collective on the link (``compression.link``, by default the one this process
+runs on; ``CompressionConfig.pays_for``).
 
 Compressed, these functions are forward-only (differentiating one raises a TypeError):
 use ``taco_jax.mappings`` for regions with gradients. Uncompressed, they are the lax ops
