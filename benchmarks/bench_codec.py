@@ -159,7 +159,8 @@ def run_sweep(x, g, interpret, timing_kw, sweep, hadamard):
   return {k: v[0] for k, v in best.items()}, records
 
 
-def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, hadamard):
+def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, hadamard,
+                  wire=True):
   rows_out = []
   for size_mib in sizes_mib:
     x = _inputs(int(size_mib * common.MIB), d, seed=int(size_mib * 16))
@@ -168,7 +169,8 @@ def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, ha
     encoded = enc_ref(x)
     wire_rows = jax.jit(pallas_kernels.wire.pack)(*encoded)
     kinds = [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]
-    kinds += [("encode_wire", 1), ("decode_wire", 1)] + [("decode_sum_wire", max(ns))]
+    if wire:
+      kinds += [("encode_wire", 1), ("decode_wire", 1)] + [("decode_sum_wire", max(ns))]
     for kind, n in kinds:
       p = best["encode" if kind.startswith("encode") else "decode"]
       kernel, ref = _fns(p, g, interpret, hadamard)[kind]
@@ -273,6 +275,8 @@ def main(argv=None):
   ap.add_argument("--min-sample-ms", type=float, default=5.0)
   ap.add_argument("--sweep-size-mib", type=float, default=256)
   ap.add_argument("--no-sweep", action="store_true", help="use Params() defaults")
+  ap.add_argument("--wire", action=argparse.BooleanOptionalAction, default=True,
+                  help="also time the kernels on the collectives' one-buffer wire rows")
   ap.add_argument("--copy-mib", type=float, default=1024)
   ap.add_argument("--matmul-n", type=int, default=8192)
   ap.add_argument("--fidelity-shape", type=int, nargs=2, default=[2048, 4096])
@@ -308,7 +312,7 @@ def main(argv=None):
   print("best params:", {k: dataclasses.asdict(v) for k, v in best.items()}, flush=True)
 
   bw = run_bandwidth(args.sizes_mib, d, g, args.n, interpret, timing_kw, best, copy["gbps"],
-                     args.hadamard)
+                     args.hadamard, wire=args.wire)
   fid = run_fidelity(tuple(args.fidelity_shape), args.fidelity_groups)
 
   config = dict(vars(args), interpret=interpret, backend=jax.default_backend(),

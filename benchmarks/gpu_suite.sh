@@ -7,9 +7,8 @@
 #   bash benchmarks/gpu_suite.sh e2e_2.7b            # 2.7B GPT at TP=4 (~8 min)
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
-#   bash benchmarks/gpu_suite.sh profile             # device traces: off, ring_off, GSPMD (~2 min)
-#   bash benchmarks/gpu_suite.sh codec               # one GPU (H100 or H200; ~5 min; the
-#   bash benchmarks/gpu_suite.sh codec_hadamard      #   two do not fit one call together)
+#   bash benchmarks/gpu_suite.sh profile             # device traces: off, on, off_il2, GSPMD (~3 min)
+#   bash benchmarks/gpu_suite.sh codec codec_hadamard  # one GPU (H100 or H200; ~8 min)
 #   bash benchmarks/gpu_suite.sh accuracy_seed2 collectives_2gpu  # (~6 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -31,8 +30,9 @@ for job in "$@"; do
   case $job in
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
-    codec_hadamard) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
-             --hadamard --sweep-size-mib 64 --out-dir "$out" ;;
+    codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)
+      CUDA_VISIBLE_DEVICES=0 timeout 240 python3 -m benchmarks.bench_codec \
+        --hadamard --no-sweep --no-wire --out-dir "$out" ;;
     collectives_2gpu)  # the NVLink run on an axis of 2 (GPUs 0 and 1)
       CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 benchmarks/bench_collectives.py \
         --label nvlink --sizes-mib "$sizes" --out-dir "$out" ;;
@@ -44,7 +44,7 @@ for job in "$@"; do
     train) timeout 420 python3 benchmarks/train_parallel.py --out-dir "$out" ;;
     profile)  # device trace of one step per variant: exposed NCCL time, scheduled HLO
       timeout 400 python3 benchmarks/profile_step.py --label nvlink --layouts 1,1,4 \
-        --variants off,ring_off,gspmd --steps 2 --warmup 2 --out-dir "$out" ;;
+        --variants off,on,off_il2,gspmd --steps 2 --warmup 2 --out-dir "$out" ;;
     e2e)  # results straight to $out: a run cut off by the call's limit keeps what it wrote
       timeout 290 python3 benchmarks/bench_train.py --label nvlink --deadline-s 250 \
         --out-dir "$out"
