@@ -29,6 +29,7 @@ and differentiate as those do.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import jax
@@ -78,13 +79,44 @@ def _forward_only(fn: str, f, x):
   return g(x)
 
 
+_decisions: list | None = None  # see `recording_decisions`
+
+
+@contextlib.contextmanager
+def recording_decisions():
+  """Collects every compression decision `compresses` makes while tracing inside, as
+  ``(collective, bytes per device, compressed)``: e.g. around a step's lowering, to tell
+  which messages a codec was asked for but a measured threshold (``link``) left plain."""
+  global _decisions
+  outer, _decisions = _decisions, []
+  try:
+    yield _decisions
+  finally:
+    _decisions = outer
+
+
 def compresses(collective: str, x, compression: CompressionConfig | None,
                axis_size: int | None = None) -> bool:
   """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
   x (the local input, as passed to it) compressed: static, from shapes and the config.
   Without ``axis_size``, a ``link`` threshold is the most cautious measured one."""
-  return compression is not None and compression.pays_for(
-      collective, x.size * x.dtype.itemsize, axis_size)
+  nbytes = x.size * x.dtype.itemsize
+  decision = compression is not None and compression.pays_for(collective, nbytes, axis_size)
+  if _decisions is not None and compression is not None:
+    _decisions.append((collective, nbytes, decision))
+  return decision
+
+
+def decision_summary(decisions) -> dict:
+  """``recording_decisions``' list -> {collective: {"compressed": n, "plain": n,
+  "plain_max_bytes": largest message left plain}}."""
+  out = {}
+  for collective, nbytes, compressed in decisions:
+    row = out.setdefault(collective, {"compressed": 0, "plain": 0, "plain_max_bytes": 0})
+    row["compressed" if compressed else "plain"] += 1
+    if not compressed:
+      row["plain_max_bytes"] = max(row["plain_max_bytes"], nbytes)
+  return out
 
 
 def roundtrip(x, cfg: CompressionConfig, dtype=jnp.float32):

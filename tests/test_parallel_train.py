@@ -90,6 +90,9 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   # Train with every TP/PP family compressed on (dp, pp, tp) = (2, 1, 4).
   s = train(_config(cache, dp=2, pp=1, tp=4, microbatches=2), tmp_path)
   assert s["status"] == "completed" and s["last_checkpoint"] == 6
+  sent = s["compressed_messages"]  # off GPU, link "auto" compresses every message
+  assert sent["all_gather"]["compressed"] > 0 and sent["reduce_scatter"]["compressed"] > 0
+  assert not any(row["plain"] for row in sent.values()), sent
   losses = [r["loss"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
   assert len(losses) == 6 and max(losses[-2:]) < min(losses[:2])
   # Restore the step-6 checkpoint on the same mesh and on (2, 2, 2), uncompressed: no steps
@@ -103,6 +106,20 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
     val.append(r["val_loss"])
   assert val[0] == pytest.approx(val[1], rel=1e-5)
   assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["pipeline"] == 2
+
+
+def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
+    tmp_path, tmp_path_factory, capsys):
+  """With the NVLink sizes (link="nvlink"), the tiny model's messages are all below the size
+  from which compression was measured to pay: they go plain, and the trainer says so."""
+  c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=1, tp=4)
+  c.train.steps = 1
+  for family in ("tp_forward", "tp_backward"):
+    c.compression[family].link = "nvlink"
+  sent = train(c, tmp_path)["compressed_messages"]
+  assert sent["all_gather"]["plain"] > 0 and sent["reduce_scatter"]["plain"] > 0
+  assert not any(row["compressed"] for row in sent.values()), sent
+  assert "sent plain, below the size from which compression pays" in capsys.readouterr().out
 
 
 def test_unified_entry_point_picks_the_trainer(tmp_path, tmp_path_factory, monkeypatch):

@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from models.gpt import flops_per_token
-from taco_jax import data
+from taco_jax import collectives, data
 from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step_lib
 from taco_jax.parallel.compression import plan_from_config
 from taco_jax.train import checkpoint, metrics, optim
@@ -110,16 +110,21 @@ def train(config, workdir) -> dict:
                        compiler_options=xla)
   eval_step = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
   t0 = time.perf_counter()
+  decisions = []
   if start < t.steps:  # compile now, so that compile time stays out of the throughput
-    train_step = train_step.lower(params, opt_state, batch(start)).compile()
+    with collectives.recording_decisions() as decisions:
+      lowered = train_step.lower(params, opt_state, batch(start))
+    train_step = lowered.compile()
   n_params = sum(x.size for x in jax.tree.leaves(params))
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
   summary = dict(workdir=str(workdir), start_step=start, n_params=n_params, mesh=dict(
       mesh.shape), compile_s=time.perf_counter() - t0, train_loss=math.nan, val_loss=math.nan,
-                 tokens_per_s=math.nan, mfu=math.nan)
+                 tokens_per_s=math.nan, mfu=math.nan,
+                 compressed_messages=collectives.decision_summary(decisions))
   if lead:
     print(f"{config.name}: {n_params:,} params on mesh {dict(mesh.shape)}, compression "
           f"{spec.plan}, step compiled in {summary['compile_s']:.1f}s", flush=True)
+    _report_plain_messages(summary["compressed_messages"])
   metrics.truncate_after(workdir / "metrics.jsonl", start)
   writer = metrics.MetricsWriter(workdir) if lead else None
   # A second Ctrl-C is not caught: a process of a multi-process run must not save alone.
@@ -132,6 +137,19 @@ def train(config, workdir) -> dict:
   if lead:
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
+
+
+def _report_plain_messages(by_collective: dict) -> None:
+  """Says which messages a codec was configured for but went plain (below ``min_bytes``
+  or the size measured to pay on the link, ``CompressionConfig.link``), so that a
+  configured compression that does nothing on this machine is not silent."""
+  plain = {c: r for c, r in by_collective.items() if r["plain"]}
+  if plain:
+    print("sent plain, below the size from which compression pays (compression.*.link / "
+          "min_bytes): " + "; ".join(
+              f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
+              f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)" for c, r in plain.items()),
+          flush=True)
 
 
 def main(argv=None):
