@@ -170,10 +170,17 @@ def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, ha
     wire_rows = jax.jit(pallas_kernels.wire.pack)(*encoded)
     kinds = [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]
     if wire:
-      kinds += [("encode_wire", 1), ("decode_wire", 1)] + [("decode_sum_wire", max(ns))]
+      kinds += [("encode_wire", 1), ("encode_wire_rows", 1), ("decode_wire", 1),
+                ("decode_sum_wire", max(ns))]
+    k = d // g
+    # Whole rows per program (as many groups per tile as the best tile): each program then
+    # writes its scale planes as whole runs of K bytes, not bk-byte pieces of them.
+    row_tile = Params(block_rows=max(1, 64 // (k & -k)), block_groups=k & -k)
     for kind, n in kinds:
       p = best["encode" if kind.startswith("encode") else "decode"]
-      kernel, ref = _fns(p, g, interpret, hadamard)[kind]
+      if kind == "encode_wire_rows":
+        p = dataclasses.replace(row_tile, num_warps=p.num_warps, h_iota=p.h_iota)
+      kernel, ref = _fns(p, g, interpret, hadamard)[kind.removesuffix("_rows")]
       if kind.startswith("encode"):
         args = (x,)
       elif kind.startswith("decode_sum"):  # N chunks: the same rows rolled, so each differs
@@ -183,10 +190,11 @@ def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, ha
         args = (wire_rows,) if kind.endswith("wire") else encoded
       unpack = functools.partial(pallas_kernels.wire.unpack, group_size=g, fmt="e4m3")
       got, want = kernel(*args), ref(*args)
-      if kind == "encode_wire":
+      if kind.startswith("encode_wire"):
         got, want = unpack(got), unpack(want)
-      check = _check(kind.removesuffix("_wire"), got, want, f"{kind} {size_mib} MiB N={n}")
-      nbytes = _bytes(kind.removesuffix("_wire"), rows, d, g, n)
+      base = kind.removesuffix("_rows").removesuffix("_wire")
+      check = _check(base, got, want, f"{kind} {size_mib} MiB N={n}")
+      nbytes = _bytes(base, rows, d, g, n)
       t_k = common.time_fn(kernel, *args, **timing_kw)
       t_r = common.time_fn(ref, *args, **timing_kw)
       gbps = nbytes / t_k.median_s / 1e9
