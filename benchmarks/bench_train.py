@@ -58,8 +58,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
 from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
-    SMOKE, add_run_args, bench_setup, comm_summary, model_and_optimizer, step_interleaved,
-    timing_record)
+    SMOKE, add_run_args, bench_setup, build_step, comm_summary, compression_plan,
+    model_and_optimizer, step_interleaved, timing_record)
 
 VARIANTS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on", "off_il2", "on_il2")
 
@@ -149,10 +149,8 @@ def xla_options(variant: str, args) -> dict:
 def build(variant, layout, args, cfg, tx):
   """(executable, (params, opt_state), batch_fn, mesh, plan) of one variant."""
   import jax
-  from taco_jax.codec import CompressionConfig
-  from taco_jax.parallel import gspmd, model as model_lib, step as step_lib
+  from taco_jax.parallel import gspmd
   from taco_jax.parallel.compression import CompressionPlan
-  from taco_jax.parallel.mesh import make_mesh
   from taco_jax.parallel.train import opt_state_target
 
   dp, pp, tp = layout
@@ -163,33 +161,23 @@ def build(variant, layout, args, cfg, tx):
     p_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                          params)
     o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
-    fn, plan, ctx = (gspmd.make_train_step(cfg, mesh, tx, activation=args.gspmd_activation),
-                     None, contextlib.nullcontext())
+    state = (params, jax.jit(tx.init, out_shardings=o_sh)(params))
+    step = jax.jit(gspmd.make_train_step(cfg, mesh, tx, activation=args.gspmd_activation),
+                   donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None))
     b_sh = gspmd.batch_sharding(mesh)
+    batch = lambda tokens: jax.make_array_from_callback(tokens.shape, b_sh,  # noqa: E731
+                                                        lambda i: tokens[i])
+    plan, ctx = None, contextlib.nullcontext()
   else:
-    mesh = make_mesh(dp, pp, tp)
-    codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                              hadamard=args.hadamard, link=args.link)
-    ring = variant.startswith("ring_")
-    plan = (CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
-            if variant.removeprefix("ring_").removesuffix("_il2") == "on" else CompressionPlan())
-    m = args.microbatches if pp > 1 else 1
-    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, overlap=ring,
-                                 interleave=interleave(variant))
-    p_abs = model_lib.abstract_params(cfg, mesh)
-    p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
-    o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
-    params = model_lib.init_params(cfg, mesh, seed=0)
-    fn = step_lib.make_train_step(spec, mesh, tx)
+    compressed = variant.removeprefix("ring_").removesuffix("_il2") == "on"
+    plan = compression_plan(args, link=args.link) if compressed else CompressionPlan()
+    step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
+                                          overlap=variant.startswith("ring_"),
+                                          interleave=interleave(variant))
     ctx = noop_tensor_collectives() if variant == "ideal" else contextlib.nullcontext()
-    b_sh = step_lib.batch_sharding(mesh)
-  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
-  batch = lambda tokens: jax.make_array_from_callback(tokens.shape, b_sh, lambda i: tokens[i])
   with ctx:
-    lowered = jax.jit(fn, donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None)).lower(
-        params, opt_state, batch(args._tokens0))
-  return (lowered.compile(xla_options(variant, args)), (params, opt_state), batch, mesh,
-          plan)
+    lowered = step.lower(*state, batch(args._tokens0))
+  return lowered.compile(xla_options(variant, args)), state, batch, mesh, plan
 
 
 def _relabel(summary: dict, mesh) -> dict:

@@ -65,6 +65,8 @@ def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps:
   p.add_argument("--group-size", type=int, default=128)
   p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
                  help="Walsh-Hadamard transform in the codec (off: the measured better default)")
+  p.add_argument("--min-bytes", type=int, default=0,
+                 help="the codec's min_bytes: smaller messages (per device) go plain")
 
 
 def parse_args(argv=None):
@@ -72,7 +74,6 @@ def parse_args(argv=None):
   add_run_args(p, model="350m", layouts="1,1,4;1,2,2;2,1,2", steps=200, warmup=5, seq=1024,
                batch=16)
   p.add_argument("--remat", action="store_true")
-  p.add_argument("--min-bytes", type=int, default=0)
   p.add_argument("--deadline-s", type=float, default=320.0,
                  help="wall-clock budget of the whole run (compiles included): each layout "
                       "steps until its share of what is left (fewer steps are recorded)")
@@ -105,43 +106,61 @@ def model_and_optimizer(args, *, remat: bool):
   return cfg, make_optimizer(optim, args.steps)
 
 
-def run_layout(layout, args, cfg, tx, corpus, step_until):
-  """Compiles both variants, then steps them interleaved until `args.steps` or the time
-  `step_until(compile_s)` returns (an absolute perf_counter deadline)."""
-  import jax
-  from taco_jax import data
+def compression_plan(args, link=None):
+  """The codec of the compressed runs on every family of --compress (--format,
+  --group-size, --hadamard, --min-bytes; `link` None: every message from --min-bytes on)."""
   from taco_jax.codec import CompressionConfig
-  from taco_jax.parallel import hlo, model as model_lib, step as step_lib
   from taco_jax.parallel.compression import CompressionPlan
+  codec = CompressionConfig(format=args.format, group_size=args.group_size,
+                            hadamard=args.hadamard, min_bytes=args.min_bytes, link=link)
+  return CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
+
+
+def build_step(layout, args, cfg, tx, plan, **spec_fields):
+  """Our sharded train step for one (dp, pp, tp) layout and codec plan, not yet compiled:
+  (jitted step, (params, opt_state), tokens -> global batch, mesh). Parameters come from
+  seed 0, so every variant of a layout starts from the same ones. `spec_fields`: further
+  `ParallelSpec` fields (overlap, interleave). Shared with bench_train."""
+  import jax
+  from taco_jax.parallel import model as model_lib, step as step_lib
   from taco_jax.parallel.mesh import make_mesh
   from taco_jax.parallel.train import global_batch, opt_state_target
 
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp)
   m = args.microbatches if pp > 1 else 1
-  codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                            hadamard=args.hadamard, min_bytes=args.min_bytes, link=None)
-  on = CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
+  spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, **spec_fields)
   p_abs = model_lib.abstract_params(cfg, mesh)
-  o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
   p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
+  o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
+  params = model_lib.init_params(cfg, mesh, seed=0)
+  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
+                 out_shardings=(p_sh, o_sh, None))
+  return step, (params, opt_state), lambda tokens: global_batch(tokens, mesh), mesh
+
+
+def run_layout(layout, args, cfg, tx, corpus, step_until):
+  """Compiles both variants, then steps them interleaved until `args.steps` or the time
+  `step_until(compile_s)` returns (an absolute perf_counter deadline)."""
+  from taco_jax import data
+  from taco_jax.parallel import hlo
+  from taco_jax.parallel.compression import CompressionPlan
+
+  dp, pp, tp = layout
   tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
                                      seq_len=args.seq)
-  batch = lambda tokens: global_batch(tokens, mesh)  # noqa: E731
   runs = {}
-  for name, plan in (("off", CompressionPlan()), ("on", on)):
-    spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan)
-    params = model_lib.init_params(cfg, mesh, seed=0)
-    opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  for name, plan in (("off", CompressionPlan()), ("on", compression_plan(args))):
+    step, state, batch, mesh = build_step(layout, args, cfg, tx, plan)
     t0 = time.perf_counter()
-    exe = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                  out_shardings=(p_sh, o_sh, None)).lower(params, opt_state,
-                                                           batch(tokens_at(0))).compile()
-    runs[name] = dict(exe=exe, state=(params, opt_state), compile_s=time.perf_counter() - t0,
+    exe = step.lower(*state, batch(tokens_at(0))).compile()
+    runs[name] = dict(exe=exe, state=state, compile_s=time.perf_counter() - t0,
                       batch=batch, plan=plan,
                       comm_static=comm_summary(hlo.collectives(exe.as_text(), mesh)))
   t_end = step_until(sum(r["compile_s"] for r in runs.values()))
   step_interleaved(runs, tokens_at, args, t_end)
+  m = args.microbatches if pp > 1 else 1
   return [dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, microbatches=m, compression=name,
                plan=dataclasses.asdict(r["plan"]), **timing_record(r, args))
           for name, r in runs.items()]
