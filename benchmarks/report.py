@@ -170,11 +170,12 @@ def train_section() -> str:
 def _codec_words(c: dict) -> str:
   # link "auto" (the default) is left out: every message of the benchmarked models is above
   # the measured sizes, so those runs compress what link=None runs compress.
-  link = c.get("link")
+  link, impl = c.get("link"), c.get("implementation", "auto")
   return " ".join(w for w in (
       c.get("format", "e4m3"), f"G={c.get('group_size')}",
       "Hadamard" if _hadamard(c) else "no-Hadamard",
-      f"link={link}" if link not in (None, "auto") else "") if w)
+      f"link={link}" if link not in (None, "auto") else "",
+      f"{impl} kernels" if impl != "auto" else "") if w)
 
 
 def _mfu(d: dict, r: dict):

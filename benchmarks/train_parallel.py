@@ -67,6 +67,9 @@ def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps:
                  help="Walsh-Hadamard transform in the codec (off: the measured better default)")
   p.add_argument("--min-bytes", type=int, default=0,
                  help="the codec's min_bytes: smaller messages (per device) go plain")
+  p.add_argument("--implementation", default="auto", choices=["auto", "pallas", "xla"],
+                 help="the codec's kernels: Pallas, or the jnp reference (which XLA can fuse "
+                      "into the ops around it)")
 
 
 def parse_args(argv=None):
@@ -108,11 +111,13 @@ def model_and_optimizer(args, *, remat: bool):
 
 def compression_plan(args, link=None):
   """The codec of the compressed runs on every family of --compress (--format,
-  --group-size, --hadamard, --min-bytes; `link` None: every message from --min-bytes on)."""
+  --group-size, --hadamard, --min-bytes, --implementation; `link` None: every message from
+  --min-bytes on)."""
   from taco_jax.codec import CompressionConfig
   from taco_jax.parallel.compression import CompressionPlan
   codec = CompressionConfig(format=args.format, group_size=args.group_size,
-                            hadamard=args.hadamard, min_bytes=args.min_bytes, link=link)
+                            hadamard=args.hadamard, min_bytes=args.min_bytes, link=link,
+                            implementation=args.implementation)
   return CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
 
 
