@@ -161,21 +161,22 @@ def run_sweep(x, g, interpret, timing_kw, sweep, hadamard):
 
 def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, hadamard,
                   wire=True):
+  kinds = [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]
+  if wire:
+    kinds += [("encode_wire", 1), ("encode_wire_rows", 1), ("decode_wire", 1),
+              ("decode_sum_wire", max(ns))]
+  k = d // g
+  # Whole rows per program (64 groups a tile, as the swept tiles hold): each program then
+  # writes its scale planes as whole runs of K bytes, not bk-byte pieces of them.
+  row_tile = Params(block_rows=max(1, 64 // (k & -k)), block_groups=k & -k)
+  unpack = functools.partial(pallas_kernels.wire.unpack, group_size=g, fmt="e4m3")
   rows_out = []
   for size_mib in sizes_mib:
     x = _inputs(int(size_mib * common.MIB), d, seed=int(size_mib * 16))
     rows = x.shape[0]
     enc_ref = jax.jit(functools.partial(enc.encode_reference, group_size=g, hadamard=hadamard))
     encoded = enc_ref(x)
-    wire_rows = jax.jit(pallas_kernels.wire.pack)(*encoded)
-    kinds = [("encode", 1), ("decode", 1)] + [("decode_sum", n) for n in ns]
-    if wire:
-      kinds += [("encode_wire", 1), ("encode_wire_rows", 1), ("decode_wire", 1),
-                ("decode_sum_wire", max(ns))]
-    k = d // g
-    # Whole rows per program (as many groups per tile as the best tile): each program then
-    # writes its scale planes as whole runs of K bytes, not bk-byte pieces of them.
-    row_tile = Params(block_rows=max(1, 64 // (k & -k)), block_groups=k & -k)
+    wire_rows = jax.jit(pallas_kernels.wire.pack)(*encoded) if wire else None
     for kind, n in kinds:
       p = best["encode" if kind.startswith("encode") else "decode"]
       if kind == "encode_wire_rows":
@@ -188,7 +189,6 @@ def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, ha
         args = tuple(jnp.stack([jnp.roll(a, i, axis=0) for i in range(n)]) for a in msg)
       else:
         args = (wire_rows,) if kind.endswith("wire") else encoded
-      unpack = functools.partial(pallas_kernels.wire.unpack, group_size=g, fmt="e4m3")
       got, want = kernel(*args), ref(*args)
       if kind.startswith("encode_wire"):
         got, want = unpack(got), unpack(want)
@@ -206,7 +206,7 @@ def run_bandwidth(sizes_mib, d, g, ns, interpret, timing_kw, best, copy_gbps, ha
           pallas_time=t_k.as_dict(), xla_time=t_r.as_dict(), check=check,
           params=dataclasses.asdict(p)))
       del args
-    del x, encoded
+    del x, encoded, wire_rows
   return rows_out
 
 
