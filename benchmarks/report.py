@@ -263,8 +263,8 @@ def accuracy_section() -> str:
                    _codec_words(r["compression"]["tp_forward"])
                    if r["compression"]["enabled"] else "off",
                    r["summary"]["val_loss"], None if cost is None else 100 * cost])
-  m = runs[-1][1]["runs"]["off"]["model"]
   d0 = runs[-1][1]
+  m = d0["runs"]["off"]["model"]
   text = (f"### Accuracy (`benchmarks/bench_accuracy.py`: GPT {m['n_layers']} x "
           f"{m['d_model']}, byte vocab, TP={d0['runs']['off']['parallel']['tp']}, "
           f"{d0['config']['steps']} steps, {d0['num_devices']}x {d0['device']})\n\n"

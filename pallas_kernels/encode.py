@@ -90,8 +90,8 @@ def encode_reference(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool
   return codes_MG.reshape(rows, d), alpha_M.reshape(rows, k), scale_M.reshape(rows, k)
 
 
-def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, lam, h_iota,
-                   fixed_order, packed):
+def _encode_kernel(x_ref, *refs, rows, group_size, groups, fmt, hadamard, dual_scale, lam,
+                   h_iota, fixed_order, packed):
   two_term = needs_two_terms(x_ref.dtype)
   if hadamard and not h_iota:
     h_ref, *out_refs = refs
@@ -112,7 +112,6 @@ def _encode_kernel(x_ref, *refs, rows, group_size, fmt, hadamard, dual_scale, la
   codes, alpha, scale = codes.reshape(br, bkg), alpha.reshape(br, bk), scale.reshape(br, bk)
   if packed:
     (wire_ref,) = out_refs
-    groups = wire.message_width(wire_ref.shape[-1], group_size) // group_size
     wire.store_tile(wire_ref, codes, alpha, scale, j=pl.program_id(1), groups=groups,
                     rows=rows if ragged else None)
     return
@@ -153,8 +152,8 @@ def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = 
     h = hadamard_matrix(group_size, 1 + needs_two_terms(x_RD.dtype))
     in_specs.append(pl.BlockSpec(h.shape, lambda i, j: (0, 0)))
     operands.append(jnp.asarray(h, jnp.bfloat16))
-  kernel = functools.partial(_encode_kernel, rows=rows, group_size=group_size, fmt=fmt,
-                             hadamard=hadamard, dual_scale=dual_scale, lam=lam,
+  kernel = functools.partial(_encode_kernel, rows=rows, group_size=group_size, groups=k,
+                             fmt=fmt, hadamard=hadamard, dual_scale=dual_scale, lam=lam,
                              h_iota=h_iota, fixed_order=interpret, packed=packed)
   if packed:  # each program writes its codes and scales into its rows (wire.store_tile)
     w = wire.width(d, group_size)
