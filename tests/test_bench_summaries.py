@@ -34,10 +34,22 @@ def test_bench_train_summary_of_the_interleaved_variants():
   assert s["best_off_vs_gspmd"] == pytest.approx(180 / 175)
 
 
+def test_bench_train_summary_of_the_pgle_variants():
+  (s,) = bench_train.summarize(_rows(off=200.0, on=190.0, ideal=150.0, gspmd=180.0,
+                                     off_pgle=185.0, on_pgle=172.0, on_il2_pgle=175.0))
+  assert s["speedup_pgle_off"] == pytest.approx(200 / 185)
+  assert s["speedup_pgle_on"] == pytest.approx(190 / 172)
+  assert (s["best_off"], s["best_on"]) == ("off_pgle", "on_pgle")
+  assert s["recovered_best"] == pytest.approx((185 - 172) / (185 - 150))
+  assert s["best_off_vs_gspmd"] == pytest.approx(180 / 185)
+  assert s["recovered"] == pytest.approx(0.2)  # the plain pair's, unchanged
+
+
 def test_bench_train_variants_and_their_compile_options():
   from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "off,off_il2,on_il2"])
-  assert [bench_train.interleave(v) for v in ("off", "off_il2", "on_il2")] == [1, 2, 2]
+  assert [bench_train.interleave(v) for v in ("off", "off_il2", "on_il2", "on_il2_pgle",
+                                             "off_pgle")] == [1, 2, 2, 2, 1]
   assert bench_train.xla_options("off", args) == {}
   assert bench_train.xla_options("on_il2", args) == INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "on_il2", "--no-interleave-options"])
