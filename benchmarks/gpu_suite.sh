@@ -12,7 +12,8 @@
 #   bash benchmarks/gpu_suite.sh accuracy_seed2 collectives_2gpu  # (~6 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
 #   bash benchmarks/gpu_suite.sh xla_kernels         # bench_train, codec as jnp reference (~7 min)
-#   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules (~8 min)
+#   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules (~6 min)
+#   bash benchmarks/gpu_suite.sh xla_kernels pp2     # + TP=2 x PP=2 on / off (~9 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -80,6 +81,9 @@ for job in "$@"; do
         --deadline-s 270 --out-dir "$out"
       timeout 200 python3 benchmarks/bench_train.py --label nvlink_il2_pgle --layouts 1,1,4 \
         --variants off,off_il2_pgle,on_il2_pgle --steps 30 --deadline-s 180 --out-dir "$out" ;;
+    pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
+      timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
+        --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
     e2e_2.7b)  # the 2.7B GPT (32 x 2560) at TP=4, NVLink and P2P off
       timeout 250 python3 benchmarks/bench_train.py --label nvlink_2.7b --model 2.7b \
         --layouts 1,1,4 --variants off,on,gspmd --deadline-s 225 --out-dir "$out"
