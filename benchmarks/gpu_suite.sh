@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_suite.sh e2e_2.7b            # 2.7B GPT at TP=4 (~8 min)
 #   bash benchmarks/gpu_suite.sh accuracy            # 3 x 2000 training steps (~9 min)
 #   bash benchmarks/gpu_suite.sh overlap             # bench_train, ring layers too (~9 min)
-#   bash benchmarks/gpu_suite.sh profile             # device traces: off, on, off_il2, GSPMD (~3 min)
+#   bash benchmarks/gpu_suite.sh profile             # device traces: on, off_il2, on_il2 (~2 min)
 #   bash benchmarks/gpu_suite.sh codec codec_hadamard  # one GPU (H100 or H200; ~8 min)
 #   bash benchmarks/gpu_suite.sh accuracy_seed2 collectives_2gpu  # (~6 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
@@ -46,8 +46,8 @@ for job in "$@"; do
         --label p2p_disabled --sizes-mib "$sizes" --out-dir "$out" ;;
     train) timeout 420 python3 benchmarks/train_parallel.py --out-dir "$out" ;;
     profile)  # device trace of one step per variant: exposed NCCL time, scheduled HLO
-      timeout 400 python3 benchmarks/profile_step.py --label nvlink --layouts 1,1,4 \
-        --variants off,on,off_il2,gspmd --steps 2 --warmup 2 --out-dir "$out" ;;
+      timeout 400 python3 benchmarks/profile_step.py --label nvlink_il2 --layouts 1,1,4 \
+        --variants on,off_il2,on_il2 --steps 2 --warmup 2 --out-dir "$out" ;;
     e2e)  # results straight to $out: a run cut off by the call's limit keeps what it wrote
       timeout 290 python3 benchmarks/bench_train.py --label nvlink --deadline-s 250 \
         --out-dir "$out"

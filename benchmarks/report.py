@@ -187,6 +187,15 @@ def _mfu(d: dict, r: dict):
   return r["tokens_per_s"] * fpt / (d["num_devices"] * peak * 1e12) if peak and fpt else None
 
 
+SHOWN_VARIANTS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal", "gspmd")
+
+
+def _other_variants(results: list[dict], layout: str) -> str:
+  """'name ms, ...' of a layout's variants without a column of their own (e.g. *_pgle)."""
+  return ", ".join(f"{r['variant']} {r['step_ms']:.0f}" for r in results
+                   if r["layout"] == layout and r["variant"] not in SHOWN_VARIANTS) or "–"
+
+
 def bench_train_section() -> str:
   rows, il2_ms, hosts = [], [], set()
   for name, d in _load("bench_train_*.json"):
@@ -201,7 +210,7 @@ def bench_train_section() -> str:
                    s.get("on_ms"), s.get("ring_off_ms"), s.get("ring_on_ms"),
                    s.get("ideal_ms"), s.get("gspmd_ms"), s.get("speedup_on_vs_off"),
                    s.get("comm_share"), s.get("recovered"), s.get("off_vs_gspmd"),
-                   off and _mfu(d, off)])
+                   off and _mfu(d, off), _other_variants(d["results"], s["layout"])])
       il2_ms.append([s.get("off_il2_ms"), s.get("on_il2_ms")])
   if not rows:
     return ""
@@ -209,7 +218,8 @@ def bench_train_section() -> str:
     raise ValueError(f"bench_train results mix setups {sorted(hosts)}: add columns for them")
   (seq, batch, n, device), = hosts
   header = ["run", "model", "dp,pp,tp", "codec (on)", "off", "on", "ring off", "ring on",
-            "ideal", "GSPMD", "on speedup", "comm share", "recovered", "GSPMD / off", "MFU off"]
+            "ideal", "GSPMD", "on speedup", "comm share", "recovered", "GSPMD / off", "MFU off",
+            "other variants (ms)"]
   il2 = ""
   if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
     header[8:8] = ["off il2", "on il2"]
@@ -227,7 +237,9 @@ def bench_train_section() -> str:
           "1 layout GSPMD runs the same devices as data x tensor, no pipeline); MFU of the "
           "`off` step against the dense bf16 peak (989 TFLOP/s). `nop2p*` runs have "
           "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
-          "`CompressionConfig(link=\"nvlink\")` measured to pay.\n\n"
+          "`CompressionConfig(link=\"nvlink\")` measured to pay; `*_pgle` variants are "
+          "compiled again with the instruction times profiled in two steps "
+          "(`taco_jax.parallel.pgle`).\n\n"
           + _table(header, rows) + "\n")
 
 

@@ -99,3 +99,12 @@ def test_trace_summary_counts_only_uncovered_nccl_time():
 def test_mfu_is_against_the_spec_peak():
   assert common.mfu(1e4, 1e9, 4, "NVIDIA H200") == pytest.approx(1e13 / (4 * 989.4e12))
   assert common.mfu(1e4, 1e9, 4, "cpu") is None
+
+
+def test_report_lists_variants_without_a_column_of_their_own():
+  from benchmarks import report
+  results = [dict(layout="1,1,4", variant=v, step_ms=ms) for v, ms in
+             (("off", 210.2), ("off_pgle", 209.4), ("on_il2_pgle", 202.6))]
+  results.append(dict(layout="1,2,2", variant="on_pgle", step_ms=250.0))
+  assert report._other_variants(results, "1,1,4") == "off_pgle 209, on_il2_pgle 203"
+  assert report._other_variants(results[:1], "1,1,4") == "–"
