@@ -14,6 +14,8 @@
 #   bash benchmarks/gpu_suite.sh xla_kernels         # bench_train, codec as jnp reference (~7 min)
 #   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules (~6 min)
 #   bash benchmarks/gpu_suite.sh xla_kernels pp2     # + TP=2 x PP=2 on / off (~9 min)
+#   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
+#   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -84,6 +86,9 @@ for job in "$@"; do
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
+    e2e_8gpu)  # (1,1,8) and (dp,pp,tp) = (2,2,2), NVLink, same script and format as 4 GPUs
+      timeout 540 python3 benchmarks/bench_train.py --label nvlink_8gpu --layouts "1,1,8;2,2,2" \
+        --variants off,on,ideal,gspmd --deadline-s 500 --out-dir "$out" ;;
     e2e_2.7b)  # the 2.7B GPT (32 x 2560) at TP=4, NVLink and P2P off
       timeout 250 python3 benchmarks/bench_train.py --label nvlink_2.7b --model 2.7b \
         --layouts 1,1,4 --variants off,on,gspmd --deadline-s 225 --out-dir "$out"
