@@ -1,7 +1,7 @@
 """Training-step tokens/s and MFU: TACO compression off / on, the ideal bound, and GSPMD.
 
-Per (dp, pp, tp) layout, four programs train the same GPT from the same parameters on the
-same batches, their steps interleaved (the order rotates every step):
+Per (dp, pp, tp) layout, the --variants programs train the same GPT from the same
+parameters on the same batches, their steps interleaved (the order rotates every step):
 
   off     our 3D-parallel shard_map step (`taco_jax.parallel.step`), bf16 collectives
   on      the same with TACO compression (`--compress` families)
@@ -14,18 +14,6 @@ same batches, their steps interleaved (the order rotates every step):
           attribute, only around `.lower()`; nothing else is changed.
   ring_off, ring_on  off / on with the TP layers as ring collective matmuls
           (`parallel.overlap`: each chunk's transfer in flight during another's matmul)
-  off_il2, on_il2  off / on with each micro-batch split into 2 sub-batches whose blocks
-          run side by side (`parallel.interleave=2`: one's TP collectives can overlap the
-          other's matmuls), compiled with `step.INTERLEAVE_XLA_OPTIONS` (DotMerger and the
-          all-gather / reduce-scatter combiners off, so XLA does not merge the two chains
-          back into one; `--no-interleave-options` keeps XLA's defaults). Only these two
-          variants get those options.
-  *_pgle  any of the above (`off_pgle`, `on_il2_pgle`, ...) compiled twice: the second
-          time with the instruction times measured in two profiled steps of the first
-          (`taco_jax.parallel.pgle`: XLA's profile-guided latency estimation), so the
-          scheduler overlaps collectives by measured costs rather than its guesses. The
-          profiled steps run on a throwaway state; timing starts from the same parameters
-          as the other variants.
   gspmd   the same model under plain `jax.jit` with Megatron NamedSharding annotations
           (`taco_jax.parallel.gspmd`) on a (dp * pp, tp) ("data", "tensor") mesh (no
           pipeline: for a pp > 1 layout this is the GSPMD run on the same devices with the
@@ -33,11 +21,27 @@ same batches, their steps interleaved (the order rotates every step):
           (`gspmd.XLA_OVERLAP_FLAGS`, set in XLA_FLAGS for the whole process, so `off` and
           `on` get them too; `--no-overlap-flags` drops them).
 
+Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_pgle`):
+
+  _il2    each micro-batch split into 2 sub-batches whose blocks run side by side
+          (`parallel.interleave=2`: one's TP collectives can overlap the other's matmuls),
+          compiled with `step.INTERLEAVE_XLA_OPTIONS` (DotMerger and the all-gather /
+          reduce-scatter combiners off, so XLA does not merge the two chains back into
+          one; `--no-interleave-options` keeps XLA's defaults). Only these variants get
+          those options.
+  _save   the layer remat keeps the TP collectives' outputs (`parallel.save_tp_outputs`):
+          the backward pass recomputes each block without communicating again
+  _pgle   (GSPMD too) compiled twice: the second time with the instruction times
+          measured in two profiled steps of the first (`taco_jax.parallel.pgle`: XLA's
+          profile-guided latency estimation), so the scheduler overlaps collectives by
+          measured costs rather than its guesses. The profiled steps run on a throwaway
+          state; timing starts from the same parameters as the other variants.
+
 Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
 comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication
 time compression wins back (1 = compressed step as fast as free communication). The `best_*`
-figures take the fastest of the plain, ring and interleaved steps on each side (what a user
-would pick).
+figures take the fastest of our bf16 and of our compressed programs (what a user would
+pick); speedup_<modifiers>_<off|on> compares a modified program with the plain one.
 Timing as in train_parallel.py (host wall-clock around block_until_ready, median after
 --warmup); MFU against the device's spec peak, as there.
 
@@ -69,15 +73,54 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     SMOKE, add_run_args, bench_setup, build_step, comm_summary, compression_plan,
     model_and_optimizer, step_interleaved, timing_record)
 
-BASE_VARIANTS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on", "off_il2", "on_il2")
-VARIANTS = BASE_VARIANTS + tuple(f"{v}_pgle" for v in BASE_VARIANTS)
+BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
+MODIFIERS = ("il2", "save", "pgle")  # after the base, in this order: off_il2_save_pgle
 PGLE_RUNS = 2  # profiled steps per *_pgle variant (after one warm-up step)
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """One program of the benchmark, parsed from its name (see the module docstring)."""
+  name: str
+  base: str                     # one of BASES
+  interleave: int = 1           # _il2: parallel.interleave=2
+  save_tp_outputs: bool = False  # _save: parallel.save_tp_outputs (with remat)
+  pgle: bool = False            # _pgle: compiled again from a profile
+
+  @property
+  def ours(self) -> bool:  # our shard_map step (not GSPMD)
+    return self.base != "gspmd"
+
+  @property
+  def compressed(self) -> bool:
+    return self.base.removeprefix("ring_") == "on"
+
+  @property
+  def program(self) -> str:  # the name of what it compiles first (no PGLE)
+    return self.name.removesuffix("_pgle")
+
+
+def parse_variant(name: str) -> Variant:
+  """`Variant` of a name like `on`, `ring_off`, `off_il2_save`, `gspmd_pgle`; ValueError
+  for anything else."""
+  base = next((b for b in sorted(BASES, key=len, reverse=True)
+               if name == b or name.startswith(b + "_")), None)
+  mods = name[len(base) + 1:].split("_") if base and name != base else []
+  order = [MODIFIERS.index(m) if m in MODIFIERS else -1 for m in mods]
+  if base is None or -1 in order or order != sorted(set(order)) or (
+      base == "gspmd" and set(mods) - {"pgle"}):
+    raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
+                     f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only _pgle)")
+  return Variant(name, base, interleave=2 if "il2" in mods else 1,
+                 save_tp_outputs="save" in mods, pgle="pgle" in mods)
 
 
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   add_run_args(p, model="1.3b", layouts="1,1,4;1,2,2", steps=40, warmup=3, seq=2048, batch=8)
-  p.add_argument("--variants", default="off,on,ideal,gspmd", help=f"of {','.join(VARIANTS)}")
+  p.add_argument("--variants", default="off,on,ideal,gspmd",
+                 help=f"comma-separated: one of {', '.join(BASES)}, then any of "
+                      f"_{', _'.join(MODIFIERS)} (e.g. on_il2_pgle)")
   p.add_argument("--no-remat", action="store_true", help="keep activations (more memory)")
   p.add_argument("--link", default=None, help="'on' compresses only the collectives and sizes "
                  "measured to pay on this link (CompressionConfig.link: nvlink | p2p_disabled)")
@@ -94,9 +137,12 @@ def parse_args(argv=None):
                  help="wall-clock budget of the whole run, compiles included")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
   args = parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2"))
-  unknown = set(args.variants.split(",")) - set(VARIANTS)
-  if unknown:
-    p.error(f"unknown variants {sorted(unknown)}; known: {','.join(VARIANTS)}")
+  try:
+    args._variants = [parse_variant(v) for v in args.variants.split(",")]
+  except ValueError as e:
+    p.error(str(e))
+  if any(v.save_tp_outputs for v in args._variants) and args.no_remat:
+    p.error("_save variants keep the TP outputs of the recomputation: not with --no-remat")
   return args
 
 
@@ -146,32 +192,22 @@ def noop_tensor_collectives():
       setattr(collectives, k, f)
 
 
-def base_variant(variant: str) -> str:
-  """The variant without its `_pgle` suffix (what program it compiles)."""
-  return variant.removesuffix("_pgle")
-
-
-def interleave(variant: str) -> int:
-  """Sub-batches per micro-batch of one of our step's variants (`parallel.interleave`)."""
-  return 2 if base_variant(variant).endswith("_il2") else 1
-
-
-def xla_options(variant: str, args) -> dict:
+def xla_options(variant: Variant, args) -> dict:
   """The per-compile XLA options of `variant`: `step.INTERLEAVE_XLA_OPTIONS` for the
   interleaved ones (unless --no-interleave-options), none for the others."""
   from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
-  return {} if interleave(variant) == 1 or args.no_interleave_options else dict(
+  return {} if variant.interleave == 1 or args.no_interleave_options else dict(
       INTERLEAVE_XLA_OPTIONS)
 
 
-def build(variant, layout, args, cfg, tx):
+def build(variant: Variant, layout, args, cfg, tx):
   """(executable, (params, opt_state), batch_fn, mesh, plan, profiled) of one variant;
   `profiled`: whether a *_pgle variant's executable was scheduled from a profile."""
-  step, state, batch, mesh, plan, ctx = _program(base_variant(variant), layout, args, cfg, tx)
+  step, state, batch, mesh, plan, ctx = _program(variant, layout, args, cfg, tx)
   with ctx:
     lowered = step.lower(*state, batch(args._tokens0))
   options = xla_options(variant, args)
-  if variant == base_variant(variant):
+  if not variant.pgle:
     return lowered.compile(options), state, batch, mesh, plan, False
   import jax
   from taco_jax.parallel import pgle
@@ -184,20 +220,20 @@ def build(variant, layout, args, cfg, tx):
     scratch["state"] = (params, opt_state)
 
   exe, profiled = pgle.profile_guided_compile(lowered, run, runs=PGLE_RUNS, options=options)
-  state = _program(base_variant(variant), layout, args, cfg, tx)[1]  # fresh: same start
+  state = _program(variant, layout, args, cfg, tx)[1]  # fresh: the others' start
   return exe, state, batch, mesh, plan, profiled
 
 
-def _program(variant, layout, args, cfg, tx):
-  """(jitted step, (params, opt_state), batch_fn, mesh, plan, tracing context) of a base
-  variant; parameters from seed 0."""
+def _program(variant: Variant, layout, args, cfg, tx):
+  """(jitted step, (params, opt_state), batch_fn, mesh, plan, tracing context) of
+  `variant` (its first compile); parameters from seed 0."""
   import jax
   from taco_jax.parallel import gspmd
   from taco_jax.parallel.compression import CompressionPlan
   from taco_jax.parallel.train import opt_state_target
 
   dp, pp, tp = layout
-  if variant == "gspmd":
+  if not variant.ours:
     mesh = gspmd.make_mesh(dp * pp, tp)
     p_sh = gspmd.shardings(cfg, mesh)
     params = gspmd.init_params(cfg, mesh, seed=0)
@@ -212,12 +248,13 @@ def _program(variant, layout, args, cfg, tx):
                                                         lambda i: tokens[i])
     plan, ctx = None, contextlib.nullcontext()
   else:
-    compressed = variant.removeprefix("ring_").removesuffix("_il2") == "on"
-    plan = compression_plan(args, link=args.link) if compressed else CompressionPlan()
+    plan = compression_plan(args, link=args.link) if variant.compressed else CompressionPlan()
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
-                                          overlap=variant.startswith("ring_"),
-                                          interleave=interleave(variant))
-    ctx = noop_tensor_collectives() if variant == "ideal" else contextlib.nullcontext()
+                                          overlap=variant.base.startswith("ring_"),
+                                          interleave=variant.interleave,
+                                          save_tp_outputs=variant.save_tp_outputs)
+    ctx = (noop_tensor_collectives() if variant.base == "ideal" else
+           contextlib.nullcontext())
   return step, state, batch, mesh, plan, ctx
 
 
@@ -239,10 +276,10 @@ def run_layout(layout, args, cfg, tx, corpus, until):
 
   runs, failed = {}, []
   dp, pp, tp = layout
-  for v in args.variants.split(","):
-    t0 = time.perf_counter()
+  for variant in args._variants:
+    v, t0 = variant.name, time.perf_counter()
     try:  # one variant that does not build (e.g. out of memory) must not lose the others
-      exe, state, batch, mesh, plan, profiled = build(v, layout, args, cfg, tx)
+      exe, state, batch, mesh, plan, profiled = build(variant, layout, args, cfg, tx)
     except Exception as e:  # noqa: BLE001 (recorded in the results and printed)
       traceback.print_exc()
       failed.append(dict(layout=f"{dp},{pp},{tp}", variant=v, error=f"{type(e).__name__}: "
@@ -255,6 +292,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
       dest.write_bytes(gzip.compress(exe.as_text().encode()))
       print(f"wrote {dest}", flush=True)
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
+                   variant=variant,
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
@@ -264,17 +302,18 @@ def run_layout(layout, args, cfg, tx, corpus, until):
   out = []
   for name, r in runs.items():
     out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, variant=name,
-                    mesh=(f"data={dp * pp},tensor={tp}" if name == "gspmd" else
-                          f"data={dp},pipeline={pp},tensor={tp}"),
-                    plan=r["plan"], xla_options=xla_options(name, args),
+                    mesh=(f"data={dp},pipeline={pp},tensor={tp}" if r["variant"].ours else
+                          f"data={dp * pp},tensor={tp}"),
+                    plan=r["plan"], xla_options=xla_options(r["variant"], args),
+                    save_tp_outputs=r["variant"].save_tp_outputs,
                     pgle_profiled=r["pgle_profiled"],
                     **timing_record(r, args)))
     del r["exe"], r["state"]
   return out, failed
 
 
-OFF_FAMILY = ("off", "ring_off", "off_il2")  # our bf16 programs
-ON_FAMILY = ("on", "ring_on", "on_il2")       # their compressed twins
+COLUMNS = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on", "off_il2", "on_il2",
+           "off_pgle", "on_pgle")  # summary keys <v>_ms, None when not measured
 
 
 def summarize(rows) -> list[dict]:
@@ -283,7 +322,7 @@ def summarize(rows) -> list[dict]:
   out = []
   for lay in dict.fromkeys(r["layout"] for r in rows):
     t = {r["variant"]: r["step_ms"] for r in rows if r["layout"] == lay}
-    s = dict(layout=lay, **{f"{v}_ms": t.get(v) for v in VARIANTS})
+    s = dict(layout=lay, **{f"{v}_ms": t.get(v) for v in dict.fromkeys((*COLUMNS, *t))})
     if "off" in t and "ideal" in t:
       s["comm_ms"] = t["off"] - t["ideal"]
       s["comm_share"] = s["comm_ms"] / t["off"]
@@ -293,18 +332,14 @@ def summarize(rows) -> list[dict]:
       s["speedup_on_vs_off"] = t["off"] / t["on"]
     if "gspmd" in t and "off" in t:
       s["off_vs_gspmd"] = t["gspmd"] / t["off"]  # > 1: our bf16 step is faster
-    if "off_il2" in t and "off" in t:
-      s["speedup_il2_off"] = t["off"] / t["off_il2"]  # > 1: interleaving pays
-    if "on_il2" in t and "on" in t:
-      s["speedup_il2_on"] = t["on"] / t["on_il2"]
-    if "off_il2" in t and "gspmd" in t:
-      s["off_il2_vs_gspmd"] = t["gspmd"] / t["off_il2"]
-    if "off_pgle" in t and "off" in t:
-      s["speedup_pgle_off"] = t["off"] / t["off_pgle"]  # > 1: profile-guided schedule pays
-    if "on_pgle" in t and "on" in t:
-      s["speedup_pgle_on"] = t["on"] / t["on_pgle"]
-    offs = [v for v in t if base_variant(v) in OFF_FAMILY]
-    ons = [v for v in t if base_variant(v) in ON_FAMILY]
+    ours = [parse_variant(v) for v in t]
+    for v in ours:  # > 1: the modifiers (_il2, _save, _pgle) pay against the plain program
+      if v.base in ("off", "on") and v.name != v.base and v.base in t:
+        s[f"speedup_{v.name.removeprefix(v.base + '_')}_{v.base}"] = t[v.base] / t[v.name]
+      if v.base == "off" and v.name != v.base and "gspmd" in t:
+        s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
+    offs = [v.name for v in ours if v.base in ("off", "ring_off")]
+    ons = [v.name for v in ours if v.compressed]
     if len(offs) > 1 or len(ons) > 1:  # a choice of programs: what a user would pick
       best_off = min(offs, key=t.get, default=None)
       best_on = min(ons, key=t.get, default=None)

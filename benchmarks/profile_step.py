@@ -113,8 +113,9 @@ def main(argv=None):
                 device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
                 config={k: v for k, v in vars(args).items() if not k.startswith("_")},
                 traced_steps=trace_steps, variants={})
-  for v in args.variants.split(","):
-    exe, state, batch, *_ = bench_train.build(v, layout, args, cfg, tx)
+  for variant in args._variants:
+    v = variant.name
+    exe, state, batch, *_ = bench_train.build(variant, layout, args, cfg, tx)
     (out_dir / f"hlo_{args.label}_{v}.txt.gz").write_bytes(gzip.compress(exe.as_text().encode()))
     b = batch(args._tokens0)
     for _ in range(args.warmup):

@@ -61,6 +61,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                overlaps a matmul (taco_jax.parallel.overlap)
   p.interleave = 1               # sub-batches per micro-batch whose blocks run side by side, so
   #                                one's TP collectives can overlap another's matmuls; 1 = off
+  p.save_tp_outputs = False      # with model.remat: keep the TP collectives' outputs, so the
+  #                                backward pass's recomputation does not communicate again
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1

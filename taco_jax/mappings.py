@@ -15,17 +15,31 @@ returns a cotangent with its primal's type.
 Every public region runs through ``quality.region``: with no monitor active (always, except
 while a step is traced with ``compression.log_errors`` or by ``taco_jax.calibrate``) that
 is a plain call, so the program is the same as without it.
+
+The forward outputs of the regions that communicate (``reduce_from_tp``,
+``gather_from_sp``, ``reduce_scatter_to_sp``) carry the checkpoint name ``TP_OUTPUT``: a
+``jax.checkpoint`` policy that saves them (``save_tp_outputs_policy``) keeps the backward
+pass's recomputation of a block from communicating (and compressing) again.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax import collectives, quality
 from taco_jax.codec import CompressionConfig
 
 Compression = CompressionConfig | None
+
+TP_OUTPUT = "taco_tp_output"  # checkpoint name of the communicating regions' forward outputs
+
+
+def save_tp_outputs_policy():
+  """A ``jax.checkpoint`` policy saving the forward outputs of the TP collectives (Megatron's
+  selective recomputation: the rest of the block is recomputed, no collective is)."""
+  return jax.checkpoint_policies.save_only_these_names(TP_OUTPUT)
 
 
 def _axes(axis_name) -> tuple:
@@ -102,10 +116,10 @@ def reduce_from_tp(x, axis_name, *, fwd_compression: Compression = None,
 
   Put after a row-parallel matmul (tensor parallelism without sequence parallelism).
   """
-  return quality.region(
+  return checkpoint_name(quality.region(
       lambda x: _reduce_from_tp(x, axis_name, fwd_compression, algorithm, _vma(x)), x,
       fwd=fwd_compression, bwd=None, fwd_site="reduce_from_tp/fwd", bwd_site="",
-      axis_name=axis_name)
+      axis_name=axis_name), TP_OUTPUT)
 
 
 # --- gather_from_sp ---------------------------------------------------------------------
@@ -134,10 +148,10 @@ def gather_from_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compression 
   """forward: all-gather along ``axis`` (the sequence; 1 for [B, T, D]), backward:
   reduce-scatter along it. Put before a column-parallel matmul in sequence parallelism.
   """
-  return quality.region(
+  return checkpoint_name(quality.region(
       lambda x: _gather_from_sp(x, axis_name, axis, fwd_compression, bwd_compression, _vma(x)),
       x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="gather_from_sp/fwd",
-      bwd_site="gather_from_sp/bwd", axis_name=axis_name)
+      bwd_site="gather_from_sp/bwd", axis_name=axis_name), TP_OUTPUT)
 
 
 # --- reduce_scatter_to_sp -----------------------------------------------------------------
@@ -165,7 +179,7 @@ def reduce_scatter_to_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compre
   """forward: reduce-scatter along ``axis`` (the sequence; 1 for [B, T, D]), backward:
   all-gather along it. Put after a row-parallel matmul in sequence parallelism.
   """
-  return quality.region(
+  return checkpoint_name(quality.region(
       lambda x: _reduce_scatter_to_sp(x, axis_name, axis, fwd_compression, bwd_compression),
       x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="reduce_scatter_to_sp/fwd",
-      bwd_site="reduce_scatter_to_sp/bwd", axis_name=axis_name)
+      bwd_site="reduce_scatter_to_sp/bwd", axis_name=axis_name), TP_OUTPUT)

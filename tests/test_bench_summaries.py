@@ -39,6 +39,8 @@ def test_bench_train_summary_of_the_pgle_variants():
                                      off_pgle=185.0, on_pgle=172.0, on_il2_pgle=175.0))
   assert s["speedup_pgle_off"] == pytest.approx(200 / 185)
   assert s["speedup_pgle_on"] == pytest.approx(190 / 172)
+  assert s["speedup_il2_pgle_on"] == pytest.approx(190 / 175)
+  assert s["off_pgle_vs_gspmd"] == pytest.approx(180 / 185)
   assert (s["best_off"], s["best_on"]) == ("off_pgle", "on_pgle")
   assert s["recovered_best"] == pytest.approx((185 - 172) / (185 - 150))
   assert s["best_off_vs_gspmd"] == pytest.approx(180 / 185)
@@ -48,12 +50,27 @@ def test_bench_train_summary_of_the_pgle_variants():
 def test_bench_train_variants_and_their_compile_options():
   from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "off,off_il2,on_il2"])
-  assert [bench_train.interleave(v) for v in ("off", "off_il2", "on_il2", "on_il2_pgle",
-                                             "off_pgle")] == [1, 2, 2, 2, 1]
-  assert bench_train.xla_options("off", args) == {}
-  assert bench_train.xla_options("on_il2", args) == INTERLEAVE_XLA_OPTIONS
+  v = bench_train.parse_variant
+  assert [v(n).interleave for n in ("off", "off_il2", "on_il2", "on_il2_pgle", "off_pgle")] == [
+      1, 2, 2, 2, 1]
+  assert bench_train.xla_options(v("off"), args) == {}
+  assert bench_train.xla_options(v("on_il2"), args) == INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "on_il2", "--no-interleave-options"])
-  assert bench_train.xla_options("on_il2", args) == {}
+  assert bench_train.xla_options(v("on_il2"), args) == {}
+
+
+def test_bench_train_variant_names():
+  v = bench_train.parse_variant("ring_on_il2_save_pgle")
+  assert (v.base, v.interleave, v.save_tp_outputs, v.pgle, v.compressed, v.ours) == (
+      "ring_on", 2, True, True, True, True)
+  assert v.program == "ring_on_il2_save"
+  assert not bench_train.parse_variant("ideal_save").compressed
+  assert not bench_train.parse_variant("gspmd_pgle").ours
+  for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x"):
+    with pytest.raises(ValueError, match="unknown variant"):
+      bench_train.parse_variant(bad)
+  with pytest.raises(SystemExit):
+    bench_train.parse_args(["--variants", "off,on_save", "--no-remat"])
 
 
 def test_report_adds_the_interleaved_columns_only_once_measured(tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ One tiny fp32 GPT, one batch; per mesh the loss-and-gradients function is compil
 the meshes of INTERLEAVED, also with `interleave=2`).
 """
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -285,3 +286,37 @@ def test_interleave_errors():
     jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens)
   assert step_lib.compiler_options(spec) == step_lib.INTERLEAVE_XLA_OPTIONS
   assert step_lib.compiler_options(step_lib.ParallelSpec(CFG, 1, 1, 8)) == {}
+
+
+def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
+  """With `model.remat` the backward layer scan recomputes each block, its TP collectives
+  included; `save_tp_outputs=True` keeps their outputs instead (`step.remat_policy`), so
+  the compiled program has the block collectives of a step without remat, and the same
+  loss and gradients (compressed too: the saved messages are the ones the forward sent)."""
+  cfg = dataclasses.replace(CFG, remat=True)
+  mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
+  params = model_lib.shard_params(CFG, _parallel(model_lib.single_device_model(CFG, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  rows = BATCH // MICRO
+  got = {}
+  for name, c, plan, save in (("plain", CFG, CompressionPlan(), False),
+                              ("remat", cfg, CompressionPlan(), False),
+                              ("saved", cfg, CompressionPlan(), True),
+                              ("remat_on", cfg, ON, False), ("saved_on", cfg, ON, True)):
+    spec = step_lib.ParallelSpec(c, 1, 1, 4, MICRO, plan, save_tp_outputs=save)
+    got[name] = _loss_grads_collectives(spec, mesh, params, tokens)
+  plain, remat, saved = (_block_messages(got[k][2], rows) for k in ("plain", "remat", "saved"))
+  assert saved == plain
+  # recomputed: both gathers of the block and the reduce-scatter its MLP input needs
+  assert remat == plain + collections.Counter({"all-gather": 2, "reduce-scatter": 1}), remat
+  wire = lambda k: collections.Counter(c.kind for c in got[k][2]  # noqa: E731
+                                       if c.axes == {"tensor"} and c.dtype == "u8")
+  # compressed: the recomputation's two gathers of wire rows, and the all-to-all(s) of its
+  # reduce-scatter (which the CPU compiler may split), are gone too
+  spared = wire("remat_on") - wire("saved_on")
+  assert not wire("saved_on") - wire("remat_on")
+  assert spared["all-gather"] == 2 and spared["all-to-all"] > 0, spared
+  _assert_f32_close(*got["saved"][:2], *got["remat"][:2])
+  _assert_f32_close(*got["saved_on"][:2], *got["remat_on"][:2])
+  assert step_lib.remat_policy(step_lib.ParallelSpec(cfg, 1, 1, 4)) is None

@@ -39,6 +39,8 @@ def _config(cache_dir="", **parallel):
      ["data.batch_size=8 is not divisible by parallel.dp * parallel.microbatches * "
       "parallel.interleave = 2*2*4 = 16 (each micro-batch splits into 4 sub-batches)"]),
     (dict(parallel=dict(interleave=0)), ["parallel.interleave=0 must be a positive integer"]),
+    (dict(parallel=dict(save_tp_outputs=True)), ["parallel.save_tp_outputs=True keeps what "
+                                                 "model.remat would recompute"]),
     (dict(parallel=dict(dp=1, pp=1, tp=8), data=dict(seq_len=36), model=dict(vocab_size=260,
                                                                              max_seq_len=36)),
      ["data.seq_len=36", "model.vocab_size=260"]),
@@ -123,9 +125,12 @@ def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
 
 
 def test_unified_entry_point_picks_the_trainer(tmp_path, tmp_path_factory, monkeypatch):
-  c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2)
+  c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2,
+              save_tp_outputs=True)
+  c.model.remat = True
   c.compression.enabled = False
   c.train.steps = 2
+  assert spec_from_config(c).save_tp_outputs
   s = cli.train(c, tmp_path)  # what `python -m taco_jax.train` calls
   assert s["status"] == "completed" and s["step"] == 2
   assert s["mesh"] == {"data": 2, "pipeline": 2, "tensor": 2}

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import collectives, quality
+from taco_jax import collectives, mappings, quality
 from taco_jax.parallel import layers, model as model_lib, pipeline
 from taco_jax.parallel.compression import CompressionPlan
 from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
@@ -61,6 +61,9 @@ class ParallelSpec:
   # sub-batches per micro-batch whose blocks run side by side, so that one's TP collectives
   # can overlap another's matmuls (parallel.interleave; see `_local_loss`)
   interleave: int = 1
+  # with model.remat: keep the TP collectives' outputs for the backward pass, so recomputing
+  # a block does not communicate again (parallel.save_tp_outputs; see `remat_policy`)
+  save_tp_outputs: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.interleave, int) and self.interleave >= 1):
@@ -77,6 +80,16 @@ def compiler_options(spec: ParallelSpec) -> dict:
   """XLA options to compile the step of `spec` with (`jax.jit(..., compiler_options=)`):
   `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches, none otherwise."""
   return dict(INTERLEAVE_XLA_OPTIONS) if spec.interleave > 1 else {}
+
+
+def remat_policy(spec: ParallelSpec):
+  """The `jax.checkpoint` policy of the layer scan under `model.remat`: recompute everything
+  (None), or with `spec.save_tp_outputs` everything but the TP collectives' outputs, so the
+  recomputation sends nothing (and compresses nothing). The cost is memory: per layer and
+  micro-batch, with sequence parallelism, two gathered block inputs [b, T, D] and two
+  sequence shards [b, T / tp, D] (bf16). The ring layers (`parallel.overlap`) gather inside
+  their matmuls and are recomputed either way."""
+  return mappings.save_tp_outputs_policy() if spec.save_tp_outputs else None
 
 
 def _local_loss(spec: ParallelSpec, params, tokens_BT1):
@@ -114,7 +127,7 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
     return tuple(block(h) for h in hs), None
 
   if cfg.remat:
-    layer = jax.checkpoint(layer)
+    layer = jax.checkpoint(layer, policy=remat_policy(spec))
 
   def stage(h_BSD):
     hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)

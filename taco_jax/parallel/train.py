@@ -55,7 +55,8 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
   return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
                                p.get("microbatches", 1), plan_from_config(config.compression),
                                overlap=bool(p.get("overlap", False)),
-                               interleave=p.get("interleave", 1))
+                               interleave=p.get("interleave", 1),
+                               save_tp_outputs=bool(p.get("save_tp_outputs", False)))
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
