@@ -334,10 +334,17 @@ def summarize(rows) -> list[dict]:
       s["off_vs_gspmd"] = t["gspmd"] / t["off"]  # > 1: our bf16 step is faster
     ours = [parse_variant(v) for v in t]
     for v in ours:  # > 1: the modifiers (_il2, _save, _pgle) pay against the plain program
-      if v.base in ("off", "on") and v.name != v.base and v.base in t:
-        s[f"speedup_{v.name.removeprefix(v.base + '_')}_{v.base}"] = t[v.base] / t[v.name]
-      if v.base == "off" and v.name != v.base and "gspmd" in t:
+      mods = v.name.removeprefix(v.base)  # "" or "_il2_save", ...
+      if v.base in ("off", "on") and mods and v.base in t:
+        s[f"speedup{mods}_{v.base}"] = t[v.base] / t[v.name]
+      if v.base == "off" and mods and "gspmd" in t:
         s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
+      on, ideal = f"on{mods}", f"ideal{mods}"
+      if v.base == "off" and mods and on in t:  # the same figures for a modified pair
+        s[f"speedup_on_vs_off{mods}"] = t[v.name] / t[on]
+        if ideal in t and t[v.name] > t[ideal]:
+          s[f"comm_share{mods}"] = (t[v.name] - t[ideal]) / t[v.name]
+          s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
     offs = [v.name for v in ours if v.base in ("off", "ring_off")]
     ons = [v.name for v in ours if v.compressed]
     if len(offs) > 1 or len(ons) > 1:  # a choice of programs: what a user would pick

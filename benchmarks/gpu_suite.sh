@@ -14,6 +14,7 @@
 #   bash benchmarks/gpu_suite.sh xla_kernels         # bench_train, codec as jnp reference (~7 min)
 #   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules (~6 min)
 #   bash benchmarks/gpu_suite.sh xla_kernels pp2     # + TP=2 x PP=2 on / off (~9 min)
+#   bash benchmarks/gpu_suite.sh save                # parallel.save_tp_outputs beside GSPMD (~9 min)
 #   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
 #   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -83,6 +84,11 @@ for job in "$@"; do
         --deadline-s 270 --out-dir "$out"
       timeout 200 python3 benchmarks/bench_train.py --label nvlink_il2_pgle --layouts 1,1,4 \
         --variants off,off_il2_pgle,on_il2_pgle --steps 30 --deadline-s 180 --out-dir "$out" ;;
+    save)  # remat keeping the TP outputs (_save), its ideal, and GSPMD in the same run
+      timeout 300 python3 benchmarks/bench_train.py --label nvlink_save --layouts "1,1,4;1,2,2" \
+        --variants off_save,on_save,ideal_save,gspmd --deadline-s 280 --out-dir "$out"
+      NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_save \
+        --layouts 1,1,4 --variants off_save,on_save --deadline-s 220 --out-dir "$out" ;;
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;

@@ -17,6 +17,9 @@ def get_config():
   c.optim.update(lr=2e-4, warmup_steps=2000)
   c.train.update(steps=50_000, eval_every=2000, checkpoint_every=2000, peak_flops=989e12)
   add_parallel_sections(c, dp=1, pp=1, tp=4, microbatches=1)
+  # keep the TP collectives' outputs through remat: 10% faster on 4xH200 (189 against 210
+  # ms a step at batch 8, bf16), for 320 MiB per layer per GPU at batch 16 (7.5 GiB)
+  c.parallel.save_tp_outputs = True
   for family in ('tp_forward', 'tp_backward', 'pp'):
     c.compression[family].group_size = 128
   return c

@@ -47,6 +47,17 @@ def test_bench_train_summary_of_the_pgle_variants():
   assert s["recovered"] == pytest.approx(0.2)  # the plain pair's, unchanged
 
 
+def test_bench_train_summary_of_a_modified_pair():
+  (s,) = bench_train.summarize(_rows(off=210.0, on=200.0, off_save=190.0, on_save=180.0,
+                                     ideal_save=150.0, gspmd=192.0))
+  assert s["speedup_save_off"] == pytest.approx(210 / 190)
+  assert s["speedup_on_vs_off_save"] == pytest.approx(190 / 180)
+  assert s["recovered_save"] == pytest.approx(10 / 40)
+  assert s["comm_share_save"] == pytest.approx(40 / 190)
+  assert s["off_save_vs_gspmd"] == pytest.approx(192 / 190)
+  assert "recovered" not in s  # no plain ideal
+
+
 def test_bench_train_variants_and_their_compile_options():
   from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "off,off_il2,on_il2"])
