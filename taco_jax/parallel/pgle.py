@@ -6,7 +6,8 @@ kernel take. PGLE (profile-guided latency estimation) gives it the measured time
 compile, run a few steps under the profiler, hand the per-instruction times back to the
 compiler (`compile({"fdo_profile": ...})`), compile again. JAX does this by itself for
 `jax.jit` calls under `jax_enable_pgle`, but not for `.lower().compile()` executables, which
-our benchmarks and trainer use to control donation and options; this module is that loop.
+our benchmarks use to control donation and options; this module is that loop (measured
+without effect on our step: docs/parallel.md).
 
 The second compile sees the same lowered module, so the instruction names the profile holds
 are those it schedules. Off GPU the profiler records no device kernels and the profile is
