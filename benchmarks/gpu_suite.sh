@@ -15,6 +15,7 @@
 #   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules (~6 min)
 #   bash benchmarks/gpu_suite.sh xla_kernels pp2     # + TP=2 x PP=2 on / off (~9 min)
 #   bash benchmarks/gpu_suite.sh save                # parallel.save_tp_outputs beside GSPMD (~9 min)
+#   bash benchmarks/gpu_suite.sh save_il2            # ... with interleave=2, NVLink + P2P off (~8 min)
 #   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
 #   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -89,6 +90,12 @@ for job in "$@"; do
         --variants off_save,on_save,ideal_save,gspmd --deadline-s 280 --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_save \
         --layouts 1,1,4 --variants off_save,on_save --deadline-s 220 --out-dir "$out" ;;
+    save_il2)  # with the recomputation silent, may the interleaved chains pay now?
+      timeout 260 python3 benchmarks/bench_train.py --label nvlink_save_il2 --layouts 1,1,4 \
+        --variants off_save,off_il2_save,on_save,on_il2_save --deadline-s 240 --out-dir "$out"
+      NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_save_il2 \
+        --layouts 1,1,4 --variants off_save,off_il2_save,on_save,on_il2_save --deadline-s 220 \
+        --out-dir "$out" ;;
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
