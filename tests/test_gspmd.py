@@ -103,3 +103,22 @@ def test_bench_train_smoke(tmp_path):
     assert "tensor" in by[lay, "gspmd"]["comm_bytes_static"]
     assert abs(by[lay, "gspmd"]["loss_curve"][0] - by[lay, "off"]["loss_curve"][0]) < 1e-4
   assert {s["layout"] for s in rep["summary"]} == {"2,1,4", "2,2,2"}
+
+
+def test_bench_train_modified_variants_smoke(tmp_path):
+  """bench_train --smoke with _il2 / _save / _pgle variants (~25 s on 2 CPU cores): they
+  build, start from the same parameters, and record what they are."""
+  import json
+
+  from benchmarks import bench_train
+  path = bench_train.main(["--smoke", "--layouts", "2,1,4", "--variants",
+                           "off,off_save_pgle,on_il2_save", "--out-dir", str(tmp_path)])
+  rep = json.loads(path.read_text())
+  by = {r["variant"]: r for r in rep["results"]}
+  assert by["off_save_pgle"]["save_tp_outputs"] and not by["off"]["save_tp_outputs"]
+  assert by["off_save_pgle"]["pgle_profiled"] is False  # CPU: the profile is empty
+  assert by["on_il2_save"]["xla_options"]  # interleaved: DotMerger / combiners off
+  assert by["off_save_pgle"]["loss_curve"][0] == pytest.approx(by["off"]["loss_curve"][0],
+                                                               rel=1e-6)
+  (s,) = rep["summary"]
+  assert "speedup_save_pgle_off" in s and s["best_on"] == "on_il2_save"
