@@ -95,10 +95,6 @@ class Variant:
   def compressed(self) -> bool:
     return self.base.removeprefix("ring_") == "on"
 
-  @property
-  def program(self) -> str:  # the name of what it compiles first (no PGLE)
-    return self.name.removesuffix("_pgle")
-
 
 def parse_variant(name: str) -> Variant:
   """`Variant` of a name like `on`, `ring_off`, `off_il2_save`, `gspmd_pgle`; ValueError

@@ -181,10 +181,9 @@ def _codec_words(c: dict) -> str:
 def _mfu(d: dict, r: dict):
   """A step's MFU against the device's spec peak (recomputed: runs before 2026-11-21's fix
   divided by a matmul ceiling that XLA's loop double buffering had doubled)."""
-  from benchmarks.common import PEAK_BF16_TFLOPS
-  peak = PEAK_BF16_TFLOPS.get(d["device"])
+  from benchmarks.common import mfu
   fpt = d["config"].get("flops_per_token")
-  return r["tokens_per_s"] * fpt / (d["num_devices"] * peak * 1e12) if peak and fpt else None
+  return mfu(r["tokens_per_s"], fpt, d["num_devices"], d["device"]) if fpt else None
 
 
 SHOWN_VARIANTS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal", "gspmd")

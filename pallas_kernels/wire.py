@@ -10,7 +10,7 @@ plane b (b = 0..3) holds byte b (least significant first) of every group's fp32 
 together, let a kernel program that owns groups [j bk, (j + 1) bk) write and read its scales
 as eight contiguous runs of bk bytes. ``pack``/``unpack`` are the specification (jnp; XLA
 fuses them into their neighbours); the encode and decode kernels write and read the same
-bytes with ``store_scales``/``load_scales``.
+bytes with ``store_tile``/``load_tile``.
 """
 import jax
 import jax.numpy as jnp

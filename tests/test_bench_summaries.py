@@ -74,7 +74,6 @@ def test_bench_train_variant_names():
   v = bench_train.parse_variant("ring_on_il2_save_pgle")
   assert (v.base, v.interleave, v.save_tp_outputs, v.pgle, v.compressed, v.ours) == (
       "ring_on", 2, True, True, True, True)
-  assert v.program == "ring_on_il2_save"
   assert not bench_train.parse_variant("ideal_save").compressed
   assert not bench_train.parse_variant("gspmd_pgle").ours
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x"):
