@@ -16,6 +16,8 @@
 #   bash benchmarks/gpu_suite.sh xla_kernels pp2     # + TP=2 x PP=2 on / off (~9 min)
 #   bash benchmarks/gpu_suite.sh save                # parallel.save_tp_outputs beside GSPMD (~9 min)
 #   bash benchmarks/gpu_suite.sh save_il2            # ... with interleave=2, NVLink + P2P off (~8 min)
+#   bash benchmarks/gpu_suite.sh save_2.7b save_dp2  # _save: 2.7B, and DP=2 x TP=2 (~9 min)
+#   bash benchmarks/gpu_suite.sh transport           # bare transports by dtype, NCCL settings (~4 min)
 #   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
 #   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -86,16 +88,25 @@ for job in "$@"; do
       timeout 200 python3 benchmarks/bench_train.py --label nvlink_il2_pgle --layouts 1,1,4 \
         --variants off,off_il2_pgle,on_il2_pgle --steps 30 --deadline-s 180 --out-dir "$out" ;;
     save)  # remat keeping the TP outputs (_save), its ideal, and GSPMD in the same run
-      timeout 300 python3 benchmarks/bench_train.py --label nvlink_save --layouts "1,1,4;1,2,2" \
+      timeout 300 python3 benchmarks/bench_train.py --label nvlink_save_gspmd --layouts "1,1,4;1,2,2" \
         --variants off_save,on_save,ideal_save,gspmd --deadline-s 280 --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_save \
         --layouts 1,1,4 --variants off_save,on_save --deadline-s 220 --out-dir "$out" ;;
+    save_2.7b)  # the 2.7B GPT with _save beside GSPMD and its ideal, NVLink
+      timeout 330 python3 benchmarks/bench_train.py --label nvlink_save_2.7b --model 2.7b \
+        --layouts 1,1,4 --variants off_save,on_save,ideal_save,gspmd --deadline-s 310 \
+        --out-dir "$out" ;;
+    save_dp2)  # DP=2 x TP=2: GSPMD's own layout for the 4 GPUs of the TP=2 x PP=2 rows
+      timeout 220 python3 benchmarks/bench_train.py --label nvlink_save_dp2 --layouts 2,1,2 \
+        --variants off_save,on_save,ideal_save,gspmd --deadline-s 200 --out-dir "$out" ;;
     save_il2)  # with the recomputation silent, may the interleaved chains pay now?
       timeout 260 python3 benchmarks/bench_train.py --label nvlink_save_il2 --layouts 1,1,4 \
         --variants off_save,off_il2_save,on_save,on_il2_save --deadline-s 240 --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_save_il2 \
         --layouts 1,1,4 --variants off_save,off_il2_save,on_save,on_il2_save --deadline-s 220 \
         --out-dir "$out" ;;
+    transport)  # bare all-gather / all-to-all of wire bytes as u8, bf16, u32; NCCL settings
+      timeout 500 python3 benchmarks/bench_transport.py --label nvlink --out-dir "$out" ;;
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;

@@ -130,6 +130,46 @@ def collectives_section() -> str:
           + "\n".join(parts))
 
 
+TRANSPORTS = (("all_gather", "bf16"), ("all_gather", "wire_u8"), ("all_gather", "wire_as_bf16"),
+              ("all_gather", "wire_as_u32"), ("psum_scatter", "bf16"), ("all_to_all", "wire_u8"),
+              ("all_to_all", "wire_as_bf16"), ("all_to_all", "wire_as_u32"))
+
+
+def transport_section() -> str:
+  parts = []
+  for name, d in _load("transport_*.json"):
+    if d.get("platform") != "gpu":
+      continue
+    rows = []
+    for setting in dict.fromkeys(r["setting"] for r in d["results"]):
+      ms = {(r["op"], r["payload"]): r["median_ms"] for r in d["results"]
+            if r["setting"] == setting and "error" not in r}
+      if not ms:
+        rows.append([f"`{setting}`", *["failed"] * len(TRANSPORTS), None, None])
+        continue
+      t = [ms.get(k) for k in TRANSPORTS]
+      rows.append([f"`{setting}`", *t, t[0] / t[1], t[4] / t[5]])
+    c = d["config"]
+    sizes = {(r["op"], r["payload"]): r["bytes_per_device"] / MIB for r in d["results"]
+             if "error" not in r}
+    parts.append(
+        f"#### `{d['label']}`: {d['num_devices']}x {d['device']}, {c['rows']} rows of "
+        f"{c['hidden']} per device, G={c['group_size']} (`{name}`)\n\n"
+        f"Per device: the all-gather sends {sizes[('all_gather', 'bf16')]:g} MiB of bf16 or "
+        f"{sizes[('all_gather', 'wire_u8')]:g} MiB of wire rows; the reduce-scatter takes "
+        f"{sizes[('psum_scatter', 'bf16')]:g} MiB of bf16, the all-to-all "
+        f"{sizes[('all_to_all', 'wire_u8')]:g} MiB of wire rows. ms per call:\n\n"
+        + _table(["setting", "AG bf16", "AG wire u8", "AG wire as bf16", "AG wire as u32",
+                  "RS bf16", "A2A wire u8", "A2A wire as bf16", "A2A wire as u32",
+                  "AG bf16 / wire", "RS bf16 / A2A wire"], rows) + "\n")
+  if not parts:
+    return ""
+  return ("### Transport alone (`benchmarks/bench_transport.py`: no encode, no decode)\n\n"
+          "The collectives of one TP layer at the 1.3B model's sizes, bf16 against the wire "
+          "bytes a compressed collective moves (as u8, and the same bytes as bf16 or u32 "
+          "elements), under NCCL settings each in a fresh process.\n\n" + "\n".join(parts))
+
+
 HEADER_FIELDS = ("model", "seq", "batch", "group_size", "format")
 
 
@@ -186,13 +226,34 @@ def _mfu(d: dict, r: dict):
   return mfu(r["tokens_per_s"], fpt, d["num_devices"], d["device"]) if fpt else None
 
 
-SHOWN_VARIANTS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal", "gspmd")
+# The variants of one remat policy: a column per name + the policy's suffix ("off_il2_save").
+POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
+
+
+def _policy_rows(results: list[dict], layout: str, remat: bool) -> list[tuple[str, dict]]:
+  """(policy words, {column: ms}) for each remat policy measured at `layout`; one empty
+  policy when only other variants (GSPMD) ran there."""
+  ms = {r["variant"]: r["step_ms"] for r in results if r["layout"] == layout}
+  policies = (("", "recompute" if remat else "none"), ("_save", "save TP outputs"))
+  rows = [(words, {c: ms.get(c + suffix) for c in POLICY_COLUMNS}) for suffix, words in policies]
+  return [r for r in rows if any(v is not None for v in r[1].values())] or rows[:1]
 
 
 def _other_variants(results: list[dict], layout: str) -> str:
   """'name ms, ...' of a layout's variants without a column of their own (e.g. *_pgle)."""
+  shown = {c + suffix for c in POLICY_COLUMNS for suffix in ("", "_save")} | {"gspmd"}
   return ", ".join(f"{r['variant']} {r['step_ms']:.0f}" for r in results
-                   if r["layout"] == layout and r["variant"] not in SHOWN_VARIANTS) or "–"
+                   if r["layout"] == layout and r["variant"] not in shown) or "–"
+
+
+def _ratios(t: dict, gspmd) -> list:
+  """on speedup, comm share, recovered, GSPMD / off of one policy's step times."""
+  off, on, ideal = t["off"], t["on"], t["ideal"]
+  comm = off - ideal if off is not None and ideal is not None else None
+  return [off / on if off and on else None,
+          comm / off if comm is not None else None,
+          (off - on) / comm if comm and comm > 0 and on else None,
+          gspmd / off if gspmd and off else None]
 
 
 def bench_train_section() -> str:
@@ -203,38 +264,43 @@ def bench_train_section() -> str:
     c = d["config"]
     hosts.add((c["seq"], c["batch"], d["num_devices"], d["device"]))
     by = {(r["layout"], r["variant"]): r for r in d["results"]}
-    for s in d["summary"]:
-      off = by.get((s["layout"], "off"))
-      rows.append([d["label"], c["model"], s["layout"], _codec_words(c), s.get("off_ms"),
-                   s.get("on_ms"), s.get("ring_off_ms"), s.get("ring_on_ms"),
-                   s.get("ideal_ms"), s.get("gspmd_ms"), s.get("speedup_on_vs_off"),
-                   s.get("comm_share"), s.get("recovered"), s.get("off_vs_gspmd"),
-                   off and _mfu(d, off), _other_variants(d["results"], s["layout"])])
-      il2_ms.append([s.get("off_il2_ms"), s.get("on_il2_ms")])
+    for layout in dict.fromkeys(r["layout"] for r in d["results"]):
+      gspmd = by.get((layout, "gspmd"), {}).get("step_ms")
+      for words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
+        off = by.get((layout, "off" + ("_save" if words == "save TP outputs" else "")))
+        rows.append([d["label"], c["model"], layout, words, _codec_words(c), t["off"], t["on"],
+                     t["ring_off"], t["ring_on"], t["ideal"], gspmd, *_ratios(t, gspmd),
+                     off and _mfu(d, off), _other_variants(d["results"], layout)])
+        il2_ms.append([t["off_il2"], t["on_il2"]])
   if not rows:
     return ""
   if len(hosts) != 1:
     raise ValueError(f"bench_train results mix setups {sorted(hosts)}: add columns for them")
   (seq, batch, n, device), = hosts
-  header = ["run", "model", "dp,pp,tp", "codec (on)", "off", "on", "ring off", "ring on",
-            "ideal", "GSPMD", "on speedup", "comm share", "recovered", "GSPMD / off", "MFU off",
-            "other variants (ms)"]
+  header = ["run", "model", "dp,pp,tp", "remat", "codec (on)", "off", "on", "ring off",
+            "ring on", "ideal", "GSPMD", "on speedup", "comm share", "recovered", "GSPMD / off",
+            "MFU off", "other variants (ms)"]
   il2 = ""
   if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
-    header[8:8] = ["off il2", "on il2"]
-    rows = [r[:8] + ms + r[8:] for r, ms in zip(rows, il2_ms)]
+    header[9:9] = ["off il2", "on il2"]
+    rows = [r[:9] + ms + r[9:] for r, ms in zip(rows, il2_ms)]
     il2 = ("; `il2` = each micro-batch as 2 sub-batches whose blocks run side by side "
            "(`parallel.interleave=2`)")
   return (f"### Training step (`benchmarks/bench_train.py`: GPT, seq {seq}, global batch "
           f"{batch}, {n}x {device})\n\n"
           "Step times in ms (median after warm-up, variants interleaved on the same batches). "
+          "One row per run, layout and remat policy: `recompute` = the layer's backward "
+          "recomputes its forward, TP collectives included; `save TP outputs` = the "
+          "recomputation keeps what the TP collectives returned (`parallel.save_tp_outputs`, "
+          "the `_save` variants). "
           "`ideal` = the step with every TP collective replaced by a local stand-in of the "
           "same shape (free communication); `ring` = the TP layers as ring collective "
           f"matmuls (`parallel.overlap`){il2}; `comm share` = (off - ideal) / off; `recovered` "
           "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
-          "than plain `jax.jit` + sharding annotations (with XLA's overlap flags; for a pp > "
-          "1 layout GSPMD runs the same devices as data x tensor, no pipeline); MFU of the "
-          "`off` step against the dense bf16 peak (989 TFLOP/s). `nop2p*` runs have "
+          "than plain `jax.jit` + sharding annotations (with XLA's overlap flags, and the "
+          "layer recomputed as in `recompute`; for a pp > 1 layout GSPMD runs the same devices as data x "
+          "tensor, no pipeline); MFU of the `off` step against the dense bf16 peak (989 "
+          "TFLOP/s). `nop2p*` runs have "
           "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
           "`CompressionConfig(link=\"nvlink\")` measured to pay; `*_pgle` variants are "
           "compiled again with the instruction times profiled in two steps "
@@ -329,7 +395,8 @@ def measured_module() -> str:
 
 
 def readme_text(old: str) -> str:
-  body = "\n".join(s for s in (codec_section(), collectives_section(), train_section(),
+  body = "\n".join(s for s in (codec_section(), collectives_section(), transport_section(),
+                                train_section(),
                                 bench_train_section(), profile_section(),
                                 accuracy_section()) if s)
   head, _, rest = old.partition(BEGIN)

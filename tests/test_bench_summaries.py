@@ -83,26 +83,71 @@ def test_bench_train_variant_names():
     bench_train.parse_args(["--variants", "off,on_save", "--no-remat"])
 
 
+def _write_bench_train(tmp_path, name, **ms):
+  d = dict(label=name, device="NVIDIA H200", num_devices=4, environment=dict(platform="gpu"),
+           config=dict(model="1.3b", seq=2048, batch=8, group_size=128, flops_per_token=1e10),
+           results=[dict(layout="1,1,4", variant=v, step_ms=t, tokens_per_s=1e5)
+                    for v, t in ms.items()],
+           summary=[])
+  (tmp_path / f"bench_train_{name}.json").write_text(json.dumps(d))
+
+
+def _cells(row: str) -> list[str]:
+  return [c.strip() for c in row.strip().strip("|").split("|")]
+
+
 def test_report_adds_the_interleaved_columns_only_once_measured(tmp_path, monkeypatch):
   from benchmarks import report
-
-  def write(name, **summary):
-    d = dict(label=name, device="NVIDIA H200", num_devices=4,
-             environment=dict(platform="gpu"),
-             config=dict(model="1.3b", seq=2048, batch=8, group_size=128, flops_per_token=1e10),
-             results=[dict(layout="1,1,4", variant="off", tokens_per_s=1e5)],
-             summary=[dict(layout="1,1,4", off_ms=200.0, **summary)])
-    (tmp_path / f"bench_train_{name}.json").write_text(json.dumps(d))
-
   monkeypatch.setattr(report, "RESULTS", tmp_path)
-  write("a")
+  _write_bench_train(tmp_path, "a", off=200.0)
   assert "il2" not in report.bench_train_section()
-  write("b", off_il2_ms=180.0)
+  _write_bench_train(tmp_path, "b", off=200.0, off_il2=180.0)
   text = report.bench_train_section()
   header, _, row_a, row_b = text.strip().splitlines()[-4:]
   assert "| ring on | off il2 | on il2 | ideal |" in header
   assert "| – | – | – | – | – |" in row_a  # ring off, ring on, off il2, on il2, ideal
   assert "| – | – | 180 | – | – |" in row_b
+
+
+def test_report_has_a_row_per_remat_policy_with_its_own_ratios(tmp_path, monkeypatch):
+  from benchmarks import report
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  _write_bench_train(tmp_path, "r", off=210.0, on=200.0, off_save=190.0, on_save=180.0,
+                     ideal_save=165.0, gspmd=195.0, on_save_pgle=178.0)
+  header, _, plain, save = report.bench_train_section().strip().splitlines()[-4:]
+  col = dict(zip(_cells(header), zip(_cells(plain), _cells(save))))
+  assert col["remat"] == ("recompute", "save TP outputs")
+  assert col["off"] == ("210", "190") and col["on"] == ("200", "180")
+  assert col["ideal"] == ("–", "165") and col["GSPMD"] == ("195", "195")
+  assert col["on speedup"] == (f"{210 / 200:.3g}", f"{190 / 180:.3g}")
+  assert col["recovered"] == ("–", "0.4")                       # (190 - 180) / (190 - 165)
+  assert col["GSPMD / off"] == (f"{195 / 210:.3g}", f"{195 / 190:.3g}")
+  assert col["other variants (ms)"] == ("on_save_pgle 178",) * 2
+
+
+def test_report_keeps_a_run_of_only_gspmd(tmp_path, monkeypatch):
+  from benchmarks import report
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  _write_bench_train(tmp_path, "g", gspmd=190.0)
+  header, _, row = report.bench_train_section().strip().splitlines()[-3:]
+  col = dict(zip(_cells(header), _cells(row)))
+  assert col["GSPMD"] == "190" and col["off"] == "–" and col["remat"] == "recompute"
+
+
+def test_report_transport_section(tmp_path, monkeypatch):
+  from benchmarks import report
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  assert report.transport_section() == ""
+  ms = dict(zip(report.TRANSPORTS, (0.2, 0.1, 0.11, 0.12, 0.3, 0.15, 0.16, 0.17)))
+  results = [dict(setting="default", op=op, payload=p, median_ms=t, bytes_per_device=2**20)
+             for (op, p), t in ms.items()]
+  results.append(dict(setting="NCCL_PROTO=Simple", error=["boom"]))
+  d = dict(label="nvlink", platform="gpu", num_devices=4, device="NVIDIA H200",
+           config=dict(rows=4096, hidden=2048, group_size=128), results=results)
+  (tmp_path / "transport_nvlink.json").write_text(json.dumps(d))
+  *_, default, failed = report.transport_section().strip().splitlines()
+  assert _cells(default)[-2:] == ["2", "2"]  # 0.2 / 0.1 and 0.3 / 0.15
+  assert _cells(failed)[1] == "failed"
 
 
 def test_trace_summary_counts_only_uncovered_nccl_time():
@@ -131,7 +176,8 @@ def test_mfu_is_against_the_spec_peak():
 def test_report_lists_variants_without_a_column_of_their_own():
   from benchmarks import report
   results = [dict(layout="1,1,4", variant=v, step_ms=ms) for v, ms in
-             (("off", 210.2), ("off_pgle", 209.4), ("on_il2_pgle", 202.6))]
+             (("off", 210.2), ("off_pgle", 209.4), ("on_il2_pgle", 202.6), ("on_il2_save", 190.0),
+              ("gspmd", 191.0))]
   results.append(dict(layout="1,2,2", variant="on_pgle", step_ms=250.0))
   assert report._other_variants(results, "1,1,4") == "off_pgle 209, on_il2_pgle 203"
   assert report._other_variants(results[:1], "1,1,4") == "–"
