@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gzip
 import json
 import os
 import pathlib
@@ -189,11 +188,10 @@ def noop_tensor_collectives():
 
 
 def xla_options(variant: Variant, args) -> dict:
-  """The per-compile XLA options of `variant`: `step.INTERLEAVE_XLA_OPTIONS` for the
-  interleaved ones (unless --no-interleave-options), none for the others."""
-  from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
-  return {} if variant.interleave == 1 or args.no_interleave_options else dict(
-      INTERLEAVE_XLA_OPTIONS)
+  """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`),
+  unless --no-interleave-options."""
+  from taco_jax.parallel.step import compiler_options
+  return {} if args.no_interleave_options else compiler_options(variant.interleave)
 
 
 def build(variant: Variant, layout, args, cfg, tx):
@@ -267,6 +265,7 @@ def _relabel(summary: dict, mesh) -> dict:
 
 
 def run_layout(layout, args, cfg, tx, corpus, until):
+  from benchmarks import common
   from taco_jax import data
   from taco_jax.parallel import hlo
 
@@ -285,7 +284,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
       hlo_dir = pathlib.Path(args.out_dir or tempfile.gettempdir())
       hlo_dir.mkdir(parents=True, exist_ok=True)
       dest = hlo_dir / f"hlo_{args.label}_{dp}{pp}{tp}_{v}.txt.gz"
-      dest.write_bytes(gzip.compress(exe.as_text().encode()))
+      common.write_hlo(exe, dest)
       print(f"wrote {dest}", flush=True)
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
                    variant=variant,

@@ -131,6 +131,13 @@ def device_slug() -> str:
   return re.sub(r"[^a-z0-9]+", "-", f"{dev.device_kind}".lower()).strip("-") or dev.platform
 
 
+def write_hlo(exe, path) -> None:
+  """Writes a compiled executable's (scheduled, optimized) HLO text, gzipped, to `path`."""
+  import gzip
+  with open(path, "wb") as f:
+    f.write(gzip.compress(exe.as_text().encode()))
+
+
 def write_results(name: str, payload: dict, out_dir: str | None = None) -> str:
   """Writes ``{env, **payload}`` to ``<out_dir>/<name>_<device>_<date>.json``; returns path."""
   out_dir = out_dir or os.path.join(os.path.dirname(__file__), "results")

@@ -116,23 +116,24 @@ def main(argv=None):
   for variant in args._variants:
     v = variant.name
     exe, state, batch, *_ = bench_train.build(variant, layout, args, cfg, tx)
-    (out_dir / f"hlo_{args.label}_{v}.txt.gz").write_bytes(gzip.compress(exe.as_text().encode()))
+    common.write_hlo(exe, out_dir / f"hlo_{args.label}_{v}.txt.gz")
     b = batch(args._tokens0)
     for _ in range(args.warmup):
       *state, met = exe(*state, b)
       jax.block_until_ready(met)
-    trace_dir = tempfile.mkdtemp()
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-      for _ in range(trace_steps):
-        *state, met = exe(*state, b)
-        jax.block_until_ready(met)
-    del exe, state
-    path, = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
-    events = json.loads(gzip.decompress(path.read_bytes()))
+    with tempfile.TemporaryDirectory() as trace_dir:
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(trace_steps):
+          *state, met = exe(*state, b)
+          jax.block_until_ready(met)
+      del exe, state
+      path, = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
+      trace_gz = path.read_bytes()
+    events = json.loads(gzip.decompress(trace_gz))
     events = events["traceEvents"] if isinstance(events, dict) else events
     report["variants"][v] = summarize_trace(events, trace_steps)
-    if path.stat().st_size < 15 << 20:
-      (out_dir / f"trace_{args.label}_{v}.json.gz").write_bytes(path.read_bytes())
+    if len(trace_gz) < 15 << 20:
+      (out_dir / f"trace_{args.label}_{v}.json.gz").write_bytes(trace_gz)
     print(v, json.dumps(report["variants"][v], indent=1)[:3000], flush=True)
   env = common.environment()
   report["environment"] = env

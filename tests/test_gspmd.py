@@ -1,4 +1,7 @@
-"""The GSPMD baseline step (taco_jax.parallel.gspmd) against the single-device model."""
+"""The GSPMD baseline step (taco_jax.parallel.gspmd) against the single-device model, and
+smoke runs of the benchmarks that use it (bench_train, profile_step)."""
+import gzip
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,7 +115,8 @@ def test_bench_train_modified_variants_smoke(tmp_path):
 
   from benchmarks import bench_train
   path = bench_train.main(["--smoke", "--layouts", "2,1,4", "--variants",
-                           "off,off_save_pgle,on_il2_save", "--out-dir", str(tmp_path)])
+                           "off,off_save_pgle,on_il2_save", "--dump-hlo", "on_il2_save",
+                           "--out-dir", str(tmp_path)])
   rep = json.loads(path.read_text())
   by = {r["variant"]: r for r in rep["results"]}
   assert by["off_save_pgle"]["save_tp_outputs"] and not by["off"]["save_tp_outputs"]
@@ -122,3 +126,20 @@ def test_bench_train_modified_variants_smoke(tmp_path):
                                                                rel=1e-6)
   (s,) = rep["summary"]
   assert "speedup_save_pgle_off" in s and s["best_on"] == "on_il2_save"
+  (hlo_gz,) = tmp_path.glob("hlo_*.txt.gz")  # --dump-hlo: that variant's only
+  assert hlo_gz.name == "hlo_smoke_214_on_il2_save.txt.gz"
+  assert b"all-to-all" in gzip.decompress(hlo_gz.read_bytes())
+
+
+def test_profile_step_smoke(tmp_path):
+  """benchmarks/profile_step.py --smoke, one variant (~10 s): the trace is summarized per
+  device, and the HLO and trace files are written where asked."""
+  import json
+
+  from benchmarks import profile_step
+  profile_step.main(["--smoke", "--variants", "off", "--out-dir", str(tmp_path)])
+  (path,) = tmp_path.glob("profile_step_smoke_*.json")
+  rep = json.loads(path.read_text())
+  assert set(rep["variants"]) == {"off"} and rep["traced_steps"] >= 1
+  assert (tmp_path / "hlo_smoke_off.txt.gz").exists()
+  assert (tmp_path / "trace_smoke_off.json.gz").exists()

@@ -284,8 +284,8 @@ def test_interleave_errors():
   with pytest.raises(ValueError, match=r"parallel.interleave=3 does not divide the 8 "
                      r"sequences of a micro-batch"):
     jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens)
-  assert step_lib.compiler_options(spec) == step_lib.INTERLEAVE_XLA_OPTIONS
-  assert step_lib.compiler_options(step_lib.ParallelSpec(CFG, 1, 1, 8)) == {}
+  assert step_lib.compiler_options(spec.interleave) == step_lib.INTERLEAVE_XLA_OPTIONS
+  assert step_lib.compiler_options(step_lib.ParallelSpec(CFG, 1, 1, 8).interleave) == {}
 
 
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():

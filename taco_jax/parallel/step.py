@@ -76,10 +76,11 @@ class ParallelSpec:
                             plan=self.plan, overlap=self.overlap)
 
 
-def compiler_options(spec: ParallelSpec) -> dict:
-  """XLA options to compile the step of `spec` with (`jax.jit(..., compiler_options=)`):
-  `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches, none otherwise."""
-  return dict(INTERLEAVE_XLA_OPTIONS) if spec.interleave > 1 else {}
+def compiler_options(interleave: int) -> dict:
+  """XLA options to compile a step with (`jax.jit(..., compiler_options=)`), by its
+  `ParallelSpec.interleave`: `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches, none
+  otherwise."""
+  return dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
 
 
 def remat_policy(spec: ParallelSpec):

@@ -105,7 +105,7 @@ def train(config, workdir) -> dict:
     opt_state = jax.jit(tx.init, out_shardings=shardings(o_abs))(params)
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
-  xla = step_lib.compiler_options(spec)
+  xla = step_lib.compiler_options(spec.interleave)
   train_step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                        out_shardings=(shardings(p_abs), shardings(o_abs), None),
                        compiler_options=xla)
