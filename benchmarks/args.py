@@ -6,6 +6,7 @@ devices for --smoke, XLA_FLAGS).
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 import tempfile
 
@@ -38,3 +39,14 @@ def results_path(benchmark: str, args, *, num_devices: int, platform: str,
   out_dir.mkdir(parents=True, exist_ok=True)
   return out_dir / (f"{benchmark}_{args.label}_{num_devices}{platform}_"
                     f"{date[:10].replace('-', '')}.json")
+
+
+def write_report(benchmark: str, args, report: dict, summary: str) -> pathlib.Path:
+  """Writes `report` (with its num_devices, platform and ISO date) as JSON to
+  `results_path`, prints `summary` and where it went; returns the path."""
+  path = results_path(benchmark, args, num_devices=report["num_devices"],
+                      platform=report["platform"], date=report["date"])
+  path.write_text(json.dumps(report, indent=1))
+  print(summary)
+  print(f"wrote {path}")
+  return path

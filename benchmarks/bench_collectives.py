@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import os
 import pathlib
 import statistics
@@ -42,7 +41,7 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+from benchmarks.args import add_output_args, parse_with_smoke, write_report  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -231,12 +230,7 @@ def main(argv=None) -> pathlib.Path:
     from taco_jax.train.cli import use_cpu_devices
     use_cpu_devices(8)
   report = run(args)
-  path = results_path("collectives", args, num_devices=report["num_devices"],
-                      platform=report["platform"], date=report["date"])
-  path.write_text(json.dumps(report, indent=1))
-  print(table(report))
-  print(f"wrote {path}")
-  return path
+  return write_report("collectives", args, report, table(report))
 
 
 if __name__ == "__main__":

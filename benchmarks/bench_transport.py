@@ -32,7 +32,7 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+from benchmarks.args import add_output_args, parse_with_smoke, write_report  # noqa: E402
 
 DEFAULT_SETTINGS = ("default;NCCL_PROTO=Simple;NCCL_PROTO=LL128;NCCL_MIN_NCHANNELS=32;"
                     "XLA_FLAGS=--xla_gpu_enable_nccl_user_buffers=true")
@@ -164,12 +164,7 @@ def main(argv=None):
   report = run(args)
   if "device" not in report:
     raise SystemExit("every setting failed; see the errors above")
-  path = results_path("transport", args, num_devices=report["num_devices"],
-                      platform=report["platform"], date=report["date"])
-  path.write_text(json.dumps(report, indent=1))
-  print(table(report))
-  print(f"wrote {path}")
-  return path
+  return write_report("transport", args, report, table(report))
 
 
 if __name__ == "__main__":
