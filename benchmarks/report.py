@@ -230,13 +230,14 @@ def _mfu(d: dict, r: dict):
 POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
 
 
-def _policy_rows(results: list[dict], layout: str, remat: bool) -> list[tuple[str, dict]]:
-  """(policy words, {column: ms}) for each remat policy measured at `layout`; one empty
-  policy when only other variants (GSPMD) ran there."""
+def _policy_rows(results: list[dict], layout: str, remat: bool) -> list[tuple[str, str, dict]]:
+  """(variant suffix, policy words, {column: ms}) for each remat policy measured at
+  `layout`; one empty policy when only other variants (GSPMD) ran there."""
   ms = {r["variant"]: r["step_ms"] for r in results if r["layout"] == layout}
   policies = (("", "recompute" if remat else "none"), ("_save", "save TP outputs"))
-  rows = [(words, {c: ms.get(c + suffix) for c in POLICY_COLUMNS}) for suffix, words in policies]
-  return [r for r in rows if any(v is not None for v in r[1].values())] or rows[:1]
+  rows = [(suffix, words, {c: ms.get(c + suffix) for c in POLICY_COLUMNS})
+          for suffix, words in policies]
+  return [r for r in rows if any(v is not None for v in r[2].values())] or rows[:1]
 
 
 def _other_variants(results: list[dict], layout: str) -> str:
@@ -266,8 +267,8 @@ def bench_train_section() -> str:
     by = {(r["layout"], r["variant"]): r for r in d["results"]}
     for layout in dict.fromkeys(r["layout"] for r in d["results"]):
       gspmd = by.get((layout, "gspmd"), {}).get("step_ms")
-      for words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
-        off = by.get((layout, "off" + ("_save" if words == "save TP outputs" else "")))
+      for suffix, words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
+        off = by.get((layout, "off" + suffix))
         rows.append([d["label"], c["model"], layout, words, _codec_words(c), t["off"], t["on"],
                      t["ring_off"], t["ring_on"], t["ideal"], gspmd, *_ratios(t, gspmd),
                      off and _mfu(d, off), _other_variants(d["results"], layout)])
@@ -298,11 +299,11 @@ def bench_train_section() -> str:
           f"matmuls (`parallel.overlap`){il2}; `comm share` = (off - ideal) / off; `recovered` "
           "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
           "than plain `jax.jit` + sharding annotations (with XLA's overlap flags, and the "
-          "layer recomputed as in `recompute`; for a pp > 1 layout GSPMD runs the same devices as data x "
-          "tensor, no pipeline); MFU of the `off` step against the dense bf16 peak (989 "
-          "TFLOP/s). `nop2p*` runs have "
-          "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
-          "`CompressionConfig(link=\"nvlink\")` measured to pay; `*_pgle` variants are "
+          "layer recomputed as in `recompute`; for a pp > 1 layout GSPMD runs the same "
+          "devices as data x tensor, no pipeline); MFU of the `off` step against the dense "
+          "bf16 peak (989 TFLOP/s). `nop2p*` runs have `NCCL_P2P_DISABLE=1` (PCIe-class "
+          "links); `*_link` runs compress only what `CompressionConfig(link=\"nvlink\")` "
+          "measured to pay; `*_pgle` variants are "
           "compiled again with the instruction times profiled in two steps "
           "(`taco_jax.parallel.pgle`).\n\n"
           + _table(header, rows) + "\n")
