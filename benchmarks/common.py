@@ -40,7 +40,7 @@ class Timing:
     return dataclasses.asdict(self)
 
 
-def _looped(fn: Callable, inner: int) -> Callable:
+def _looped(fn: Callable, inner: int, compiler_options: dict | None = None) -> Callable:
   def run(*args):
     out0 = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
 
@@ -54,7 +54,8 @@ def _looped(fn: Callable, inner: int) -> Callable:
   # two; once the barriers are lowered away, the copies of `fn` on the same carried inputs
   # are merged, and a sample counts half its calls (measured: a bf16 matmul at 2x the
   # H200's peak). The timing loop is compiled without it, whatever XLA_FLAGS say.
-  return jax.jit(run, compiler_options={"xla_gpu_enable_while_loop_double_buffering": False})
+  return jax.jit(run, compiler_options={
+      **(compiler_options or {}), "xla_gpu_enable_while_loop_double_buffering": False})
 
 
 # Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device kind: the MFU denominator.
@@ -68,11 +69,13 @@ def mfu(tokens_per_s: float, flops_per_token: float, devices: int, device_kind: 
 
 
 def time_fn(fn: Callable, *args, samples: int = 20, warmup: int = 2,
-            min_sample_s: float = 5e-3, max_inner: int = 1000) -> Timing:
-  """Device time of one ``fn(*args)`` call (see the module docstring for the method)."""
+            min_sample_s: float = 5e-3, max_inner: int = 1000,
+            compiler_options: dict | None = None) -> Timing:
+  """Device time of one ``fn(*args)`` call (see the module docstring for the method);
+  ``compiler_options``: XLA options to compile it with (``jax.jit``'s)."""
   inner = 1
   while True:
-    loop = _looped(fn, inner)
+    loop = _looped(fn, inner, compiler_options)
     jax.block_until_ready(loop(*args))  # compile + warm
     t0 = time.perf_counter()
     jax.block_until_ready(loop(*args))

@@ -18,6 +18,7 @@
 #   bash benchmarks/gpu_suite.sh save_il2            # ... with interleave=2, NVLink + P2P off (~8 min)
 #   bash benchmarks/gpu_suite.sh save_2.7b save_dp2  # _save: 2.7B, and DP=2 x TP=2 (~9 min)
 #   bash benchmarks/gpu_suite.sh transport           # bare transports by dtype, NCCL settings (~4 min)
+#   bash benchmarks/gpu_suite.sh fused_decode        # one GPU: decode folded into matmuls? (~3 min)
 #   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
 #   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
@@ -107,6 +108,8 @@ for job in "$@"; do
         --out-dir "$out" ;;
     transport)  # bare all-gather / all-to-all of wire bytes as u8, bf16, u32; NCCL settings
       timeout 500 python3 benchmarks/bench_transport.py --label nvlink --out-dir "$out" ;;
+    fused_decode)  # one GPU: can XLA fold the wire decode into the consuming matmul?
+      timeout 230 python3 benchmarks/probe_fused_decode.py --label h100 --out-dir "$out" ;;
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
