@@ -109,7 +109,7 @@ for job in "$@"; do
     transport)  # bare all-gather / all-to-all of wire bytes as u8, bf16, u32; NCCL settings
       timeout 500 python3 benchmarks/bench_transport.py --label nvlink --out-dir "$out" ;;
     fused_decode)  # one GPU: can XLA fold the wire decode into the consuming matmul?
-      timeout 230 python3 benchmarks/probe_fused_decode.py --label h100 --out-dir "$out" ;;
+      timeout 230 python3 benchmarks/probe_fused_decode.py --label probe --out-dir "$out" ;;
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
