@@ -170,6 +170,36 @@ def transport_section() -> str:
           "elements), under NCCL settings each in a fresh process.\n\n" + "\n".join(parts))
 
 
+FUSED_DECODE = ("bf16", "pallas_decode", "xla_decode", "xla_decode_triton_any", "decode_only")
+
+
+def fused_decode_section() -> str:
+  parts = []
+  for name, d in _load("fused_decode_*.json"):
+    if d.get("platform") != "gpu":
+      continue
+    by = {}
+    for r in d["results"]:
+      by.setdefault((r["product"], r["m"], r["d"], r["f"]), {})[r["variant"]] = r
+    rows = [[f"`{p}`", f"{m} x {k} x {f}", *(v[c]["median_ms"] if c in v else None
+                                             for c in FUSED_DECODE),
+             (v["pallas_decode"]["median_ms"] - v["bf16"]["median_ms"])
+             if "pallas_decode" in v and "bf16" in v else None]
+            for (p, m, k, f), v in by.items()]
+    fused = any(r["triton_gemm"] for r in d["results"] if r["variant"].startswith("xla"))
+    parts.append(f"{d['device']} (`{name}`); XLA emitted a Triton GEMM with the decode in it: "
+                 f"{'yes' if fused else 'no'}.\n\n"
+                 + _table(["product", "M x D x F", "bf16 ms", "Pallas decode + matmul",
+                           "XLA decode + matmul", "... with triton_gemm_any", "decode alone",
+                           "decode's cost"], rows) + "\n")
+  if not parts:
+    return ""
+  return ("### Decode beside the consuming matmul (`benchmarks/probe_fused_decode.py`)\n\n"
+          "A gathered x [M, D] arrives as wire rows and feeds a matmul (the 1.3B TP=4 "
+          "layer's shapes): the bf16 matmul alone, then with the decode in front, as the "
+          "Pallas kernel or as jnp left to XLA to fuse.\n\n" + "\n".join(parts))
+
+
 HEADER_FIELDS = ("model", "seq", "batch", "group_size", "format")
 
 
@@ -397,7 +427,7 @@ def measured_module() -> str:
 
 def readme_text(old: str) -> str:
   body = "\n".join(s for s in (codec_section(), collectives_section(), transport_section(),
-                                train_section(),
+                                fused_decode_section(), train_section(),
                                 bench_train_section(), profile_section(),
                                 accuracy_section()) if s)
   head, _, rest = old.partition(BEGIN)

@@ -1,0 +1,54 @@
+"""The probes of what bounds compression on NVLink: benchmarks/bench_transport.py (the
+settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
+them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
+its report section)."""
+import json
+
+import pytest
+
+from benchmarks import bench_transport, probe_fused_decode, report as report_lib
+
+
+def test_setting_env():
+  assert bench_transport.setting_env("default") == {}
+  assert bench_transport.setting_env("NCCL_PROTO=Simple XLA_FLAGS='--a=1 --b=2'") == {
+      "NCCL_PROTO": "Simple", "XLA_FLAGS": "--a=1 --b=2"}
+  for bad in ("NCCL_PROTO", "1X=2"):
+    with pytest.raises(ValueError, match="not VAR=value"):
+      bench_transport.setting_env(bad)
+
+
+def test_smoke_run_measures_every_transport_and_reports_a_failed_setting(tmp_path):
+  path = bench_transport.main(["--smoke", "--out-dir", str(tmp_path), "--settings",
+                               "default;XLA_FLAGS=--no_such_xla_flag=1"])
+  report = json.loads(path.read_text())
+  ok = [r for r in report["results"] if r["setting"] == "default"]
+  assert {(r["op"], r["payload"]) for r in ok} == set(report_lib.TRANSPORTS)
+  assert all(r["median_ms"] > 0 for r in ok)
+  rows, d, g = 64, 256, 128  # the smoke sizes, per device
+  nbytes = {(r["op"], r["payload"]): r["bytes_per_device"] for r in ok}
+  assert nbytes["all_gather", "bf16"] == rows * d * 2
+  assert nbytes["all_gather", "wire_u8"] == nbytes["all_gather", "wire_as_u32"] == rows * (
+      d + 8 * d // g)
+  assert nbytes["all_to_all", "wire_u8"] == 8 * rows * (d + 8 * d // g)
+  (failed,) = [r for r in report["results"] if r["setting"] != "default"]
+  assert failed["error"]
+
+
+def test_fused_decode_probe_smoke_and_report(tmp_path, monkeypatch):
+  path = probe_fused_decode.main(["--smoke", "--out-dir", str(tmp_path)])
+  report = json.loads(path.read_text())
+  got = {(r["product"], r["variant"]) for r in report["results"]}
+  assert got == {(p, v) for p in ("x@w", "x.T@dy") for v in (
+      "bf16", "bf16_triton_any", "pallas_decode", "xla_decode", "xla_decode_triton_any",
+      "decode_only")}
+  assert all(r["median_ms"] > 0 for r in report["results"])
+  monkeypatch.setattr(report_lib, "RESULTS", tmp_path)
+  assert report_lib.fused_decode_section() == ""  # CPU runs are not reported
+  report.update(platform="gpu", device="NVIDIA H100 80GB HBM3")
+  path.write_text(json.dumps(report))
+  *_, last = report_lib.fused_decode_section().strip().splitlines()
+  cells = [c.strip() for c in last.strip("|").split("|")]
+  ms = {r["variant"]: r["median_ms"] for r in report["results"] if r["product"] == "x.T@dy"}
+  assert cells[0] == "`x.T@dy`" and cells[1] == "64 x 256 x 128"
+  assert cells[-1] == f"{ms['pallas_decode'] - ms['bf16']:.3g}"
