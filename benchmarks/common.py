@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gzip
 import json
 import os
 import platform
@@ -136,7 +137,6 @@ def device_slug() -> str:
 
 def write_hlo(exe, path) -> None:
   """Writes a compiled executable's (scheduled, optimized) HLO text, gzipped, to `path`."""
-  import gzip
   with open(path, "wb") as f:
     f.write(gzip.compress(exe.as_text().encode()))
 
