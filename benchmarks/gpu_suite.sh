@@ -90,7 +90,8 @@ for job in "$@"; do
         --variants off,off_il2_pgle,on_il2_pgle --steps 30 --deadline-s 180 --out-dir "$out" ;;
     save)  # remat keeping the TP outputs (_save), its ideal, and GSPMD in the same run
       timeout 300 python3 benchmarks/bench_train.py --label nvlink_save_gspmd \
-        --layouts "1,1,4;1,2,2" --variants off_save,on_save,ideal_save,gspmd --deadline-s 280 --out-dir "$out"
+        --layouts "1,1,4;1,2,2" --variants off_save,on_save,ideal_save,gspmd --deadline-s 280 \
+        --out-dir "$out"
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_save \
         --layouts 1,1,4 --variants off_save,on_save --deadline-s 220 --out-dir "$out" ;;
     save_2.7b)  # the 2.7B GPT with _save beside GSPMD and its ideal, NVLink
