@@ -33,6 +33,16 @@ def _load(pattern: str) -> list[tuple[str, dict]]:
           for p in sorted(glob.glob(str(RESULTS / pattern)))]
 
 
+def _gpu_runs(pattern: str) -> list[tuple[str, dict]]:
+  """`_load(pattern)` without the CPU smoke runs."""
+  return [(n, d) for n, d in _load(pattern) if d.get("platform") == "gpu"]
+
+
+def _section(heading: str, intro: str, parts: list[str]) -> str:
+  """'### heading', the intro and the parts; "" when there are no parts (nothing measured)."""
+  return f"### {heading}\n\n{intro}\n\n" + "\n".join(parts) if parts else ""
+
+
 def _table(header: list[str], rows: list[list]) -> str:
   def fmt(v):
     if v is None:
@@ -106,9 +116,7 @@ def thresholds(d: dict) -> dict:
 
 def collectives_section() -> str:
   parts = []
-  for name, d in _load("collectives_*.json"):
-    if d.get("platform") != "gpu":
-      continue
+  for name, d in _gpu_runs("collectives_*.json"):
     by = {}
     for r in d["results"]:
       by.setdefault((r["collective"], r["size_mib"]), {})[r["variant"]] = r
@@ -123,11 +131,9 @@ def collectives_section() -> str:
                  + _table(["collective", "MiB/device", "bf16 ms", "raw fp8 ms", "TACO ms",
                            "speedup vs bf16", "TACO / raw-fp8 speed"], rows)
                  + f"\n\nCompression pays from: {th}.\n")
-  if not parts:
-    return ""
-  return ("### Collectives (compress + communicate + decompress, all included)\n\n"
-          "`raw fp8` is a bare cast with no scales and no codec: the bound for a free codec.\n\n"
-          + "\n".join(parts))
+  return _section("Collectives (compress + communicate + decompress, all included)",
+                  "`raw fp8` is a bare cast with no scales and no codec: the bound for a free "
+                  "codec.", parts)
 
 
 TRANSPORTS = (("all_gather", "bf16"), ("all_gather", "wire_u8"), ("all_gather", "wire_as_bf16"),
@@ -137,9 +143,7 @@ TRANSPORTS = (("all_gather", "bf16"), ("all_gather", "wire_u8"), ("all_gather", 
 
 def transport_section() -> str:
   parts = []
-  for name, d in _load("transport_*.json"):
-    if d.get("platform") != "gpu":
-      continue
+  for name, d in _gpu_runs("transport_*.json"):
     rows = []
     for setting in dict.fromkeys(r["setting"] for r in d["results"]):
       ms = {(r["op"], r["payload"]): r["median_ms"] for r in d["results"]
@@ -162,12 +166,10 @@ def transport_section() -> str:
         + _table(["setting", "AG bf16", "AG wire u8", "AG wire as bf16", "AG wire as u32",
                   "RS bf16", "A2A wire u8", "A2A wire as bf16", "A2A wire as u32",
                   "AG bf16 / wire", "RS bf16 / A2A wire"], rows) + "\n")
-  if not parts:
-    return ""
-  return ("### Transport alone (`benchmarks/bench_transport.py`: no encode, no decode)\n\n"
-          "The collectives of one TP layer at the 1.3B model's sizes, bf16 against the wire "
-          "bytes a compressed collective moves (as u8, and the same bytes as bf16 or u32 "
-          "elements), under NCCL settings each in a fresh process.\n\n" + "\n".join(parts))
+  return _section("Transport alone (`benchmarks/bench_transport.py`: no encode, no decode)",
+                  "The collectives of one TP layer at the 1.3B model's sizes, bf16 against the "
+                  "wire bytes a compressed collective moves (as u8, and the same bytes as bf16 "
+                  "or u32 elements), under NCCL settings each in a fresh process.", parts)
 
 
 FUSED_DECODE = ("bf16", "pallas_decode", "xla_decode", "xla_decode_triton_any", "decode_only")
@@ -175,9 +177,7 @@ FUSED_DECODE = ("bf16", "pallas_decode", "xla_decode", "xla_decode_triton_any", 
 
 def fused_decode_section() -> str:
   parts = []
-  for name, d in _load("fused_decode_*.json"):
-    if d.get("platform") != "gpu":
-      continue
+  for name, d in _gpu_runs("fused_decode_*.json"):
     by = {}
     for r in d["results"]:
       by.setdefault((r["product"], r["m"], r["d"], r["f"]), {})[r["variant"]] = r
@@ -192,12 +192,10 @@ def fused_decode_section() -> str:
                  + _table(["product", "M x D x F", "bf16 ms", "Pallas decode + matmul",
                            "XLA decode + matmul", "... with triton_gemm_any", "decode alone",
                            "decode's cost"], rows) + "\n")
-  if not parts:
-    return ""
-  return ("### Decode beside the consuming matmul (`benchmarks/probe_fused_decode.py`)\n\n"
-          "A gathered x [M, D] arrives as wire rows and feeds a matmul (the 1.3B TP=4 "
-          "layer's shapes): the bf16 matmul alone, then with the decode in front, as the "
-          "Pallas kernel or as jnp left to XLA to fuse.\n\n" + "\n".join(parts))
+  return _section("Decode beside the consuming matmul (`benchmarks/probe_fused_decode.py`)",
+                  "A gathered x [M, D] arrives as wire rows and feeds a matmul (the 1.3B TP=4 "
+                  "layer's shapes): the bf16 matmul alone, then with the decode in front, as "
+                  "the Pallas kernel or as jnp left to XLA to fuse.", parts)
 
 
 HEADER_FIELDS = ("model", "seq", "batch", "group_size", "format")
