@@ -74,11 +74,12 @@ def measure(args) -> list[dict]:
   from jax.sharding import PartitionSpec as P
 
   from benchmarks import common
+  from pallas_kernels import wire
 
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
   rows, d = args.rows // n * n, args.hidden
-  wire_bytes = d + 8 * d // args.group_size  # u8 codes, then an fp32 pair per group
+  wire_bytes = wire.width(d, args.group_size)  # u8 codes, then an fp32 pair per group
   if wire_bytes % 4:
     raise ValueError(f"wire row of {wire_bytes} bytes does not split into u32 words")
   payloads = {"bf16": (jnp.bfloat16, d), "wire_u8": (jnp.uint8, wire_bytes),

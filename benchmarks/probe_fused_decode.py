@@ -65,11 +65,11 @@ def run(args) -> dict:
   kx, kw = jax.random.split(jax.random.key(0))
   x = jax.random.normal(kx, (m, d), jnp.bfloat16)
   wire = jax.jit(lambda a: to_wire(a, pallas))(x)
+  decode = {"pallas": lambda u: from_wire(u, pallas, d), "xla": lambda u: from_wire(u, xla, d)}
   results = []
   for f in (int(v) for v in args.widths.split(",")):
     w = (jax.random.normal(kw, (d, f), jnp.float32) / d**0.5).astype(jnp.bfloat16)
     dy = jax.random.normal(kw, (m, f), jnp.bfloat16)
-    decode = {"pallas": lambda u: from_wire(u, pallas, d), "xla": lambda u: from_wire(u, xla, d)}
     products = {"x@w": (lambda a: a @ w), "x.T@dy": (lambda a: a.T @ dy)}
     for product, mm in products.items():
       cases = {

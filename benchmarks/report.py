@@ -275,17 +275,15 @@ def _other_variants(results: list[dict], layout: str) -> str:
                    if r["layout"] == layout and r["variant"] not in shown) or "–"
 
 
-def _ratios(t: dict, gspmd) -> list:
-  """on speedup, comm share, recovered, GSPMD / off of one policy's step times."""
-  off, on, ideal = t["off"], t["on"], t["ideal"]
-  comm = off - ideal if off is not None and ideal is not None else None
-  return [off / on if off and on else None,
-          comm / off if comm is not None else None,
-          (off - on) / comm if comm and comm > 0 and on else None,
-          gspmd / off if gspmd and off else None]
+def _ratios(summary: dict, suffix: str) -> list:
+  """on speedup, comm share, recovered, GSPMD / off of one remat policy (variant `suffix`),
+  as `bench_train.summarize` derives them."""
+  return [summary.get(f"speedup_on_vs_off{suffix}"), summary.get(f"comm_share{suffix}"),
+          summary.get(f"recovered{suffix}"), summary.get(f"off{suffix}_vs_gspmd")]
 
 
 def bench_train_section() -> str:
+  from benchmarks.bench_train import summarize  # recomputed: older files lack newer figures
   rows, il2_ms, hosts = [], [], set()
   for name, d in _load("bench_train_*.json"):
     if d["environment"]["platform"] != "gpu":
@@ -293,12 +291,14 @@ def bench_train_section() -> str:
     c = d["config"]
     hosts.add((c["seq"], c["batch"], d["num_devices"], d["device"]))
     by = {(r["layout"], r["variant"]): r for r in d["results"]}
+    summaries = {s["layout"]: s for s in summarize(d["results"])}
     for layout in dict.fromkeys(r["layout"] for r in d["results"]):
       gspmd = by.get((layout, "gspmd"), {}).get("step_ms")
       for suffix, words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
         off = by.get((layout, "off" + suffix))
         rows.append([d["label"], c["model"], layout, words, _codec_words(c), t["off"], t["on"],
-                     t["ring_off"], t["ring_on"], t["ideal"], gspmd, *_ratios(t, gspmd),
+                     t["ring_off"], t["ring_on"], t["ideal"], gspmd,
+                     *_ratios(summaries[layout], suffix),
                      off and _mfu(d, off), _other_variants(d["results"], layout)])
         il2_ms.append([t["off_il2"], t["on_il2"]])
   if not rows:
