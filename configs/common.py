@@ -21,6 +21,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   m.ln_eps = 1e-5                # LayerNorm epsilon
   m.init_std = 0.02              # init std; out-projections use init_std / sqrt(2 n_layers)
   m.remat = False                # recompute blocks in the backward pass to save memory
+  m.attention = 'auto'           # auto (cuDNN flash attention where it takes the shapes, else
+  #                                XLA) | cudnn (an error where it cannot) | xla
 
   c.data = d = ml_collections.ConfigDict()
   d.path = ''                    # '' = embedded corpus (this interpreter's stdlib *.py); or a

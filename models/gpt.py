@@ -13,6 +13,7 @@ reason (a TP model makes them vocab-parallel).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -22,6 +23,7 @@ from flax import nnx
 from models.layers import DenseFactory, Embedding, LinearFactory, layer_norm, normal_init
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
+ATTENTION = ('auto', 'cudnn', 'xla')  # GPTConfig.attention
 # Fields a shared `config.model` section may carry for another block (models.qwen).
 SHARED_MODEL_FIELDS = frozenset({'block', 'n_kv_heads', 'rope_theta'})
 
@@ -38,6 +40,13 @@ class GPTConfig:
   ln_eps: float = 1e-5       # LayerNorm epsilon
   init_std: float = 0.02     # N(0, std) init; out-projections use std / sqrt(2 n_layers)
   remat: bool = False        # rematerialize each block in the backward pass (saves memory)
+  # softmax attention: 'cudnn' (cuDNN flash attention, GPU, bf16/fp16), 'xla' (materializes
+  # the [T, T] scores), or 'auto': cuDNN where it takes the shapes, else XLA (CPU, fp32)
+  attention: str = 'auto'
+
+  def __post_init__(self):
+    if self.attention not in ATTENTION:
+      raise ValueError(f'attention={self.attention!r} is unknown; use one of {ATTENTION}')
 
   @property
   def head_dim(self) -> int:
@@ -57,6 +66,15 @@ class GPTConfig:
   @property
   def compute_dtype(self):
     return DTYPES[self.dtype]
+
+  def attention_backend(self, seq_len: int | None = None) -> str:
+    """What `causal_attention` runs for this model ('cudnn' | 'xla'), with sequences of
+    `seq_len` (cfg.max_seq_len if None); a ValueError if `attention` asks for what cannot run."""
+    t = self.max_seq_len if seq_len is None else seq_len
+    kv = getattr(self, 'n_kv_heads', self.n_heads)
+    q, k = ((1, t, n, self.head_dim) for n in (self.n_heads, kv))
+    shapes = [jax.ShapeDtypeStruct(s, self.compute_dtype) for s in (q, k, k)]
+    return attention_implementation(self.attention, *shapes)
 
   @classmethod
   def from_dict(cls, d) -> 'GPTConfig':
@@ -79,9 +97,45 @@ class GPTConfig:
     return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def causal_attention(q_BTNH: jax.Array, k_BTNH: jax.Array, v_BTNH: jax.Array) -> jax.Array:
-  """Causal softmax attention over however many heads N the inputs carry (fp32 softmax)."""
-  return jax.nn.dot_product_attention(q_BTNH, k_BTNH, v_BTNH, is_causal=True)
+@functools.cache
+def _cudnn_refusal(shapes: tuple, dtype) -> str | None:
+  """Why cuDNN flash attention does not take causal attention of q, k, v of these shapes
+  and dtype on this backend, or None if it does (its own checks, run on abstract values)."""
+  if jax.default_backend() != 'gpu':
+    return f'no GPU (backend {jax.default_backend()!r})'
+  args = [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+  try:
+    jax.eval_shape(functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                     implementation='cudnn'), *args)
+  except (NotImplementedError, ValueError, RuntimeError, TypeError) as e:
+    return f'{type(e).__name__}: {e}'
+  return None
+
+
+def attention_implementation(requested: str, q_BTNH, k_BTKH, v_BTKH) -> str:
+  """'cudnn' or 'xla' for `requested` ('auto' | 'cudnn' | 'xla', `GPTConfig.attention`):
+  'auto' takes cuDNN where it accepts the inputs (shapes and dtype; any object with
+  .shape/.dtype); 'cudnn' where it does not is a ValueError saying why."""
+  if requested not in ATTENTION:
+    raise ValueError(f'attention={requested!r} is unknown; use one of {ATTENTION}')
+  if requested == 'xla':
+    return 'xla'
+  refusal = _cudnn_refusal(tuple(tuple(a.shape) for a in (q_BTNH, k_BTKH, v_BTKH)),
+                           jnp.dtype(q_BTNH.dtype))
+  if refusal and requested == 'cudnn':
+    raise ValueError(f'model.attention=cudnn: cuDNN flash attention refuses q {q_BTNH.shape} '
+                     f'{jnp.dtype(q_BTNH.dtype)}: {refusal}; use attention=auto or xla')
+  return 'xla' if refusal else 'cudnn'
+
+
+def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
+                     implementation: str = 'auto') -> jax.Array:
+  """Causal softmax attention over however many heads N the inputs carry (K KV heads, K
+  dividing N), through `attention_implementation(implementation, ...)`: cuDNN flash
+  attention, or XLA's (fp32 softmax)."""
+  impl = attention_implementation(implementation, q_BTNH, k_BTKH, v_BTKH)
+  return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
+                                      implementation=impl)
 
 
 class Block(nnx.Module):
@@ -90,7 +144,7 @@ class Block(nnx.Module):
   def __init__(self, cfg: GPTConfig, *, rngs: nnx.Rngs, linear: LinearFactory | None = None):
     linear = linear or DenseFactory(cfg.compute_dtype)
     dt, d, out_std = cfg.compute_dtype, cfg.d_model, cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    self.head_dim = cfg.head_dim
+    self.head_dim, self.attention_impl = cfg.head_dim, cfg.attention
     self.ln1 = layer_norm(d, eps=cfg.ln_eps, dtype=dt, rngs=rngs)
     # Output laid out head-major, [n_heads, 3 (q|k|v), head_dim]: a contiguous shard = whole heads.
     self.qkv = linear.column(d, 3 * d, init_std=cfg.init_std, rngs=rngs)
@@ -104,7 +158,8 @@ class Block(nnx.Module):
     b, t, f = qkv_BTF.shape
     n_local = f // (3 * self.head_dim)  # local heads: whatever the projection produced
     qkv = qkv_BTF.reshape(b, t, n_local, 3, self.head_dim)
-    o_BTNH = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2])
+    o_BTNH = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
+                              self.attention_impl)
     return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:

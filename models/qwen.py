@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT, GPTConfig, causal_attention
 from models.layers import DenseFactory, Embedding, LinearFactory
 
 
@@ -43,6 +43,7 @@ class QwenConfig(GPTConfig):
     return self.vocab_size * d + L * block + d
 
   def __post_init__(self):
+    super().__post_init__()
     if self.n_heads % self.n_kv_heads:
       raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads="
                        f"{self.n_kv_heads}")
@@ -73,6 +74,7 @@ class QwenBlock(nnx.Module):
     dt, d, hd = cfg.compute_dtype, cfg.d_model, cfg.head_dim
     out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     self.head_dim, self.group, self.theta = hd, cfg.n_heads // cfg.n_kv_heads, cfg.rope_theta
+    self.attention_impl = cfg.attention
     self.ln1 = rms_norm(d, eps=cfg.ln_eps, dtype=dt, rngs=rngs)
     self.qkv = linear.column(d, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, init_std=cfg.init_std,
                              rngs=rngs)
@@ -89,7 +91,7 @@ class QwenBlock(nnx.Module):
     qkv = qkv_BTF.reshape(b, t, k_local, g + 2, hd)
     q_BTNH = rope(qkv[:, :, :, :g].reshape(b, t, k_local * g, hd), self.theta)
     k_BTKH = rope(qkv[:, :, :, g], self.theta)
-    o_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BTKH, qkv[:, :, :, g + 1], is_causal=True)
+    o_BTNH = causal_attention(q_BTNH, k_BTKH, qkv[:, :, :, g + 1], self.attention_impl)
     return self.attn_out(o_BTNH.reshape(b, t, k_local * g * hd))
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:

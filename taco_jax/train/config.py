@@ -64,10 +64,15 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     if sec not in c:
       raise ValueError(f'config has no {sec!r} section; start from configs.common.base_config')
   try:
-    model_config(c.model)
+    mcfg = model_config(c.model)
   except (TypeError, ValueError) as e:
     raise ValueError(f'bad model section: {e}') from e
   errs = _checks(c)
+  if not errs:
+    try:  # e.g. model.attention=cudnn where cuDNN cannot run it
+      mcfg.attention_backend(c.data.seq_len)
+    except ValueError as e:
+      errs.append(str(e))
   if errs:
     raise ValueError('invalid config:\n  ' + '\n  '.join(errs))
 

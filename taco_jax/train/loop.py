@@ -104,6 +104,7 @@ def train(config, workdir: str | pathlib.Path) -> dict:
     graphdef, params, opt_state = step_lib.init_state(step_lib.build_model(mcfg, config.seed), tx)
   n_params = sum(x.size for x in jax.tree.leaves(params))
   fpt = flops_per_token(mcfg, d.seq_len)
+  attention = mcfg.attention_backend(d.seq_len)
   tokens_per_step = d.batch_size * d.seq_len
   batch = lambda i, stream=0, src=corpus.train: data.batch_at(
       src, i, seed=config.seed, stream=stream, batch_size=d.batch_size, seq_len=d.seq_len)
@@ -113,14 +114,14 @@ def train(config, workdir: str | pathlib.Path) -> dict:
   eval_step = jax.jit(step_lib.make_eval_step(graphdef))
   compile_s = time.perf_counter() - t0
   tqdm.write(f'{config.name}: {n_params:,} params, {fpt:.3g} FLOPs/token; corpus {corpus.source} '
-             f'({len(corpus.train):,} train / {len(corpus.val):,} val tokens); step compiled in '
-             f'{compile_s:.1f}s; workdir {workdir}')
+             f'({len(corpus.train):,} train / {len(corpus.val):,} val tokens); {attention} attention; '
+             f'step compiled in {compile_s:.1f}s; workdir {workdir}')
   metrics.truncate_after(workdir / 'metrics.jsonl', start)
   writer = metrics.MetricsWriter(workdir)
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
               desc=config.name)
   summary = {'workdir': str(workdir), 'start_step': start, 'n_params': n_params,
-             'compile_s': compile_s, 'train_loss': math.nan, 'val_loss': math.nan,
+             'attention': attention, 'compile_s': compile_s, 'train_loss': math.nan, 'val_loss': math.nan,
              'tokens_per_s': math.nan, 'mfu': math.nan}
   t_start = time.perf_counter()
   run_steps(params, opt_state, start=start, train_cfg=t, train_step=train_step,
