@@ -19,16 +19,20 @@ from pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadama
                                    hadamard_matrix, row_mask)
 
 
+def group_multiplier(alpha, scale):
+  """What a group's codes are multiplied by to decode them without the transform:
+  ``scale / alpha``. alpha = 0 only in all-zero wire rows (a message never sent, e.g. what
+  ppermute's non-receivers hold): they decode to zeros, not 0 / 0."""
+  return jnp.where(alpha == 0, 0.0, scale / alpha)
+
+
 def decode_groups(codes_MG, alpha_M, scale_M, h_GG):
   """Decodes M groups to fp32 ``[M, G]``; ``h_GG`` is None for no transform."""
   g = codes_MG.shape[-1]
   q_MG = codes_MG.astype(jnp.float32)
-  # alpha = 0 only in all-zero wire rows (a message never sent, e.g. what ppermute's
-  # non-receivers hold): they decode to zeros, not 0 / 0.
-  unsent_M = alpha_M == 0
   if h_GG is None:
-    return q_MG * jnp.where(unsent_M, 0.0, scale_M / alpha_M)[:, None]
-  return hadamard_dot(q_MG, h_GG) * jnp.where(unsent_M, 0.0,
+    return q_MG * group_multiplier(alpha_M, scale_M)[:, None]
+  return hadamard_dot(q_MG, h_GG) * jnp.where(alpha_M == 0, 0.0,
                                               scale_M * (g**-0.5) / alpha_M)[:, None]
 
 

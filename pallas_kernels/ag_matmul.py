@@ -1,0 +1,303 @@
+"""All-gather + matmul in one Mosaic GPU kernel: ``y = all_gather(x, axis) @ w`` along the
+sequence, with the transfers in flight while the matmul runs; plain or FP8-compressed.
+
+Inside a ``jax.shard_map`` over ``axis`` (n ranks; this rank r), x ``[B, S, K]`` is this
+rank's sequence shard and the gathered x ``[B, T = n S, K]`` the full sequence, chunk c
+(rows ``c S .. (c + 1) S`` of every sequence) coming from rank c. The kernel computes the
+chunks in ring order: at step s it multiplies chunk ``c = (r + s) mod n`` and, as each A
+block of that chunk passes through shared memory, copies it on to rank ``r - 1``
+(``plgpu.remote_ref``), which multiplies it at step s + 1. A semaphore counts the SMs whose
+copies of a step have landed; a step starts once its chunk is complete. The gathered x is
+an output as well: the weight gradient needs it and must not gather again.
+
+Compressed (``fp8=True``), what travels is the codec's FP8 codes ``[B, S, K]`` and one fp32
+multiplier per group of G codes, ``scale / alpha`` (``decode.group_multiplier``), laid out
+``[K / G, B S]`` so that a row tile's multipliers are one TMA copy into shared memory. Each
+compute warpgroup decodes its A tile (``codes * multiplier`` in fp32, then the compute
+dtype: exactly ``decode_reference`` without the Hadamard transform) right before the wgmma. The encode is the
+codec's own kernel, run by the caller. Every chunk is decoded, this rank's too, as in the
+compressed all-gather (``all_gather_matmul_reference``).
+
+``local=True`` runs this rank's part without peers, for the CPU tests (jax's GPU interpret
+mode simulates no peer copies or semaphores): chunks c != r are read from a pre-gathered
+input, and the copies meant for rank r - 1 land in a local ``sent`` output, so the tests
+check both what the kernel computes and what it sends where.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gemm
+from pallas_kernels.decode import decode_reference, group_multiplier
+from pallas_kernels.encode import encode_reference
+
+FP8_TILING = gemm.Tiling(split="m")  # warpgroups split the rows: each decodes its own half
+
+
+def all_gather_matmul_reference(x_BSK, w_KN, axis_name, *, fp8=None, out_dtype=None):
+  """``(all_gather(x) @ w, all_gather(x))`` along the sequence (axis 1), with XLA: the plain
+  collective, then the matmul. ``fp8``: a dict of codec settings (``group_size``, ``fmt``,
+  ``dual_scale``, ``lam``): the compressed all-gather (encode, gather codes and scales,
+  decode every chunk) then the matmul."""
+  if fp8 is not None:
+    b, s, k = x_BSK.shape
+    enc = encode_reference(x_BSK.reshape(b * s, k), hadamard=False, **fp8)
+    gathered = [lax.all_gather(a.reshape(b, s, -1), axis_name, axis=1, tiled=True)
+                for a in enc]
+    t = gathered[0].shape[1]
+    x_BTK = decode_reference(*(a.reshape(b * t, -1) for a in gathered),
+                             group_size=fp8["group_size"], hadamard=False,
+                             out_dtype=x_BSK.dtype).reshape(b, t, k)
+  else:
+    x_BTK = lax.all_gather(x_BSK, axis_name, axis=1, tiled=True)
+  y = jnp.einsum("btk,kn->btn", x_BTK, w_KN, preferred_element_type=jnp.float32)
+  return y.astype(out_dtype or x_BSK.dtype), x_BTK
+
+
+def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None) -> str | None:
+  """Why the kernel cannot take x ``[B, S, K]`` and w ``[K, N]`` with these tiles (and, for
+  the FP8 kernel, groups of ``group_size``), or None when it can."""
+  b, s, k = x_shape
+  if w_shape[0] != k:
+    return f"x {tuple(x_shape)} and w {tuple(w_shape)} do not contract"
+  if group_size is not None:
+    if group_size % tiling.tile_k or k % group_size:
+      return (f"groups of {group_size} are not whole pipeline steps of {tiling.tile_k} "
+              f"within the contraction {k}")
+    if tiling.split != "m":
+      return "the FP8 kernel splits the rows between its warpgroups (Tiling.split='m')"
+  return tiling.misfit(rows_per_seq=s, m=b * s, n=w_shape[1], k=k)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """Where chunk c's row tiles live: rows of the local ``[B S, .]`` shard and of the
+  gathered ``[B T, .]`` arrays."""
+  s: int      # rows per sequence shard
+  t: int      # rows per full sequence
+  cta_m: int
+
+  def local(self, m_idx):
+    return m_idx * self.cta_m
+
+  def gathered(self, c, m_idx):
+    row = m_idx * self.cta_m
+    return (row // self.s) * self.t + c * self.s + row % self.s
+
+
+class _Multipliers:
+  """The FP8 kernel's group multipliers: per row tile and compute warpgroup, its
+  ``[K / G, tile_m]`` multipliers are loaded into shared memory once (``load``), read by
+  every pipeline step's decode (``row``) and copied on with the tile (``send``)."""
+
+  def __init__(self, tiling: gemm.Tiling, k: int, group_size: int):
+    self.t, self.groups, self.per = tiling, k // group_size, group_size // tiling.tile_k
+
+  def scratch(self) -> dict:
+    t = self.t
+    return dict(mult_smem=plgpu.SMEM((gemm.COMPUTE_WGS, self.groups, t.tile_m), jnp.float32),
+                mult_barrier=plgpu.Barrier(num_barriers=gemm.COMPUTE_WGS))
+
+  def load(self, src_ref, row, wg, scratch):
+    """Warpgroup ``wg``'s multipliers of the row tile at ``row`` (its rows from
+    ``row + wg tile_m``) into its shared-memory buffer."""
+    smem, barrier = scratch["mult_smem"].at[wg], scratch["mult_barrier"].at[wg]
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's were sent on
+    plgpu.copy_gmem_to_smem(src_ref.at[:, pl.ds(row + wg * self.t.tile_m, self.t.tile_m)],
+                            smem, barrier)
+    plgpu.barrier_wait(barrier)
+
+  def send(self, dest_ref, row, wg, scratch):
+    plgpu.copy_smem_to_gmem(scratch["mult_smem"].at[wg],
+                            dest_ref.at[:, pl.ds(row + wg * self.t.tile_m, self.t.tile_m)])
+
+  def decoder(self, dtype, scratch):
+    """The A operand of warpgroup ``wg`` at pipeline step ``k_idx``: its codes times their
+    group's multiplier, in fp32, then ``dtype`` (``decode_reference``, no transform)."""
+    t = self.t
+
+    def decode(blocks, wg, k_idx):
+      return decode_tile(blocks[0][pl.ds(wg * t.tile_m, t.tile_m)],
+                         scratch["mult_smem"][wg, k_idx // self.per], dtype)
+    return decode
+
+
+def decode_tile(codes_MK, mult_M, dtype):
+  """A tile of FP8 codes whose rows are each one group's (or part of one), decoded with
+  their groups' multipliers: ``decode_reference`` without the transform, op for op (FP8 to
+  fp32 through fp16 is exact; Mosaic GPU converts FP8 only to 16-bit floats)."""
+  q = codes_MK.astype(jnp.float16).astype(jnp.float32)
+  return (q * mult_M[:, None]).astype(dtype)
+
+
+def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
+          num_sms: int, out_dtype, dtype, mult_GR=None, group_size=None, gathered=None):
+  """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
+  rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
+  multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (and
+  multipliers), and in local mode what was sent to rank r - 1."""
+  t = tiling
+  local = gathered is not None
+  fp8 = mult_GR is not None
+  rows, k = a_RK.shape
+  t_rows, n_out = rows * n, w_KN.shape[1]
+  at = _Rows(s, n * s, t.cta_m)
+  a_op = gemm.Operand((t.cta_m, t.tile_k), a_RK.dtype, lambda kk: (0, kk))
+  loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k, delay_release=1)
+  mults = _Multipliers(t, k, group_size) if fp8 else None
+  n_arrays = 2 if fp8 else 1  # A rows (+ multipliers)
+  # one signal per copying warpgroup per SM and step: warpgroup 0 sends the A blocks, each
+  # compute warpgroup its own multipliers
+  signals = num_sms * (gemm.COMPUTE_WGS if fp8 else 1)
+
+  def body(*refs, out_smem, **scratch):
+    refs = list(refs)
+    take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
+    mine = take(n_arrays)
+    (w_ref,) = take(1)
+    src = take(n_arrays) if local else None
+    (y_ref,) = take(1)
+    xg = take(n_arrays)
+    sent = take(n_arrays) if local else None
+    if not local:
+      src = xg
+      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    r = lax.axis_index(axis_name) if rank is None else rank
+    prev = lax.rem(r + n - 1, n)
+    peer = sent if local else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
+
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(mine[0], w_ref),
+                       collective_axes=gemm.WG)
+    def _scope(allocs):
+      for step in range(n):
+        c = lax.rem(r + step, n)
+        forward = step < n - 1
+        arrays = mine if step == 0 else src
+        row_of = at.local if step == 0 else functools.partial(at.gathered, c)
+        dests = ([xg] if step == 0 else []) + ([peer] if forward else [])
+
+        def a_view(m_idx, arrays=arrays, row_of=row_of):
+          return [arrays[0].at[pl.ds(row_of(m_idx), t.cta_m)]]
+
+        def before_tile(m_idx, n_idx, wg, arrays=arrays, row_of=row_of, c=c, dests=dests):
+          mults.load(arrays[1], row_of(m_idx), wg, scratch)
+
+          @pl.when(n_idx == 0)
+          def _send():
+            for dest in dests:
+              mults.send(dest[1], at.gathered(c, m_idx), wg, scratch)
+
+        def after_mma(m_idx, n_idx, k_idx, blocks, c=c, dests=dests):
+          row = at.gathered(c, m_idx)
+
+          @pl.when((lax.axis_index(gemm.WG) == 0) & (n_idx == 0))
+          def _send():
+            for dest in dests:
+              plgpu.copy_smem_to_gmem(blocks[0], dest[0].at[
+                  pl.ds(row, t.cta_m), pl.ds(k_idx * t.tile_k, t.tile_k)])
+            plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
+
+        def epilogue(m_idx, n_idx, wg, acc, c=c):
+          row0, col0 = t.wg_offsets(wg)
+          row = at.gathered(c, m_idx) + row0
+          col = n_idx * t.cta_n + col0
+          gemm.store_tiles(acc.astype(out_dtype), out_smem, lambda i, j: y_ref.at[
+              pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+
+        loop.run(allocs, m=rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
+                 decode=mults.decoder(dtype, scratch) if fp8 else None,
+                 before_tile=before_tile if fp8 else None,
+                 after_mma=after_mma if dests else None)
+        if forward and not local:  # chunk c is on rank r - 1 once every SM's copies landed
+          @pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))
+          def _signal():
+            plgpu.wait_smem_to_gmem(0)
+            pl.semaphore_signal(sem, device_id={axis_name: prev})
+
+          pl.semaphore_wait(sem, value=(step + 1) * signals, decrement=False)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  gathered_types = [jax.ShapeDtypeStruct((t_rows, k), a_RK.dtype)]
+  operands = [a_RK]
+  if fp8:
+    gathered_types.append(jax.ShapeDtypeStruct((k // group_size, t_rows), jnp.float32))
+    operands.append(mult_GR)
+  operands.append(w_KN)
+  if local:
+    operands += list(gathered)
+  out_type = [jax.ShapeDtypeStruct((t_rows, n_out), out_dtype), *gathered_types]
+  if local:
+    out_type += gathered_types  # what was sent to rank r - 1
+  scratch = dict(out_smem=gemm.out_smem_type(t, out_dtype))
+  if fp8:
+    scratch.update(mults.scratch())
+  f = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms, scratch_types=scratch,
+                  name=f"taco_all_gather_matmul{'_fp8' if fp8 else ''}_{n}")
+  return f(*operands)
+
+
+def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = gemm.Tiling(),
+                      num_sms: int, out_dtype=None, rank=None, local_gathered=None):
+  """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
+  docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
+  ``num_sms``: the GPU's multiprocessor count. ``rank`` and ``local_gathered`` (the gathered
+  x): local mode, which also returns what this rank sent to rank r - 1."""
+  reason = misfit(x_BSK.shape, w_KN.shape, tiling)
+  if reason:
+    raise ValueError(f"all_gather_matmul: {reason}")
+  b, s, k = x_BSK.shape
+  n = lax.axis_size(axis_name) if rank is None else local_gathered.shape[1] // s
+  gathered = None if local_gathered is None else [local_gathered.reshape(-1, k)]
+  y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
+                   tiling=tiling, num_sms=num_sms, out_dtype=out_dtype or x_BSK.dtype,
+                   dtype=x_BSK.dtype, gathered=gathered)
+  return (y.reshape(b, n * s, -1), *(a.reshape(b, n * s, k) for a in rest))
+
+
+def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
+                          dtype=jnp.bfloat16, tiling: gemm.Tiling = FP8_TILING, num_sms: int,
+                          out_dtype=None, rank=None, local_gathered=None):
+  """The compressed kernel: ``codes_BSK`` are x's FP8 codes and ``mult_GR`` ``[K / G,
+  B S]`` their groups' multipliers (``multipliers``); x is decoded to ``dtype`` tile by tile
+  before each wgmma. Returns ``y [B, T, N]`` and the gathered codes ``[B, T, K]`` and
+  multipliers ``[K / G, B T]`` (``decode_gathered`` makes the gathered x of them).
+  ``rank`` and ``local_gathered`` (gathered codes and multipliers): local mode."""
+  reason = misfit(codes_BSK.shape, w_KN.shape, tiling, group_size)
+  if reason:
+    raise ValueError(f"all_gather_matmul_fp8: {reason}")
+  b, s, k = codes_BSK.shape
+  if mult_GR.shape != (k // group_size, b * s):
+    raise ValueError(f"all_gather_matmul_fp8: multipliers {mult_GR.shape} do not match codes "
+                     f"{codes_BSK.shape} in groups of {group_size}")
+  n = lax.axis_size(axis_name) if rank is None else local_gathered[0].shape[1] // s
+  gathered = None
+  if local_gathered is not None:
+    gathered = [local_gathered[0].reshape(-1, k), local_gathered[1]]
+  y, *rest = _call(codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank,
+                   axis_name=axis_name, tiling=tiling, num_sms=num_sms,
+                   out_dtype=out_dtype or dtype, dtype=dtype, mult_GR=mult_GR,
+                   group_size=group_size, gathered=gathered)
+  out = [y.reshape(b, n * s, -1)]
+  for codes, mult in zip(rest[::2], rest[1::2]):
+    out += [codes.reshape(b, n * s, k), mult]
+  return tuple(out)
+
+
+def multipliers(alpha_RK, scale_RK):
+  """The kernel's per-group decode multipliers ``[K, R]`` from the codec's scales
+  ``[R, K]`` (``group_multiplier``, transposed so a row tile's are contiguous)."""
+  return group_multiplier(alpha_RK, scale_RK).T
+
+
+def decode_gathered(codes_BTK, mult_GR, *, group_size: int, dtype=jnp.bfloat16):
+  """The gathered x from ``all_gather_matmul_fp8``'s gathered codes and multipliers."""
+  b, t, k = codes_BTK.shape
+  q = codes_BTK.astype(jnp.float32).reshape(b * t, k // group_size, group_size)
+  return (q * mult_GR.T[:, :, None]).astype(dtype).reshape(b, t, k)

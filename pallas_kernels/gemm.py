@@ -1,0 +1,218 @@
+"""The GEMM core of the collective-matmul kernels (Pallas Mosaic GPU, Hopper).
+
+A persistent, warp-specialized matmul: one CTA per SM walks the output tiles of a chunk
+(``plgpu.nd_loop``). Per tile, a memory warpgroup streams ``[cta_m, tile_k]`` A blocks and
+``[tile_k, cta_n]`` B blocks into shared memory (TMA, ``stages`` deep;
+``plgpu.emit_pipeline_warp_specialized``) and two compute warpgroups each accumulate a
+``[tile_m, tile_n]`` part of the CTA tile with wgmma in fp32 (split along N or M). What is
+specific to a collective comes in through hooks of ``TileLoop.run``:
+
+* ``a_refs(m_idx)``: the gmem refs of the chunk's row tile ``m_idx`` (the sequence chunks of
+  a ``[B, T, D]`` activation are not contiguous rows for B > 1);
+* ``before_tile(m_idx, n_idx, wg)``: per-tile work before the pipeline, e.g. loading the
+  tile's FP8 group multipliers;
+* ``decode(blocks, wg, k_idx)``: for A operands that are not plain bf16 (FP8 codes), the
+  warpgroup's A tile as a value;
+* ``after_mma(m_idx, n_idx, k_idx, blocks)``: e.g. forwarding the A block to a peer;
+* ``epilogue(m_idx, n_idx, wg, acc)``: what happens to the fp32 accumulator.
+
+A decoded A operand goes to the wgmma from registers (the dequantize-before-wgmma pattern).
+jax's GPU interpret mode takes wgmma operands from shared memory only, so kernels with a
+decoded operand lower (and run) on the GPU only; the CPU tests run their tile math and the
+plain kernels, which share everything else. Built on jax's public Mosaic GPU building
+blocks, after the structure of jax's Hopper matmul example.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+WG = "wg"        # the warpgroup axis (2 compute + 1 memory warpgroup)
+SM = "sm"        # the persistent grid axis: one CTA per SM
+COMPUTE_WGS = 2
+SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Tile sizes of one kernel; the CTA computes a ``[cta_m, cta_n]`` output tile."""
+  tile_m: int = 128    # rows per compute warpgroup tile
+  tile_n: int = 128    # columns per compute warpgroup tile
+  tile_k: int = 64     # contraction per pipeline step
+  stages: int = 4      # pipeline depth (shared-memory buffers per operand)
+  split: str = "n"     # how the two compute warpgroups share the CTA tile: "n" or "m"
+  epi_m: int = 64      # epilogue sub-tile rows (one TMA store each)
+  epi_n: int = 64      # epilogue sub-tile columns
+
+  def __post_init__(self):
+    if self.split not in ("n", "m"):
+      raise ValueError(f"Tiling.split must be 'n' or 'm', got {self.split!r}")
+
+  @property
+  def cta_m(self) -> int:
+    return self.tile_m * (COMPUTE_WGS if self.split == "m" else 1)
+
+  @property
+  def cta_n(self) -> int:
+    return self.tile_n * (COMPUTE_WGS if self.split == "n" else 1)
+
+  def wg_offsets(self, wg):
+    """(row, column) offset of compute warpgroup ``wg``'s tile inside the CTA tile."""
+    if self.split == "m":
+      return wg * self.tile_m, 0
+    return 0, wg * self.tile_n
+
+  def misfit(self, *, rows_per_seq: int, m: int, n: int, k: int) -> str | None:
+    """Why these tiles do not divide a chunk of ``m`` rows (in runs of ``rows_per_seq``
+    contiguous rows) times ``[k, n]``, or None when they do."""
+    for what, size, tile in (("sequence shard", rows_per_seq, self.cta_m),
+                             ("rows", m, self.cta_m), ("columns", n, self.cta_n),
+                             ("contraction", k, self.tile_k)):
+      if size % tile:
+        return f"{what} {size} is not a multiple of the tile {tile}"
+    if k < 2 * self.tile_k:
+      return f"contraction {k} is shorter than two pipeline steps of {self.tile_k}"
+    if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
+      return f"epilogue tile {self.epi_m}x{self.epi_n} does not divide {self.tile_m}x{self.tile_n}"
+    return None
+
+
+def swizzled(cols: int, dtype) -> tuple:
+  """The shared-memory transforms of a block whose rows hold ``cols`` elements of ``dtype``."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(cols * bits)
+  return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+@dataclasses.dataclass(frozen=True)
+class Operand:
+  """A pipelined A-side input: a ``block`` of ``dtype`` at block index ``index(k_idx)``;
+  ``swizzle`` False for small blocks that no wgmma reads (e.g. per-row multipliers)."""
+  block: tuple[int, int]
+  dtype: object
+  index: Callable
+  swizzle: bool = True
+
+  def spec(self, delay_release: int) -> plgpu.BlockSpec:
+    return plgpu.BlockSpec(self.block, self.index,
+                           transforms=swizzled(self.block[1], self.dtype) if self.swizzle else (),
+                           memory_space=plgpu.SMEM, delay_release=delay_release)
+
+
+class TileLoop:
+  """The pipeline of one kernel, allocated once and run once per chunk (``run``).
+
+  ``a_ops``: the A-side operands (the bf16 A block, or FP8 codes and multipliers); B is a
+  ``[tile_k, cta_n]`` block of the weight. ``delay_release=1`` keeps each A block in shared
+  memory one step longer, for ``after_mma`` to copy it out asynchronously.
+  """
+
+  def __init__(self, tiling: Tiling, a_ops: list[Operand], w_dtype, k: int, *,
+               delay_release: int = 0):
+    self.t, self.k_iters = tiling, k // tiling.tile_k
+    self.delay_release = delay_release
+    b = Operand((tiling.tile_k, tiling.cta_n), w_dtype, lambda kk: (kk, 0))
+    self.specs = [s.spec(delay_release) for s in (*a_ops, b)]
+
+  def _pipeline(self, body, context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(self.k_iters,), memory_registers=40, in_specs=self.specs, wg_axis=WG,
+        num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=self.t.stages,
+        compute_context=context)
+
+  def allocations(self, *gmem_refs):
+    ignore = lambda *_, **__: None  # noqa: E731 (the bodies do not change the allocations)
+    return self._pipeline(ignore, ignore).get_allocations(*gmem_refs)
+
+  def run(self, allocs, *, m: int, n: int, a_refs: Callable, w_ref, epilogue: Callable,
+          decode: Callable | None = None, after_mma: Callable | None = None,
+          before_tile: Callable | None = None, acc_dtype=jnp.float32):
+    """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
+    the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
+    ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
+    compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator."""
+    t = self.t
+    n_iters = n // t.cta_n
+
+    @plgpu.nd_loop((m // t.cta_m * n_iters,), collective_axes=SM)
+    def _tile(info):
+      (lin,) = info.index
+      m_idx, n_idx = lin // n_iters, lin % n_iters  # consecutive SMs share the A rows
+      wg = lax.axis_index(WG)
+      row0, col0 = t.wg_offsets(wg)
+
+      def context(run_pipeline):
+        if before_tile is not None:
+          before_tile(m_idx, n_idx, wg)
+
+        @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.tile_m, t.tile_n), acc_dtype))
+        def _acc(acc):
+          run_pipeline(acc)
+          epilogue(m_idx, n_idx, wg, acc[...])
+
+      def mma(idxs, *refs):
+        *a_blocks, b_block, acc = refs
+        b_wg = b_block.at[:, pl.ds(col0, t.tile_n)]
+        if decode is None:
+          a_block = a_blocks[0]
+          plgpu.wgmma(acc, a_block.at[pl.ds(row0, t.tile_m)] if t.split == "m" else a_block,
+                      b_wg)
+          pending = self.delay_release
+        else:
+          plgpu.wgmma(acc, decode(a_blocks, wg, idxs[0]), b_wg)
+          pending = 0  # the registers of the decoded operand are rewritten next step
+        if after_mma is not None:
+          after_mma(m_idx, n_idx, idxs[0], a_blocks)
+        plgpu.wgmma_wait(pending)
+        return acc
+
+      self._pipeline(mma, context)(
+          *a_refs(m_idx), w_ref.at[:, pl.ds(n_idx * t.cta_n, t.cta_n)], allocations=allocs)
+
+
+def stage_out(value, out_smem, wg, slot: int, dest) -> None:
+  """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
+  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+  out_smem[wg, slot] = value
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
+
+
+def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
+  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
+  slots to ``dest(i, j)``, the gmem ref of epilogue sub-tile (i, j); one sub-tile's TMA
+  store overlaps the staging of the next."""
+  t = tiling
+  cols = t.tile_n // t.epi_n
+  for i in range(t.tile_m // t.epi_m):
+    for j in range(cols):
+      stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
+                wg, (i * cols + j) % 2, dest(i, j))
+
+
+def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:
+  """The epilogue's staging buffers: two slots per compute warpgroup."""
+  return plgpu.SMEM((COMPUTE_WGS, 2, tiling.epi_m, tiling.epi_n), dtype,
+                    transforms=swizzled(tiling.epi_n, dtype))
+
+
+def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str):
+  """A persistent kernel: ``num_sms`` CTAs of 2 compute + 1 memory warpgroups."""
+  return plgpu.kernel(
+      body, out_type=out_type, grid=(num_sms,), grid_names=(SM,), num_threads=COMPUTE_WGS + 1,
+      thread_name=WG, scratch_types=scratch_types or {}, kernel_name=name,
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+
+
+def num_sms(default: int = 4) -> int:
+  """The multiprocessor count of the first device (132 on an H100 / H200), or ``default``
+  where the device has none (CPU, where the kernels run in interpret mode)."""
+  return getattr(jax.devices()[0], "core_count", None) or default

@@ -1,0 +1,278 @@
+"""Matmul + reduce-scatter in one Mosaic GPU kernel: ``out = reduce_scatter(y @ w, axis)``
+along the sequence, each partial tile sent to its owner as soon as it is computed; plain or
+FP8-compressed.
+
+Inside a ``jax.shard_map`` over ``axis`` (n ranks; this rank r), y ``[B, T, F]`` is this
+rank's slice of the features for the full sequence and w ``[F, D]`` its rows of the weight;
+rank c owns chunk c of the sequence (rows ``c S .. (c + 1) S`` of every sequence, S = T / n)
+of the sum over ranks. The kernel computes the chunks in the order ``c = r + 1, ..., r + n``
+(its own last). Each partial output tile of a peer's chunk goes, straight from the epilogue,
+into slot r of that peer's receive buffer (``plgpu.remote_ref``), while the next tiles are
+computed. A semaphore counts the senders' SMs that finished; once all have, the own chunk's
+epilogue adds the received partials to its accumulator, in fp32.
+
+Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
+groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
+``encode_groups``: FP8 codes plus one fp32 multiplier per row and group
+(``decode.group_multiplier``). The owner encodes its own tile the same way and sums the n
+decoded partials in fp32 in rank order: the codes and the sum of the compressed
+reduce-scatter (``matmul_reduce_scatter_reference``).
+
+``rank`` and ``received`` give local mode, for the CPU tests (jax's GPU interpret mode
+simulates no peer copies or semaphores): the partials meant for rank c land in slot c of
+a local ``sent`` output, and the peers' partials for this rank come from ``received``.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import gemm
+from pallas_kernels.common import FP8_DTYPES
+from pallas_kernels.ag_matmul import decode_tile
+from pallas_kernels.decode import decode_reference, group_multiplier
+from pallas_kernels.encode import encode_groups, encode_reference
+
+
+def matmul_reduce_scatter_reference(y_BTF, w_FD, axis_name, *, fp8=None, out_dtype=None):
+  """``reduce_scatter(y @ w)`` along the sequence (axis 1), with XLA: the matmul in y's
+  dtype, then the plain collective, or with ``fp8`` (codec settings: ``group_size``,
+  ``fmt``, ``dual_scale``, ``lam``) the compressed one: each destination chunk encoded,
+  exchanged, decoded and summed in fp32 in rank order."""
+  p = jnp.einsum("btf,fd->btd", y_BTF, w_FD, preferred_element_type=jnp.float32)
+  p = p.astype(y_BTF.dtype)
+  out_dtype = out_dtype or y_BTF.dtype
+  if fp8 is None:
+    return lax.psum_scatter(p, axis_name, scatter_dimension=1, tiled=True).astype(out_dtype)
+  n = lax.axis_size(axis_name)
+  b, t, d = p.shape
+  chunks = jnp.moveaxis(p.reshape(b, n, t // n, d), 1, 0).reshape(n, -1, d)
+  enc = [encode_reference(chunks[c], hadamard=False, **fp8) for c in range(n)]
+  got = [lax.all_to_all(jnp.stack(a), axis_name, 0, 0, tiled=True) for a in zip(*enc)]
+  total = jnp.zeros(chunks.shape[1:], jnp.float32)
+  for i in range(n):
+    total = total + decode_reference(got[0][i], got[1][i], got[2][i],
+                                     group_size=fp8["group_size"], hadamard=False,
+                                     out_dtype=jnp.float32)
+  return total.astype(out_dtype).reshape(b, t // n, d)
+
+
+def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None):
+  """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
+  tiles (and, for the FP8 kernel, groups of ``group_size``), or None when it can."""
+  b, t, f = y_shape
+  if w_shape[0] != f:
+    return f"y {tuple(y_shape)} and w {tuple(w_shape)} do not contract"
+  if t % n:
+    return f"sequence {t} is not divisible by the {n} ranks"
+  if group_size is not None and group_size != tiling.tile_n:
+    return (f"the FP8 kernel encodes groups of its tile_n ({tiling.tile_n}) columns, "
+            f"not {group_size}")
+  return tiling.misfit(rows_per_seq=t // n, m=b * t // n, n=w_shape[1], k=f)
+
+
+class _Epilogues:
+  """What each compute warpgroup does with its fp32 ``[tile_m, tile_n]`` accumulator:
+  ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
+  ``finish`` this rank's tile by adding the received partials and storing the result."""
+
+  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, scratch):
+    self.t, self.n, self.dtype, self.out_dtype = tiling, n, dtype, out_dtype
+    self.fp8, self.s = fp8, scratch
+
+  def _slabs(self):
+    return range(self.t.tile_m // self.t.epi_m)
+
+  def _encode(self, x):
+    """A slab's partials as the reference sends them: in the transfer dtype, encoded."""
+    fp8 = self.fp8
+    codes, alpha, scale = encode_groups(
+        x.astype(self.dtype).astype(jnp.float32), None, fmt=fp8["fmt"],
+        dual_scale=fp8["dual_scale"], lam=fp8["lam"], fixed_order=False)
+    return codes, group_multiplier(alpha, scale)
+
+  def send(self, acc, wg, row, col, dests):
+    """``dests``: (codes or values, multipliers or None) refs of ``[rows, D]`` (and
+    ``[D / G, rows]``) into which this tile's partials go at (row, col)."""
+    t = self.t
+    if not self.fp8:
+      for values, _ in dests:
+        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], lambda i, j: values.at[
+            pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+      return
+    codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
+    for i in self._slabs():
+      codes, mult = self._encode(acc[i * t.epi_m:(i + 1) * t.epi_m])
+      slot = i % 2
+      plgpu.wait_smem_to_gmem(2 * len(dests), wait_read_only=True)
+      codes_smem[wg, slot] = codes
+      mult_smem[wg, slot, 0] = mult
+      plgpu.commit_smem()
+      rows = pl.ds(row + i * t.epi_m, t.epi_m)
+      for dest_codes, dest_mult in dests:
+        plgpu.copy_smem_to_gmem(codes_smem.at[wg, slot], dest_codes.at[rows, pl.ds(col, t.tile_n)])
+        plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
+                                dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
+
+  def _load(self, src, wg, what):
+    """One TMA load of ``src`` into this warpgroup's ``what`` buffer, awaited."""
+    buf, barrier = self.s[what].at[wg], self.s["in_barrier"].at[wg]
+    plgpu.copy_gmem_to_smem(src, buf, barrier)
+    plgpu.barrier_wait(barrier)
+    return buf
+
+  def finish(self, acc, wg, r, row, col, received, out_ref):
+    """This rank's tile: its partial plus the received ones (``received``: the arrays of
+    the receive slots, ``[n, rows, D]`` values or codes, and ``[n, D / G, rows]``
+    multipliers), stored to ``out_ref`` at (row, col)."""
+    t, n = self.t, self.n
+    cols = t.tile_n // t.epi_n
+    for i in self._slabs():
+      rows = pl.ds(row + i * t.epi_m, t.epi_m)
+      slab = acc[i * t.epi_m:(i + 1) * t.epi_m]
+      if self.fp8:
+        own = decode_tile(*self._encode(slab), jnp.float32)
+        total = jnp.zeros_like(own)
+        for p in range(n):  # rank order, as the reference sums
+          codes = self._load(received[0].at[p, rows, pl.ds(col, t.tile_n)], wg, "in_codes")
+          mult = self._load(received[1].at[p, pl.ds(col // t.tile_n, 1), rows], wg, "in_mult")
+          total = total + jnp.where(r == p, own, decode_tile(codes[...], mult[0], jnp.float32))
+      for j in range(cols):
+        sub = pl.ds(col + j * t.epi_n, t.epi_n)
+        if self.fp8:
+          v = total[:, j * t.epi_n:(j + 1) * t.epi_n]
+        else:
+          v = slab[:, j * t.epi_n:(j + 1) * t.epi_n]
+          for q in range(1, n):  # the peers' partials, in any order
+            got = self._load(received[0].at[lax.rem(r + q, n), rows, sub], wg, "in_values")
+            v = v + got[...].astype(jnp.float32)
+        gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, (i * cols + j) % 2,
+                       out_ref.at[rows, sub])
+
+  def scratch_types(self) -> dict:
+    t, wgs = self.t, gemm.COMPUTE_WGS
+    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
+               in_barrier=plgpu.Barrier(num_barriers=wgs))
+    if self.fp8:
+      codes_dtype = jnp.dtype(self.fp8["codes_dtype"])
+      out.update(
+          codes_smem=plgpu.SMEM((wgs, 2, t.epi_m, t.tile_n), codes_dtype,
+                                transforms=gemm.swizzled(t.tile_n, codes_dtype)),
+          mult_smem=plgpu.SMEM((wgs, 2, 1, t.epi_m), jnp.float32),
+          in_codes=plgpu.SMEM((wgs, t.epi_m, t.tile_n), codes_dtype,
+                              transforms=gemm.swizzled(t.tile_n, codes_dtype)),
+          in_mult=plgpu.SMEM((wgs, 1, t.epi_m), jnp.float32))
+    else:
+      out.update(in_values=plgpu.SMEM((wgs, t.epi_m, t.epi_n), self.dtype,
+                                      transforms=gemm.swizzled(t.epi_n, self.dtype)))
+    return out
+
+
+def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
+          num_sms: int, out_dtype, fp8=None, received=None):
+  """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
+  (local mode): the receive slots' arrays that peers would have written. Returns the
+  output rows ``[B S, D]``, the receive slots, and in local mode the partials sent."""
+  t = tiling
+  local = received is not None
+  rows, f = y_RF.shape
+  t_len, d = n * s, w_FD.shape[1]
+  out_rows = rows // n
+  dtype = y_RF.dtype
+  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
+                       w_FD.dtype, f)
+  slot_types = ([jax.ShapeDtypeStruct((n, out_rows, d), dtype)] if fp8 is None else
+                [jax.ShapeDtypeStruct((n, out_rows, d), fp8["codes_dtype"]),
+                 jax.ShapeDtypeStruct((n, d // t.tile_n, out_rows), jnp.float32)])
+  n_slots = len(slot_types)
+  signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
+  epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8)
+
+  def body(*refs, **scratch):
+    refs = list(refs)
+    take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
+    y_ref, w_ref = take(2)
+    inbox = take(n_slots) if local else None
+    (out_ref,) = take(1)
+    slots = take(n_slots)
+    sent = take(n_slots) if local else None
+    if not local:
+      inbox = slots
+      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
+    r = lax.axis_index(axis_name) if rank is None else rank
+    epi = epilogues(scratch=scratch)
+
+    def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
+      row = m_idx * t.cta_m
+      return (row // s) * t_len + c * s + row % s
+
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
+                       collective_axes=gemm.WG)
+    def _scope(allocs):
+      for step in range(1, n + 1):
+        c = lax.rem(r + step, n)
+        own = step == n
+        if own and not local:  # every peer's partials of this rank's chunk have landed
+          pl.semaphore_wait(sem, value=(n - 1) * signals, decrement=False)
+
+        def epilogue(m_idx, n_idx, wg, acc, c=c, own=own):
+          row0, col0 = t.wg_offsets(wg)
+          row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
+          if own:
+            epi.finish(acc, wg, r, row, col, inbox, out_ref)
+            return
+          if local:
+            dest = [a.at[c] for a in sent]
+          else:
+            dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
+          epi.send(acc, wg, row, col, [tuple(dest) + ((None,) if fp8 is None else ())])
+
+        loop.run(allocs, m=out_rows, n=d,
+                 a_refs=lambda m_idx, c=c: [y_ref.at[pl.ds(y_row(c, m_idx), t.cta_m)]],
+                 w_ref=w_ref, epilogue=epilogue)
+        if not own and not local:  # this SM's partials of chunk c are on rank c
+          @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
+          def _signal(c=c):
+            plgpu.wait_smem_to_gmem(0)
+            pl.semaphore_signal(sem, device_id={axis_name: c})
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
+  if local:
+    out_type += slot_types  # what was sent: slot c for rank c
+  kernel = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms,
+                       scratch_types=epilogues(scratch=None).scratch_types(),
+                       name=f"taco_matmul_reduce_scatter{'_fp8' if fp8 else ''}_{n}")
+  return kernel(y_RF, w_FD, *(received if local else ()))
+
+
+def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling = gemm.Tiling(),
+                          num_sms: int, out_dtype=None, fp8=None, rank=None, n=None,
+                          received=None):
+  """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
+  this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
+  settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
+  compressed kernel. ``num_sms``: the GPU's multiprocessor count. Local mode: ``rank``,
+  ``n`` and ``received`` (the receive slots' arrays, sender p in slot p; see
+  ``slot_shapes``); it returns ``(out, sent)``, the partials sent in slot c for rank c."""
+  if rank is None:
+    n = lax.axis_size(axis_name)
+  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"])
+  if reason:
+    raise ValueError(f"matmul_reduce_scatter: {reason}")
+  b, t_len, f = y_BTF.shape
+  if fp8 is not None:
+    fp8 = dict(fmt=fp8["fmt"], dual_scale=fp8["dual_scale"], lam=fp8["lam"],
+               codes_dtype=jnp.dtype(FP8_DTYPES[fp8["fmt"]]))
+  out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
+              axis_name=axis_name, tiling=tiling, num_sms=num_sms,
+              out_dtype=out_dtype or y_BTF.dtype, fp8=fp8, received=received)
+  result = out[0].reshape(b, t_len // n, -1)
+  if received is None:
+    return result
+  return result, tuple(out[-len(received):])
