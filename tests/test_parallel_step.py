@@ -155,6 +155,25 @@ def test_qwen_block_matches_single_device():
     assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
 
 
+def test_model_attention_reaches_the_blocks_of_both_parallel_steps():
+  """`model.attention` is the blocks' own, inside the shard_map step and under GSPMD: the
+  meshes above run it as `auto` (XLA on CPU) and equal the single-device model; asked for
+  `cudnn`, tracing either step on CPU is the error that says cuDNN cannot run here."""
+  from taco_jax.parallel import gspmd
+  cfg = dataclasses.replace(CFG, attention="cudnn")
+  tokens = lambda mesh: jax.ShapeDtypeStruct(  # noqa: E731
+      (BATCH, SEQ + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh))
+  mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
+  spec = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO)
+  with pytest.raises(ValueError, match=r"model.attention=cudnn: .* no GPU"):
+    jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(
+        model_lib.abstract_params(cfg, mesh), tokens(mesh))
+  mesh = gspmd.make_mesh(1, 4, devices=jax.devices()[:4])
+  params = jax.eval_shape(lambda: gspmd.init_params(cfg, mesh))
+  with pytest.raises(ValueError, match=r"model.attention=cudnn: .* no GPU"):
+    jax.jit(gspmd.loss_and_grads_fn(cfg, mesh)).lower(params, tokens(mesh))
+
+
 @pytest.mark.parametrize("layout", [(2, 1, 4), (1, 2, 4)], ids=lambda m: "dp%d-pp%d-tp%d" % m)
 def test_overlap_matches_single_device(layout, reference):
   """`parallel.overlap` (ring collective matmuls) computes the same loss and gradients:

@@ -92,6 +92,7 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   # Train with every TP/PP family compressed on (dp, pp, tp) = (2, 1, 4).
   s = train(_config(cache, dp=2, pp=1, tp=4, microbatches=2), tmp_path)
   assert s["status"] == "completed" and s["last_checkpoint"] == 6
+  assert s["attention"] == "xla"  # model.attention=auto on CPU
   sent = s["compressed_messages"]  # off GPU, link "auto" compresses every message
   assert sent["all_gather"]["compressed"] > 0 and sent["reduce_scatter"]["compressed"] > 0
   assert not any(row["plain"] for row in sent.values()), sent
