@@ -70,6 +70,9 @@ def test_model_fields_and_trainer_choice():
   c.parallel.tp = 2
   validate_config(c)
   assert parallel_reason(c) == 'parallel.dp*pp*tp = 1*1*2 != 1'
+  c = tiny.get_micro_config()
+  c.parallel.save_dots = True  # the loop's remat has no policy: the parallel trainer runs it
+  assert parallel_reason(c) == 'parallel.save_dots=True (a remat policy of the parallel step)'
 
 
 def test_errors_come_before_any_model_is_built(tmp_path, monkeypatch):

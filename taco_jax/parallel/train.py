@@ -56,7 +56,8 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
                                p.get("microbatches", 1), plan_from_config(config.compression),
                                overlap=bool(p.get("overlap", False)),
                                interleave=p.get("interleave", 1),
-                               save_tp_outputs=bool(p.get("save_tp_outputs", False)))
+                               save_tp_outputs=bool(p.get("save_tp_outputs", False)),
+                               save_dots=bool(p.get("save_dots", False)))
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
