@@ -76,11 +76,17 @@ def test_bench_train_variant_names():
       "ring_on", 2, True, True, True, True)
   assert not bench_train.parse_variant("ideal_save").compressed
   assert not bench_train.parse_variant("gspmd_pgle").ours
-  for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x"):
+  v = bench_train.parse_variant("off_save_dots")
+  assert (v.save_tp_outputs, v.save_dots, v.remat) == (True, True, True)
+  assert [bench_train.parse_variant(n).remat for n in ("off_noremat", "gspmd_noremat_pgle")] == [
+      False, False]
+  for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
+              "off_save_noremat", "off_dots_noremat", "gspmd_dots"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
-  with pytest.raises(SystemExit):
-    bench_train.parse_args(["--variants", "off,on_save", "--no-remat"])
+  for variants in ("off,on_save", "off_dots"):
+    with pytest.raises(SystemExit):
+      bench_train.parse_args(["--variants", variants, "--no-remat"])
 
 
 def _write_bench_train(tmp_path, name, **ms):
@@ -166,6 +172,30 @@ def test_trace_summary_counts_only_uncovered_nccl_time():
   assert got["nccl_exposed_ms"] == pytest.approx(50 / 1e3 / 2)
   assert got["compute_ms"] == pytest.approx(150 / 1e3 / 2)
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
+
+
+def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypatch):
+  """The GPU branch of `attention_numerics.compare`, run on CPU with XLA standing in for
+  cuDNN: the stand-in equals XLA exactly, and bf16 XLA differs from the fp32 reference."""
+  import jax.numpy as jnp
+
+  from benchmarks import attention_numerics
+  from models import gpt
+  from models.qwen import QwenConfig
+  cfg = QwenConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=16)
+  off_gpu = attention_numerics.compare(cfg, batch=2, seq=16)
+  assert off_gpu["cudnn"] == "unavailable" and "no GPU" in off_gpu["reason"]
+  assert "cuDNN unavailable" in attention_numerics.summary_line(off_gpu)
+  monkeypatch.setattr(attention_numerics, "attention_implementation", lambda *a: "cudnn")
+  monkeypatch.setattr(attention_numerics, "causal_attention",
+                      lambda q, k, v, impl: gpt.causal_attention(q, k, v, "xla"))
+  got = attention_numerics.compare(cfg, batch=2, seq=16)
+  assert got["cudnn"] == "compared" and got["dtype"] == jnp.dtype(jnp.bfloat16).name
+  assert (got["q_shape"], got["kv_shape"]) == ([2, 16, 4, 8], [2, 16, 2, 8])
+  for name in attention_numerics.OUTPUTS:
+    assert got["cudnn_vs_xla"][name] == dict(max_abs=0.0, rel_l2=0.0)
+    assert got["xla_vs_fp32"][name]["rel_l2"] > 0
+  assert "cuDNN vs XLA on q 2x16x4x8 bfloat16" in attention_numerics.summary_line(got)
 
 
 def test_mfu_is_against_the_spec_peak():
