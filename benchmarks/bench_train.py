@@ -46,7 +46,8 @@ Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON recor
 cuDNN's error against XLA's (`benchmarks/attention_numerics.py`; on CPU: why cuDNN could
 not run). Memory per variant: the compiled step's peak per device
 (`memory_analysis().peak_memory_in_bytes`, XLA's buffer assignment), and per run the
-device's `peak_bytes_in_use` (process-wide: every variant's state is live at once).
+device's `peak_bytes_in_use` (process-wide: every variant's state is live at once, and the
+attention check ran before them).
 
 Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
 comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication

@@ -89,12 +89,13 @@ def test_bench_train_variant_names():
       bench_train.parse_args(["--variants", variants, "--no-remat"])
 
 
-def _write_bench_train(tmp_path, name, **ms):
-  d = dict(label=name, device="NVIDIA H200", num_devices=4, environment=dict(platform="gpu"),
+def _write_bench_train(tmp_path, name, num_devices=4, extra=None, **ms):
+  d = dict(label=name, device="NVIDIA H200", num_devices=num_devices,
+           environment=dict(platform="gpu"),
            config=dict(model="1.3b", seq=2048, batch=8, group_size=128, flops_per_token=1e10),
            results=[dict(layout="1,1,4", variant=v, step_ms=t, tokens_per_s=1e5)
                     for v, t in ms.items()],
-           summary=[])
+           summary=[], **(extra or {}))
   (tmp_path / f"bench_train_{name}.json").write_text(json.dumps(d))
 
 
@@ -129,6 +130,36 @@ def test_report_has_a_row_per_remat_policy_with_its_own_ratios(tmp_path, monkeyp
   assert col["recovered"] == ("–", "0.4")                       # (190 - 180) / (190 - 165)
   assert col["GSPMD / off"] == (f"{195 / 210:.3g}", f"{195 / 190:.3g}")
   assert col["other variants (ms)"] == ("on_save_pgle 178",) * 2
+
+
+def test_report_rows_of_the_saving_policies_with_both_mfus_and_the_attention(tmp_path,
+                                                                             monkeypatch):
+  """`_dots`, `_save_dots` and `_noremat` get rows of their own; MFU against the spec peak
+  and against the run's measured matmul ceiling (none where that ceiling is implausible);
+  a table per setup (device count)."""
+  from benchmarks import report
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  _write_bench_train(tmp_path, "p", num_devices=2, off_save=200.0, off_save_dots=180.0,
+                     off_noremat=170.0, off_dots=190.0, extra=dict(
+                         attention=dict(backend="cudnn"),
+                         ceilings=dict(matmul_bf16=dict(tflops=500.0))))
+  _write_bench_train(tmp_path, "q", off=210.0, extra=dict(
+      ceilings=dict(matmul_bf16=dict(tflops=1200.0))))  # the doubled ceiling of old runs
+  two, four = report.bench_train_section().split("### Training step")[1:]
+  assert "2x NVIDIA H200" in two and "4x NVIDIA H200" in four
+  assert "Columns as in the table above." in four
+  header, _, *rows = two.strip().splitlines()[-6:]
+  cols = [dict(zip(_cells(header), _cells(r))) for r in rows]
+  assert [(c["remat"], c["off"]) for c in cols] == [
+      ("save TP outputs", "200"), ("save dots", "190"), ("save TP outputs + dots", "180"),
+      ("none", "170")]
+  assert {c["attention"] for c in cols} == {"cudnn"}
+  tflops = 1e5 * 1e10 / 1e12  # 1000 TFLOP/s over 2 devices
+  assert cols[0]["MFU off (spec)"] == f"{tflops / (2 * 989.4):.3g}"
+  assert cols[0]["MFU off (matmul)"] == f"{tflops / (2 * 500.0):.3g}"
+  header, _, row = four.strip().splitlines()[-3:]
+  col = dict(zip(_cells(header), _cells(row)))
+  assert col["attention"] == "xla" and col["MFU off (matmul)"] == "–"
 
 
 def test_report_keeps_a_run_of_only_gspmd(tmp_path, monkeypatch):
