@@ -384,10 +384,12 @@ def summarize(rows) -> list[dict]:
       if v.base == "off" and mods and "gspmd" in t:
         s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
       on, ideal = f"on{mods}", f"ideal{mods}"
-      if v.base == "off" and mods and on in t:  # the same figures for a modified pair
+      exposed = v.base == "off" and mods and ideal in t and t[v.name] > t[ideal]
+      if exposed:  # the same figures for a modified pair
+        s[f"comm_share{mods}"] = (t[v.name] - t[ideal]) / t[v.name]
+      if v.base == "off" and mods and on in t:
         s[f"speedup_on_vs_off{mods}"] = t[v.name] / t[on]
-        if ideal in t and t[v.name] > t[ideal]:
-          s[f"comm_share{mods}"] = (t[v.name] - t[ideal]) / t[v.name]
+        if exposed:
           s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
     offs = [v.name for v in ours if v.base in ("off", "ring_off")]
     ons = [v.name for v in ours if v.compressed]

@@ -56,6 +56,9 @@ def test_bench_train_summary_of_a_modified_pair():
   assert s["comm_share_save"] == pytest.approx(40 / 190)
   assert s["off_save_vs_gspmd"] == pytest.approx(192 / 190)
   assert "recovered" not in s  # no plain ideal
+  (s,) = bench_train.summarize(_rows(off_save_dots=160.0, ideal_save_dots=140.0))
+  assert s["comm_share_save_dots"] == pytest.approx(20 / 160)  # no compressed step needed
+  assert "recovered_save_dots" not in s
 
 
 def test_bench_train_variants_and_their_compile_options():
