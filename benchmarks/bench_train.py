@@ -44,10 +44,10 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
 (`GPTConfig.attention_backend`) and, on one random batch of the run's attention shapes,
 cuDNN's error against XLA's (`benchmarks/attention_numerics.py`; on CPU: why cuDNN could
-not run). Memory per variant: the compiled step's peak per device
-(`memory_analysis().peak_memory_in_bytes`, XLA's buffer assignment), and per run the
-device's `peak_bytes_in_use` (process-wide: every variant's state is live at once, and the
-attention check ran before them).
+not run). Memory per variant: the compiled step's peak and temporaries per device
+(`common.compiled_memory`: XLA's buffer assignment); per run the device's
+`peak_bytes_in_use` (process-wide: every variant's state is live at once, and the attention
+check ran before them).
 
 Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
 comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication
@@ -281,24 +281,6 @@ def _program(variant: Variant, layout, args, cfg, tx):
   return step, state, batch, mesh, plan, ctx
 
 
-def compiled_memory(exe) -> dict:
-  """Per device, the compiled step's peak memory and its temporaries (activations and
-  workspace), from XLA's buffer assignment; None where the backend does not say."""
-  try:
-    m = exe.memory_analysis()
-  except Exception:  # noqa: BLE001 (not every backend implements it)
-    m = None
-  return dict(memory_peak_bytes=getattr(m, "peak_memory_in_bytes", None),
-              memory_temp_bytes=getattr(m, "temp_size_in_bytes", None))
-
-
-def device_peak_bytes():
-  """The first local device's peak bytes in use so far (process-wide), None on CPU."""
-  import jax
-  stats = jax.local_devices()[0].memory_stats()
-  return (stats or {}).get("peak_bytes_in_use")
-
-
 def _relabel(summary: dict, mesh) -> dict:
   """GSPMD-made replica groups may print as mesh['axis_0'=..]: name them by the mesh."""
   names = {f"axis_{i}": a for i, a in enumerate(mesh.axis_names)}
@@ -334,7 +316,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
       common.write_hlo(exe, dest)
       print(f"wrote {dest}", flush=True)
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
-                   variant=variant, memory=compiled_memory(exe),
+                   variant=variant, memory=common.compiled_memory(exe),
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
@@ -473,7 +455,7 @@ def main(argv=None) -> pathlib.Path:
                   config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
                               model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
                   environment=env, ceilings=dict(matmul_bf16=ceiling), attention=attention,
-                  device_peak_bytes=device_peak_bytes(), summary=summary,
+                  device_peak_bytes=common.device_peak_bytes(), summary=summary,
                   failed=failed, results=rows, complete=k == len(layouts) - 1,
                   wall_s=time.perf_counter() - t0)
     path.write_text(json.dumps(report, indent=1))  # after every layout: nothing lost
