@@ -31,11 +31,23 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           those options.
   _save   the layer remat keeps the TP collectives' outputs (`parallel.save_tp_outputs`):
           the backward pass recomputes each block without communicating again
+  _dots   the layer remat keeps the blocks' weight-matmul outputs too (`parallel.save_dots`):
+          the backward pass recomputes only norms, activation and attention
+  _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
+          the same process as the remat variants (`--no-remat` drops remat for all of them)
   _pgle   (GSPMD too) compiled twice: the second time with the instruction times
           measured in two profiled steps of the first (`taco_jax.parallel.pgle`: XLA's
           profile-guided latency estimation), so the scheduler overlaps collectives by
           measured costs rather than its guesses. The profiled steps run on a throwaway
           state; timing starts from the same parameters as the other variants.
+
+Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
+(`GPTConfig.attention_backend`) and, on one random batch of the run's attention shapes,
+cuDNN's error against XLA's (`benchmarks/attention_numerics.py`; on CPU: why cuDNN could
+not run). Memory per variant: the compiled step's peak and temporaries per device
+(`common.compiled_memory`: XLA's buffer assignment); per run the device's
+`peak_bytes_in_use` (process-wide: every variant's state is live at once, and the attention
+check ran before them).
 
 Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
 comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication
@@ -43,7 +55,8 @@ time compression wins back (1 = compressed step as fast as free communication). 
 figures take the fastest of our bf16 and of our compressed programs (what a user would
 pick); speedup_<modifiers>_<off|on> compares a modified program with the plain one.
 Timing as in train_parallel.py (host wall-clock around block_until_ready, median after
---warmup); MFU against the device's spec peak, as there.
+--warmup). MFU two ways, as there: `mfu` against the device's spec peak (989 TFLOP/s on
+H100 / H200), `mfu_of_measured` against the bf16 matmul rate measured in the same run.
 
 GPU, 4xH200, two calls (each < 10 minutes; NVLink multicast is off):
   python benchmarks/bench_train.py --label nvlink
@@ -73,7 +86,9 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("il2", "save", "pgle")  # after the base, in this order: off_il2_save_pgle
+MODIFIERS = ("il2", "save", "dots", "noremat", "pgle")  # in this order: off_il2_save_dots_pgle
+GSPMD_MODIFIERS = ("noremat", "pgle")
+REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 PGLE_RUNS = 2  # profiled steps per *_pgle variant (after one warm-up step)
 
 
@@ -84,6 +99,8 @@ class Variant:
   base: str                     # one of BASES
   interleave: int = 1           # _il2: parallel.interleave=2
   save_tp_outputs: bool = False  # _save: parallel.save_tp_outputs (with remat)
+  save_dots: bool = False       # _dots: parallel.save_dots (with remat)
+  remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
 
   @property
@@ -103,11 +120,15 @@ def parse_variant(name: str) -> Variant:
   mods = name[len(base) + 1:].split("_") if base and name != base else []
   order = [MODIFIERS.index(m) if m in MODIFIERS else -1 for m in mods]
   if base is None or -1 in order or order != sorted(set(order)) or (
-      base == "gspmd" and set(mods) - {"pgle"}):
+      base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
+      "noremat" in mods and set(mods) & set(REMAT_SAVES)):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
-                     f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only _pgle)")
+                     f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
+                     f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
+                     f"{', _'.join(REMAT_SAVES)})")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
-                 save_tp_outputs="save" in mods, pgle="pgle" in mods)
+                 save_tp_outputs="save" in mods, save_dots="dots" in mods,
+                 remat="noremat" not in mods, pgle="pgle" in mods)
 
 
 def parse_args(argv=None):
@@ -136,9 +157,15 @@ def parse_args(argv=None):
     args._variants = [parse_variant(v) for v in args.variants.split(",")]
   except ValueError as e:
     p.error(str(e))
-  if any(v.save_tp_outputs for v in args._variants) and args.no_remat:
-    p.error("_save variants keep the TP outputs of the recomputation: not with --no-remat")
+  if any(v.save_tp_outputs or v.save_dots for v in args._variants) and args.no_remat:
+    p.error("_save / _dots variants say what the recomputation keeps: not with --no-remat")
   return args
+
+
+def variant_config(variant: Variant, cfg):
+  """The model config `variant` runs: `cfg` (remat as --no-remat says), without remat for
+  a _noremat variant."""
+  return cfg if variant.remat else dataclasses.replace(cfg, remat=False)
 
 
 @contextlib.contextmanager
@@ -227,6 +254,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from taco_jax.parallel.train import opt_state_target
 
   dp, pp, tp = layout
+  cfg = variant_config(variant, cfg)
   if not variant.ours:
     mesh = gspmd.make_mesh(dp * pp, tp)
     p_sh = gspmd.shardings(cfg, mesh)
@@ -246,7 +274,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
                                           overlap=variant.base.startswith("ring_"),
                                           interleave=variant.interleave,
-                                          save_tp_outputs=variant.save_tp_outputs)
+                                          save_tp_outputs=variant.save_tp_outputs,
+                                          save_dots=variant.save_dots)
     ctx = (noop_tensor_collectives() if variant.base == "ideal" else
            contextlib.nullcontext())
   return step, state, batch, mesh, plan, ctx
@@ -287,7 +316,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
       common.write_hlo(exe, dest)
       print(f"wrote {dest}", flush=True)
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
-                   variant=variant,
+                   variant=variant, memory=common.compiled_memory(exe),
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
@@ -300,7 +329,9 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     mesh=(f"data={dp},pipeline={pp},tensor={tp}" if r["variant"].ours else
                           f"data={dp * pp},tensor={tp}"),
                     plan=r["plan"], xla_options=xla_options(r["variant"], args),
+                    remat=cfg.remat and r["variant"].remat,
                     save_tp_outputs=r["variant"].save_tp_outputs,
+                    save_dots=r["variant"].save_dots, **r["memory"],
                     pgle_profiled=r["pgle_profiled"],
                     **timing_record(r, args)))
     del r["exe"], r["state"]
@@ -335,10 +366,12 @@ def summarize(rows) -> list[dict]:
       if v.base == "off" and mods and "gspmd" in t:
         s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
       on, ideal = f"on{mods}", f"ideal{mods}"
-      if v.base == "off" and mods and on in t:  # the same figures for a modified pair
+      exposed = v.base == "off" and mods and ideal in t and t[v.name] > t[ideal]
+      if exposed:  # the same figures for a modified pair
+        s[f"comm_share{mods}"] = (t[v.name] - t[ideal]) / t[v.name]
+      if v.base == "off" and mods and on in t:
         s[f"speedup_on_vs_off{mods}"] = t[v.name] / t[on]
-        if ideal in t and t[v.name] > t[ideal]:
-          s[f"comm_share{mods}"] = (t[v.name] - t[ideal]) / t[v.name]
+        if exposed:
           s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
     offs = [v.name for v in ours if v.base in ("off", "ring_off")]
     ons = [v.name for v in ours if v.compressed]
@@ -374,13 +407,20 @@ def main(argv=None) -> pathlib.Path:
     use_cpu_devices(8)
   add_overlap_flags(args)
   import jax
-  from benchmarks import common
+  from benchmarks import attention_numerics, common
   from models.gpt import flops_per_token
   from taco_jax import data
 
   cfg, tx = model_and_optimizer(args, remat=not args.no_remat)
+  try:
+    attention = dict(requested=args.attention, backend=cfg.attention_backend(args.seq))
+  except ValueError as e:  # e.g. --attention cudnn where cuDNN cannot run
+    raise SystemExit(f"--attention {args.attention}: {e}") from e
   t0 = time.perf_counter()
   layouts, corpus, ceiling, until = bench_setup(args)
+  attention["numerics"] = attention_numerics.compare(cfg, args.batch, args.seq)
+  print(f"{attention['backend']} attention; "
+        + attention_numerics.summary_line(attention["numerics"]), flush=True)
   n = jax.device_count()
   args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
   fpt = flops_per_token(cfg, args.seq)
@@ -396,8 +436,9 @@ def main(argv=None) -> pathlib.Path:
       r["mfu"] = common.mfu(r["tokens_per_s"], fpt, n, env["device_kind"])
       r["mfu_of_measured"] = r["tokens_per_s"] * fpt / (n * ceiling["tflops"] * 1e12)
       rows.append(r)
-      print(f"{r['layout']:>7s} {r['variant']:>8s}: {r['step_ms']:9.2f} ms/step "
-            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu'] or 0:.3f}  loss {r['final_loss']:.4f}"
+      print(f"{r['layout']:>7s} {r['variant']:>14s}: {r['step_ms']:9.2f} ms/step "
+            f"{r['tokens_per_s']:10.0f} tok/s  MFU {r['mfu'] or 0:.3f} (spec peak) "
+            f"{r['mfu_of_measured']:.3f} (measured matmul)  loss {r['final_loss']:.4f}"
             f"  (compile {r['compile_s']:.1f} s)", flush=True)
     summary = summarize(rows)
     report = dict(benchmark="bench_train", label=args.label, device=env["device_kind"],
@@ -413,15 +454,22 @@ def main(argv=None) -> pathlib.Path:
                                                       "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
                   config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
                               model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
-                  environment=env, ceilings=dict(matmul_bf16=ceiling), summary=summary,
+                  environment=env, ceilings=dict(matmul_bf16=ceiling), attention=attention,
+                  device_peak_bytes=common.device_peak_bytes(), summary=summary,
                   failed=failed, results=rows, complete=k == len(layouts) - 1,
                   wall_s=time.perf_counter() - t0)
     path.write_text(json.dumps(report, indent=1))  # after every layout: nothing lost
   print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
-        f"bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s, "
+        f"{attention['backend']} attention, bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s, "
         f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE')}")
-  print(common.table(rows, ["layout", "variant", "steps", "compile_s", "step_ms",
-                            "tokens_per_s", "mfu", "final_loss"]))
+  print(f"mfu: against the spec peak ({common.PEAK_BF16_TFLOPS.get(env['device_kind'])} "
+        f"TFLOP/s); mfu_of_measured: against the bf16 matmul ceiling measured above; "
+        f"peak_gib, temp_gib: the compiled step's peak memory and temporaries per device")
+  gib = lambda b: None if b is None else b / 2**30  # noqa: E731
+  print(common.table([dict(r, peak_gib=gib(r["memory_peak_bytes"]),
+                           temp_gib=gib(r["memory_temp_bytes"])) for r in rows],
+                     ["layout", "variant", "steps", "compile_s", "step_ms", "tokens_per_s",
+                      "mfu", "mfu_of_measured", "peak_gib", "temp_gib", "final_loss"]))
   print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",
                                "comm_share", "recovered", "speedup_on_vs_off",
                                "off_vs_gspmd"]))

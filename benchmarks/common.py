@@ -112,6 +112,23 @@ def matmul_rate(n: int, **timing_kw) -> dict:
   return dict(n=n, time=t.as_dict(), tflops=2 * n**3 / t.median_s / 1e12)
 
 
+def compiled_memory(exe) -> dict:
+  """Per device, a compiled program's peak memory and its temporaries (activations and
+  workspace), from XLA's buffer assignment; None where the backend does not say."""
+  try:
+    m = exe.memory_analysis()
+  except Exception:  # noqa: BLE001 (not every backend implements it)
+    m = None
+  return dict(memory_peak_bytes=getattr(m, "peak_memory_in_bytes", None),
+              memory_temp_bytes=getattr(m, "temp_size_in_bytes", None))
+
+
+def device_peak_bytes():
+  """The first local device's peak bytes in use so far (process-wide); None on CPU."""
+  stats = jax.local_devices()[0].memory_stats()
+  return (stats or {}).get("peak_bytes_in_use")
+
+
 def environment() -> dict:
   dev = jax.devices()[0]
   return dict(

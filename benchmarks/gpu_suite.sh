@@ -21,6 +21,9 @@
 #   bash benchmarks/gpu_suite.sh fused_decode        # one GPU: decode folded into matmuls? (~3 min)
 #   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
 #   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
+#   bash benchmarks/gpu_suite.sh baseline            # issue 19, 2xH200, TP=2: cuDNN attention,
+#                                                    # remat policies and no remat (<= 9 min)
+#   bash benchmarks/gpu_suite.sh baseline_dp2        # ... DP=2, TP=1 (<= 6 min)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -114,6 +117,16 @@ for job in "$@"; do
     pp2)  # TP=2 x PP=2, NVLink: is the compressed step ever slower?
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
+    baseline)  # issue 19 on 2xH200, TP=2: the bf16 step with cuDNN flash attention keeping
+      # the TP outputs, + the matmul outputs, or no remat; free TP comm for the first two; GSPMD
+      timeout 540 python3 benchmarks/bench_train.py --label nvlink_baseline --layouts 1,1,2 \
+        --attention cudnn --variants \
+        off_save,off_save_dots,off_noremat,ideal_save,ideal_save_dots,gspmd \
+        --deadline-s 470 --out-dir "$out" ;;
+    baseline_dp2)  # ... DP=2, TP=1: recompute all, keep the matmul outputs, no remat
+      timeout 360 python3 benchmarks/bench_train.py --label nvlink_baseline_dp2 --layouts 2,1,1 \
+        --attention cudnn --variants off,off_dots,off_noremat --deadline-s 300 \
+        --out-dir "$out" ;;
     e2e_8gpu)  # (1,1,8) and (dp,pp,tp) = (2,2,2), NVLink, same script and format as 4 GPUs
       timeout 540 python3 benchmarks/bench_train.py --label nvlink_8gpu --layouts "1,1,8;2,2,2" \
         --variants off,on,ideal,gspmd --deadline-s 500 --out-dir "$out" ;;

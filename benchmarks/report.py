@@ -213,8 +213,9 @@ def train_section() -> str:
         off = next(o for o in d["results"] if o["layout"] == r["layout"] and
                    o["compression"] == "off")
         rows.append([d["label"], r["layout"], what, r["steps"], off["tokens_per_s"],
-                     r["tokens_per_s"], r["speedup"], _mfu(d, off), off["final_loss"],
-                     r["final_loss"], 100 * r["accuracy_cost"]])
+                     r["tokens_per_s"], r["speedup"], _mfu(d, off),
+                     _mfu_of_measured(d, off), off["final_loss"], r["final_loss"],
+                     100 * r["accuracy_cost"]])
   if not rows:
     return ""
   shared = {tuple(d["config"].get(k) for k in HEADER_FIELDS)
@@ -230,9 +231,10 @@ def train_section() -> str:
           "same batches, steps interleaved. `loss` is the training loss averaged over the "
           "last 10 steps; `loss +%` the relative difference (200 steps: early training, where a "
           "different seed or layout alone moves it by ~1%; validation loss after 2,000 steps "
-          "is in the Accuracy table).\n\n"
+          f"is in the Accuracy table). {MFU_WORDS}\n\n"
           + _table(["run", "dp,pp,tp", "compressed", "steps", "tok/s off", "tok/s on",
-                    "speedup", "MFU off", "loss off", "loss on", "loss +%"], rows) + "\n")
+                    "speedup", "MFU off (spec)", "MFU off (matmul)", "loss off", "loss on",
+                    "loss +%"], rows) + "\n")
 
 
 def _codec_words(c: dict) -> str:
@@ -246,6 +248,12 @@ def _codec_words(c: dict) -> str:
       f"{impl} kernels" if impl != "auto" else "") if w)
 
 
+MFU_WORDS = ("`MFU off (spec)`: the `off` step's model FLOP/s against the dense bf16 spec "
+             "peak (989 TFLOP/s); `MFU off (matmul)`: against the bf16 matmul rate measured "
+             "in the same run (8192^3; – where that run's ceiling was above the spec peak: "
+             "the timing loop's double buffering, fixed 2026-11-21, had doubled it).")
+
+
 def _mfu(d: dict, r: dict):
   """A step's MFU against the device's spec peak (recomputed: runs before 2026-11-21's fix
   divided by a matmul ceiling that XLA's loop double buffering had doubled)."""
@@ -254,23 +262,36 @@ def _mfu(d: dict, r: dict):
   return mfu(r["tokens_per_s"], fpt, d["num_devices"], d["device"]) if fpt else None
 
 
+def _mfu_of_measured(d: dict, r: dict):
+  """A step's MFU against the bf16 matmul ceiling measured in its run; None where that
+  ceiling is above the spec peak (measured before the timing loop's fix) or missing."""
+  from benchmarks.common import PEAK_BF16_TFLOPS
+  fpt = d["config"].get("flops_per_token")
+  ceiling = d.get("ceilings", {}).get("matmul_bf16", {}).get("tflops")
+  if not (fpt and ceiling) or ceiling > PEAK_BF16_TFLOPS.get(d["device"], float("inf")):
+    return None
+  return r["tokens_per_s"] * fpt / (d["num_devices"] * ceiling * 1e12)
+
+
 # The variants of one remat policy: a column per name + the policy's suffix ("off_il2_save").
 POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
+# (variant suffix, words) of each remat policy bench_train names; "" is the run's model.remat
+POLICIES = (("", None), ("_save", "save TP outputs"), ("_dots", "save dots"),
+            ("_save_dots", "save TP outputs + dots"), ("_noremat", "none"))
 
 
 def _policy_rows(results: list[dict], layout: str, remat: bool) -> list[tuple[str, str, dict]]:
   """(variant suffix, policy words, {column: ms}) for each remat policy measured at
   `layout`; one empty policy when only other variants (GSPMD) ran there."""
   ms = {r["variant"]: r["step_ms"] for r in results if r["layout"] == layout}
-  policies = (("", "recompute" if remat else "none"), ("_save", "save TP outputs"))
-  rows = [(suffix, words, {c: ms.get(c + suffix) for c in POLICY_COLUMNS})
-          for suffix, words in policies]
+  rows = [(suffix, words or ("recompute" if remat else "none"),
+           {c: ms.get(c + suffix) for c in POLICY_COLUMNS}) for suffix, words in POLICIES]
   return [r for r in rows if any(v is not None for v in r[2].values())] or rows[:1]
 
 
 def _other_variants(results: list[dict], layout: str) -> str:
   """'name ms, ...' of a layout's variants without a column of their own (e.g. *_pgle)."""
-  shown = {c + suffix for c in POLICY_COLUMNS for suffix in ("", "_save")} | {"gspmd"}
+  shown = {c + suffix for c in POLICY_COLUMNS for suffix, _ in POLICIES} | {"gspmd"}
   return ", ".join(f"{r['variant']} {r['step_ms']:.0f}" for r in results
                    if r["layout"] == layout and r["variant"] not in shown) or "–"
 
@@ -282,59 +303,77 @@ def _ratios(summary: dict, suffix: str) -> list:
           summary.get(f"recovered{suffix}"), summary.get(f"off{suffix}_vs_gspmd")]
 
 
-def bench_train_section() -> str:
+def _bench_train_rows(d: dict) -> tuple[list[list], list[list]]:
+  """(table rows, their [off il2, on il2] cells) of one bench_train run: a row per layout
+  and remat policy."""
   from benchmarks.bench_train import summarize  # recomputed: older files lack newer figures
-  rows, il2_ms, hosts = [], [], set()
+  c = d["config"]
+  by = {(r["layout"], r["variant"]): r for r in d["results"]}
+  summaries = {s["layout"]: s for s in summarize(d["results"])}
+  attention = d.get("attention", {}).get("backend", "xla")  # before model.attention: XLA's
+  rows, il2_ms = [], []
+  for layout in dict.fromkeys(r["layout"] for r in d["results"]):
+    gspmd = by.get((layout, "gspmd"), {}).get("step_ms")
+    for suffix, words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
+      off = by.get((layout, "off" + suffix))
+      rows.append([d["label"], c["model"], layout, attention, words, _codec_words(c),
+                   t["off"], t["on"], t["ring_off"], t["ring_on"], t["ideal"], gspmd,
+                   *_ratios(summaries[layout], suffix), off and _mfu(d, off),
+                   off and _mfu_of_measured(d, off), _other_variants(d["results"], layout)])
+      il2_ms.append([t["off_il2"], t["on_il2"]])
+  return rows, il2_ms
+
+
+BENCH_TRAIN_WORDS = (
+    "Step times in ms (median after warm-up, variants interleaved on the same batches). "
+    "One row per run, layout and remat policy: `recompute` = the layer's backward "
+    "recomputes its forward, TP collectives included; `save TP outputs` = the "
+    "recomputation keeps what the TP collectives returned (`parallel.save_tp_outputs`, "
+    "the `_save` variants); `dots` = it keeps the outputs of the blocks' weight matmuls "
+    "too (`parallel.save_dots`, `_dots`); `none` = no remat (`_noremat`). `attention`: "
+    "the attention that ran (`model.attention`: cuDNN flash attention or XLA's). "
+    "`ideal` = the step with every TP collective replaced by a local stand-in of the "
+    "same shape (free communication); `ring` = the TP layers as ring collective "
+    "matmuls (`parallel.overlap`){il2}; `comm share` = (off - ideal) / off; `recovered` "
+    "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
+    "than plain `jax.jit` + sharding annotations (with XLA's overlap flags, and the "
+    "layer recomputed as in `recompute`; for a pp > 1 layout GSPMD runs the same "
+    "devices as data x tensor, no pipeline). {mfu} `nop2p*` runs have "
+    "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
+    "`CompressionConfig(link=\"nvlink\")` measured to pay; `*_pgle` variants are "
+    "compiled again with the instruction times profiled in two steps "
+    "(`taco_jax.parallel.pgle`).")
+
+
+def bench_train_section() -> str:
+  """A table per setup (seq, batch, devices): a row per run, layout and remat policy."""
+  tables = {}  # (seq, batch, n, device) -> (rows, il2 cells)
   for name, d in _load("bench_train_*.json"):
     if d["environment"]["platform"] != "gpu":
       continue
     c = d["config"]
-    hosts.add((c["seq"], c["batch"], d["num_devices"], d["device"]))
-    by = {(r["layout"], r["variant"]): r for r in d["results"]}
-    summaries = {s["layout"]: s for s in summarize(d["results"])}
-    for layout in dict.fromkeys(r["layout"] for r in d["results"]):
-      gspmd = by.get((layout, "gspmd"), {}).get("step_ms")
-      for suffix, words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
-        off = by.get((layout, "off" + suffix))
-        rows.append([d["label"], c["model"], layout, words, _codec_words(c), t["off"], t["on"],
-                     t["ring_off"], t["ring_on"], t["ideal"], gspmd,
-                     *_ratios(summaries[layout], suffix),
-                     off and _mfu(d, off), _other_variants(d["results"], layout)])
-        il2_ms.append([t["off_il2"], t["on_il2"]])
-  if not rows:
-    return ""
-  if len(hosts) != 1:
-    raise ValueError(f"bench_train results mix setups {sorted(hosts)}: add columns for them")
-  (seq, batch, n, device), = hosts
-  header = ["run", "model", "dp,pp,tp", "remat", "codec (on)", "off", "on", "ring off",
-            "ring on", "ideal", "GSPMD", "on speedup", "comm share", "recovered", "GSPMD / off",
-            "MFU off", "other variants (ms)"]
-  il2 = ""
-  if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
-    header[9:9] = ["off il2", "on il2"]
-    rows = [r[:9] + ms + r[9:] for r, ms in zip(rows, il2_ms)]
-    il2 = ("; `il2` = each micro-batch as 2 sub-batches whose blocks run side by side "
-           "(`parallel.interleave=2`)")
-  return (f"### Training step (`benchmarks/bench_train.py`: GPT, seq {seq}, global batch "
-          f"{batch}, {n}x {device})\n\n"
-          "Step times in ms (median after warm-up, variants interleaved on the same batches). "
-          "One row per run, layout and remat policy: `recompute` = the layer's backward "
-          "recomputes its forward, TP collectives included; `save TP outputs` = the "
-          "recomputation keeps what the TP collectives returned (`parallel.save_tp_outputs`, "
-          "the `_save` variants). "
-          "`ideal` = the step with every TP collective replaced by a local stand-in of the "
-          "same shape (free communication); `ring` = the TP layers as ring collective "
-          f"matmuls (`parallel.overlap`){il2}; `comm share` = (off - ideal) / off; `recovered` "
-          "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
-          "than plain `jax.jit` + sharding annotations (with XLA's overlap flags, and the "
-          "layer recomputed as in `recompute`; for a pp > 1 layout GSPMD runs the same "
-          "devices as data x tensor, no pipeline); MFU of the `off` step against the dense "
-          "bf16 peak (989 TFLOP/s). `nop2p*` runs have `NCCL_P2P_DISABLE=1` (PCIe-class "
-          "links); `*_link` runs compress only what `CompressionConfig(link=\"nvlink\")` "
-          "measured to pay; `*_pgle` variants are "
-          "compiled again with the instruction times profiled in two steps "
-          "(`taco_jax.parallel.pgle`).\n\n"
-          + _table(header, rows) + "\n")
+    rows, il2_ms = tables.setdefault((c["seq"], c["batch"], d["num_devices"], d["device"]),
+                                     ([], []))
+    more_rows, more_il2 = _bench_train_rows(d)
+    rows += more_rows
+    il2_ms += more_il2
+  parts = []
+  for (seq, batch, n, device), (rows, il2_ms) in tables.items():
+    header = ["run", "model", "dp,pp,tp", "attention", "remat", "codec (on)", "off", "on",
+              "ring off", "ring on", "ideal", "GSPMD", "on speedup", "comm share",
+              "recovered", "GSPMD / off", "MFU off (spec)", "MFU off (matmul)",
+              "other variants (ms)"]
+    il2 = ""
+    if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
+      header[10:10] = ["off il2", "on il2"]
+      rows = [r[:10] + ms + r[10:] for r, ms in zip(rows, il2_ms)]
+      il2 = ("; `il2` = each micro-batch as 2 sub-batches whose blocks run side by side "
+             "(`parallel.interleave=2`)")
+    words = (BENCH_TRAIN_WORDS.format(il2=il2, mfu=MFU_WORDS) if not parts else
+             "Columns as in the table above" + (il2 and f" ({il2[2:]})") + ".")
+    parts.append(f"### Training step (`benchmarks/bench_train.py`: GPT, seq {seq}, global "
+                 f"batch {batch}, {n}x {device})\n\n{words}\n\n" + _table(header, rows) + "\n")
+  return "\n".join(parts)
 
 
 def profile_section() -> str:

@@ -70,6 +70,9 @@ def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps:
   p.add_argument("--implementation", default="auto", choices=["auto", "pallas", "xla"],
                  help="the codec's kernels: Pallas, or the jnp reference (which XLA can fuse "
                       "into the ops around it)")
+  p.add_argument("--attention", default="auto", choices=["auto", "cudnn", "xla"],
+                 help="model.attention: cuDNN flash attention where it runs (auto), forced "
+                      "(an error where it cannot), or XLA's")
 
 
 def parse_args(argv=None):
@@ -103,7 +106,8 @@ def model_and_optimizer(args, *, remat: bool):
   from taco_jax.parallel.train import make_optimizer
   n_layers, d, h, f = SIZES[args.model]
   cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
-                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=remat))
+                          d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=remat,
+                          attention=args.attention))
   optim = ml_collections.ConfigDict(dict(lr=args.lr, min_lr_ratio=0.1, warmup_steps=min(
       20, args.steps), weight_decay=0.1, b1=0.9, b2=0.95, eps=1e-8, grad_clip=1.0))
   return cfg, make_optimizer(optim, args.steps)

@@ -65,6 +65,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                one's TP collectives can overlap another's matmuls; 1 = off
   p.save_tp_outputs = False      # with model.remat: keep the TP collectives' outputs, so the
   #                                backward pass's recomputation does not communicate again
+  p.save_dots = False            # with model.remat: keep the blocks' matmul outputs too, so the
+  #                                backward recomputes only norms, activations and attention
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1

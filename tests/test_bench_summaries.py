@@ -56,6 +56,9 @@ def test_bench_train_summary_of_a_modified_pair():
   assert s["comm_share_save"] == pytest.approx(40 / 190)
   assert s["off_save_vs_gspmd"] == pytest.approx(192 / 190)
   assert "recovered" not in s  # no plain ideal
+  (s,) = bench_train.summarize(_rows(off_save_dots=160.0, ideal_save_dots=140.0))
+  assert s["comm_share_save_dots"] == pytest.approx(20 / 160)  # no compressed step needed
+  assert "recovered_save_dots" not in s
 
 
 def test_bench_train_variants_and_their_compile_options():
@@ -76,19 +79,26 @@ def test_bench_train_variant_names():
       "ring_on", 2, True, True, True, True)
   assert not bench_train.parse_variant("ideal_save").compressed
   assert not bench_train.parse_variant("gspmd_pgle").ours
-  for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x"):
+  v = bench_train.parse_variant("off_save_dots")
+  assert (v.save_tp_outputs, v.save_dots, v.remat) == (True, True, True)
+  assert [bench_train.parse_variant(n).remat for n in ("off_noremat", "gspmd_noremat_pgle")] == [
+      False, False]
+  for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
+              "off_save_noremat", "off_dots_noremat", "gspmd_dots"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
-  with pytest.raises(SystemExit):
-    bench_train.parse_args(["--variants", "off,on_save", "--no-remat"])
+  for variants in ("off,on_save", "off_dots"):
+    with pytest.raises(SystemExit):
+      bench_train.parse_args(["--variants", variants, "--no-remat"])
 
 
-def _write_bench_train(tmp_path, name, **ms):
-  d = dict(label=name, device="NVIDIA H200", num_devices=4, environment=dict(platform="gpu"),
+def _write_bench_train(tmp_path, name, num_devices=4, extra=None, **ms):
+  d = dict(label=name, device="NVIDIA H200", num_devices=num_devices,
+           environment=dict(platform="gpu"),
            config=dict(model="1.3b", seq=2048, batch=8, group_size=128, flops_per_token=1e10),
            results=[dict(layout="1,1,4", variant=v, step_ms=t, tokens_per_s=1e5)
                     for v, t in ms.items()],
-           summary=[])
+           summary=[], **(extra or {}))
   (tmp_path / f"bench_train_{name}.json").write_text(json.dumps(d))
 
 
@@ -123,6 +133,36 @@ def test_report_has_a_row_per_remat_policy_with_its_own_ratios(tmp_path, monkeyp
   assert col["recovered"] == ("–", "0.4")                       # (190 - 180) / (190 - 165)
   assert col["GSPMD / off"] == (f"{195 / 210:.3g}", f"{195 / 190:.3g}")
   assert col["other variants (ms)"] == ("on_save_pgle 178",) * 2
+
+
+def test_report_rows_of_the_saving_policies_with_both_mfus_and_the_attention(tmp_path,
+                                                                             monkeypatch):
+  """`_dots`, `_save_dots` and `_noremat` get rows of their own; MFU against the spec peak
+  and against the run's measured matmul ceiling (none where that ceiling is implausible);
+  a table per setup (device count)."""
+  from benchmarks import report
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  _write_bench_train(tmp_path, "p", num_devices=2, off_save=200.0, off_save_dots=180.0,
+                     off_noremat=170.0, off_dots=190.0, extra=dict(
+                         attention=dict(backend="cudnn"),
+                         ceilings=dict(matmul_bf16=dict(tflops=500.0))))
+  _write_bench_train(tmp_path, "q", off=210.0, extra=dict(
+      ceilings=dict(matmul_bf16=dict(tflops=1200.0))))  # the doubled ceiling of old runs
+  two, four = report.bench_train_section().split("### Training step")[1:]
+  assert "2x NVIDIA H200" in two and "4x NVIDIA H200" in four
+  assert "Columns as in the table above." in four
+  header, _, *rows = two.strip().splitlines()[-6:]
+  cols = [dict(zip(_cells(header), _cells(r))) for r in rows]
+  assert [(c["remat"], c["off"]) for c in cols] == [
+      ("save TP outputs", "200"), ("save dots", "190"), ("save TP outputs + dots", "180"),
+      ("none", "170")]
+  assert {c["attention"] for c in cols} == {"cudnn"}
+  tflops = 1e5 * 1e10 / 1e12  # 1000 TFLOP/s over 2 devices
+  assert cols[0]["MFU off (spec)"] == f"{tflops / (2 * 989.4):.3g}"
+  assert cols[0]["MFU off (matmul)"] == f"{tflops / (2 * 500.0):.3g}"
+  header, _, row = four.strip().splitlines()[-3:]
+  col = dict(zip(_cells(header), _cells(row)))
+  assert col["attention"] == "xla" and col["MFU off (matmul)"] == "–"
 
 
 def test_report_keeps_a_run_of_only_gspmd(tmp_path, monkeypatch):
@@ -166,6 +206,30 @@ def test_trace_summary_counts_only_uncovered_nccl_time():
   assert got["nccl_exposed_ms"] == pytest.approx(50 / 1e3 / 2)
   assert got["compute_ms"] == pytest.approx(150 / 1e3 / 2)
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
+
+
+def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypatch):
+  """The GPU branch of `attention_numerics.compare`, run on CPU with XLA standing in for
+  cuDNN: the stand-in equals XLA exactly, and bf16 XLA differs from the fp32 reference."""
+  import jax.numpy as jnp
+
+  from benchmarks import attention_numerics
+  from models import gpt
+  from models.qwen import QwenConfig
+  cfg = QwenConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=16)
+  off_gpu = attention_numerics.compare(cfg, batch=2, seq=16)
+  assert off_gpu["cudnn"] == "unavailable" and "no GPU" in off_gpu["reason"]
+  assert "cuDNN unavailable" in attention_numerics.summary_line(off_gpu)
+  monkeypatch.setattr(attention_numerics, "attention_implementation", lambda *a: "cudnn")
+  monkeypatch.setattr(attention_numerics, "causal_attention",
+                      lambda q, k, v, impl: gpt.causal_attention(q, k, v, "xla"))
+  got = attention_numerics.compare(cfg, batch=2, seq=16)
+  assert got["cudnn"] == "compared" and got["dtype"] == jnp.dtype(jnp.bfloat16).name
+  assert (got["q_shape"], got["kv_shape"]) == ([2, 16, 4, 8], [2, 16, 2, 8])
+  for name in attention_numerics.OUTPUTS:
+    assert got["cudnn_vs_xla"][name] == dict(max_abs=0.0, rel_l2=0.0)
+    assert got["xla_vs_fp32"][name]["rel_l2"] > 0
+  assert "cuDNN vs XLA on q 2x16x4x8 bfloat16" in attention_numerics.summary_line(got)
 
 
 def test_mfu_is_against_the_spec_peak():

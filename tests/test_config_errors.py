@@ -40,6 +40,8 @@ def test_model_sizes():
     ('train', 'eval_every', -5, 'train.eval_every=-5'),
     ('optim', 'lr', 0.0, 'optim.lr=0.0 must be a positive number'),
     ('optim', 'warmup_steps', 100, 'optim.warmup_steps=100 must be in [0, train.steps=8]'),
+    ('model', 'attention', 'cudnn', "model.attention=cudnn: cuDNN flash attention refuses q "
+     "(1, 32, 2, 16) float32: no GPU (backend 'cpu'); use attention=auto or xla"),
 ])
 def test_bad_values_name_the_field(section, key, value, needle):
   c = tiny.get_micro_config()
@@ -68,6 +70,9 @@ def test_model_fields_and_trainer_choice():
   c.parallel.tp = 2
   validate_config(c)
   assert parallel_reason(c) == 'parallel.dp*pp*tp = 1*1*2 != 1'
+  c = tiny.get_micro_config()
+  c.parallel.save_dots = True  # the loop's remat has no policy: the parallel trainer runs it
+  assert parallel_reason(c) == 'parallel.save_dots=True (a remat policy of the parallel step)'
 
 
 def test_errors_come_before_any_model_is_built(tmp_path, monkeypatch):

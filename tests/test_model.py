@@ -1,4 +1,5 @@
-"""GPT model: shapes and dtypes, causality, injectable linear layers, parameter/FLOP counts."""
+"""GPT model: shapes and dtypes, causality, injectable linear layers, parameter/FLOP counts,
+and the choice of attention implementation (`model.attention`)."""
 import dataclasses
 import math
 
@@ -8,8 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gpt import GPT, Block, GPTConfig, count_params, flops_per_token, loss_fn, num_params
+from models.gpt import (GPT, Block, GPTConfig, attention_implementation, causal_attention,
+                        count_params, flops_per_token, loss_fn, num_params)
 from models.layers import DenseFactory, Linear
+from taco_jax import testing
 
 CFG = GPTConfig(vocab_size=256, n_layers=2, d_model=32, n_heads=4, d_ff=64, max_seq_len=16,
                 dtype='float32')
@@ -90,3 +93,48 @@ def test_qwen_param_count_and_flops():
                    dtype='float32')
   assert count_params(Qwen(cfg, rngs=nnx.Rngs(0))) == num_params(cfg)
   assert flops_per_token(cfg, 16) == 6.0 * num_params(cfg) + 12.0 * 2 * 64 * 16
+
+
+def _written_out_attention(q_BTNH, k_BTKH, v_BTKH):
+  """Causal softmax attention spelled out in fp32 (each KV head shared by N / K query heads):
+  the spec `causal_attention` must meet whatever implementation it picks."""
+  g = q_BTNH.shape[2] // k_BTKH.shape[2]
+  k_BTNH, v_BTNH = (jnp.repeat(x, g, axis=2) for x in (k_BTKH, v_BTKH))
+  s_BNTS = jnp.einsum('btnh,bsnh->bnts', q_BTNH, k_BTNH) / math.sqrt(q_BTNH.shape[-1])
+  t = q_BTNH.shape[1]
+  s_BNTS = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s_BNTS, -jnp.inf)
+  return jnp.einsum('bnts,bsnh->btnh', jax.nn.softmax(s_BNTS, axis=-1), v_BTNH)
+
+
+@pytest.mark.parametrize('n_kv', [4, 2], ids=['gpt', 'gqa'])
+def test_attention_on_cpu_is_the_xla_path(n_kv):
+  """On CPU `auto` picks XLA (cuDNN needs a GPU), runs exactly what `xla` runs, and both
+  equal attention written out, for the GPT block (K = N heads) and GQA (K < N)."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 8, n, 16))
+             for i, n in enumerate((4, n_kv, n_kv)))
+  assert attention_implementation('auto', q, k, v) == 'xla'
+  assert attention_implementation('xla', q, k, v) == 'xla'
+  auto = causal_attention(q, k, v)  # 'auto' is the default
+  np.testing.assert_array_equal(auto, causal_attention(q, k, v, 'xla'))
+  tol = 64 * testing.unit_roundoff(jnp.float32)
+  np.testing.assert_allclose(auto, _written_out_attention(q, k, v), rtol=tol, atol=tol)
+
+
+def test_attention_choice_errors():
+  """`cudnn` where cuDNN cannot run is an error that says why; unknown names are errors, in
+  the config (GPT and Qwen) as in the function."""
+  from models.qwen import QwenConfig
+  q = jax.ShapeDtypeStruct((1, 16, 4, 8), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"model.attention=cudnn: cuDNN flash attention refuses "
+                     r"q \(1, 16, 4, 8\) bfloat16: no GPU \(backend 'cpu'\); use attention=auto "
+                     r"or xla"):
+    attention_implementation('cudnn', q, q, q)
+  with pytest.raises(ValueError, match='no GPU'):
+    dataclasses.replace(CFG, attention='cudnn').attention_backend()
+  assert dataclasses.replace(CFG, attention='auto').attention_backend(8) == 'xla'
+  for make in (lambda: dataclasses.replace(CFG, attention='flash'),
+               lambda: QwenConfig(attention='flash'),
+               lambda: attention_implementation('flash', q, q, q)):
+    with pytest.raises(ValueError, match=r"attention='flash' is unknown; use one of "
+                       r"\('auto', 'cudnn', 'xla'\)"):
+      make()

@@ -155,6 +155,25 @@ def test_qwen_block_matches_single_device():
     assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
 
 
+def test_model_attention_reaches_the_blocks_of_both_parallel_steps():
+  """`model.attention` is the blocks' own, inside the shard_map step and under GSPMD: the
+  meshes above run it as `auto` (XLA on CPU) and equal the single-device model; asked for
+  `cudnn`, tracing either step on CPU is the error that says cuDNN cannot run here."""
+  from taco_jax.parallel import gspmd
+  cfg = dataclasses.replace(CFG, attention="cudnn")
+  tokens = lambda mesh: jax.ShapeDtypeStruct(  # noqa: E731
+      (BATCH, SEQ + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh))
+  mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
+  spec = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO)
+  with pytest.raises(ValueError, match=r"model.attention=cudnn: .* no GPU"):
+    jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(
+        model_lib.abstract_params(cfg, mesh), tokens(mesh))
+  mesh = gspmd.make_mesh(1, 4, devices=jax.devices()[:4])
+  params = jax.eval_shape(lambda: gspmd.init_params(cfg, mesh))
+  with pytest.raises(ValueError, match=r"model.attention=cudnn: .* no GPU"):
+    jax.jit(gspmd.loss_and_grads_fn(cfg, mesh)).lower(params, tokens(mesh))
+
+
 @pytest.mark.parametrize("layout", [(2, 1, 4), (1, 2, 4)], ids=lambda m: "dp%d-pp%d-tp%d" % m)
 def test_overlap_matches_single_device(layout, reference):
   """`parallel.overlap` (ring collective matmuls) computes the same loss and gradients:
@@ -300,14 +319,17 @@ def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   rows = BATCH // MICRO
   got = {}
-  for name, c, plan, save in (("plain", CFG, CompressionPlan(), False),
-                              ("remat", cfg, CompressionPlan(), False),
-                              ("saved", cfg, CompressionPlan(), True),
-                              ("remat_on", cfg, ON, False), ("saved_on", cfg, ON, True)):
-    spec = step_lib.ParallelSpec(c, 1, 1, 4, MICRO, plan, save_tp_outputs=save)
+  for name, c, plan, save, dots in (("plain", CFG, CompressionPlan(), False, False),
+                                    ("remat", cfg, CompressionPlan(), False, False),
+                                    ("saved", cfg, CompressionPlan(), True, False),
+                                    ("saved_dots", cfg, CompressionPlan(), True, True),
+                                    ("remat_on", cfg, ON, False, False),
+                                    ("saved_on", cfg, ON, True, False)):
+    spec = step_lib.ParallelSpec(c, 1, 1, 4, MICRO, plan, save_tp_outputs=save, save_dots=dots)
     got[name] = _loss_grads_collectives(spec, mesh, params, tokens)
-  plain, remat, saved = (_block_messages(got[k][2], rows) for k in ("plain", "remat", "saved"))
-  assert saved == plain
+  plain, remat, saved, saved_dots = (_block_messages(got[k][2], rows)
+                                     for k in ("plain", "remat", "saved", "saved_dots"))
+  assert saved == plain and saved_dots == plain
   # recomputed: both gathers of the block and the reduce-scatter its MLP input needs
   assert remat == plain + collections.Counter({"all-gather": 2, "reduce-scatter": 1}), remat
   wire = lambda k: collections.Counter(c.kind for c in got[k][2]  # noqa: E731
@@ -318,5 +340,46 @@ def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   assert not wire("saved_on") - wire("remat_on")
   assert spared["all-gather"] == 2 and spared["all-to-all"] > 0, spared
   _assert_f32_close(*got["saved"][:2], *got["remat"][:2])
+  _assert_f32_close(*got["saved_dots"][:2], *got["remat"][:2])  # parallel.save_dots too
   _assert_f32_close(*got["saved_on"][:2], *got["remat_on"][:2])
   assert step_lib.remat_policy(step_lib.ParallelSpec(cfg, 1, 1, 4)) is None
+
+
+def _dot_counts(jaxpr, out=None) -> collections.Counter:
+  """dot_generals in `jaxpr` and every jaxpr inside it (scan bodies, remat, shard_map):
+  "batched" (batch dimensions: the attention's) or "weight" (none: the linear layers')."""
+  out = collections.Counter() if out is None else out
+  for e in jaxpr.eqns:
+    if e.primitive.name == "dot_general":
+      (_, _), (batch, _) = e.params["dimension_numbers"]
+      out["batched" if batch else "weight"] += 1
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          _dot_counts(sub, out)
+  return out
+
+
+@pytest.mark.parametrize("tp", [2, 1])
+def test_save_dots_keeps_the_recomputation_from_redoing_the_matmuls(tp):
+  """`save_dots` (`step.remat_policy`) keeps the outputs of the blocks' weight matmuls: the
+  step's program (jaxpr, per scan body) has the weight matmuls of a step without remat,
+  where the plain remat has 3 more (QKV, attention-out, MLP-in recomputed); with or without
+  `save_tp_outputs`, on a TP and a data-parallel mesh. The attention's batched matmuls are
+  still recomputed (2 more than without remat)."""
+  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
+  params = model_lib.abstract_params(CFG, mesh)
+  tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
+                                sharding=step_lib.batch_sharding(mesh))
+  cfg = dataclasses.replace(CFG, remat=True)
+
+  def counts(c, **saves):
+    spec = step_lib.ParallelSpec(c, 1, 1, tp, MICRO, **saves)
+    return _dot_counts(jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(
+        params, tokens).jaxpr)
+
+  none, remat = counts(CFG), counts(cfg)
+  assert remat == none + collections.Counter(weight=3, batched=2), (remat, none)
+  for saves in (dict(save_dots=True), dict(save_dots=True, save_tp_outputs=True)):
+    assert counts(cfg, **saves) == none + collections.Counter(batched=2), saves

@@ -41,6 +41,8 @@ def _config(cache_dir="", **parallel):
     (dict(parallel=dict(interleave=0)), ["parallel.interleave=0 must be a positive integer"]),
     (dict(parallel=dict(save_tp_outputs=True)), ["parallel.save_tp_outputs=True keeps what "
                                                  "model.remat would recompute"]),
+    (dict(parallel=dict(save_dots=True)), ["parallel.save_dots=True keeps what model.remat "
+                                           "would recompute"]),
     (dict(parallel=dict(dp=1, pp=1, tp=8), data=dict(seq_len=36), model=dict(vocab_size=260,
                                                                              max_seq_len=36)),
      ["data.seq_len=36", "model.vocab_size=260"]),
@@ -92,6 +94,7 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   # Train with every TP/PP family compressed on (dp, pp, tp) = (2, 1, 4).
   s = train(_config(cache, dp=2, pp=1, tp=4, microbatches=2), tmp_path)
   assert s["status"] == "completed" and s["last_checkpoint"] == 6
+  assert s["attention"] == "xla"  # model.attention=auto on CPU
   sent = s["compressed_messages"]  # off GPU, link "auto" compresses every message
   assert sent["all_gather"]["compressed"] > 0 and sent["reduce_scatter"]["compressed"] > 0
   assert not any(row["plain"] for row in sent.values()), sent
@@ -126,18 +129,18 @@ def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
 
 def test_unified_entry_point_picks_the_trainer(tmp_path, tmp_path_factory, monkeypatch):
   c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2,
-              save_tp_outputs=True)
+              save_tp_outputs=True, save_dots=True)
   c.model.remat = True
   c.compression.enabled = False
   c.train.steps = 2
-  assert spec_from_config(c).save_tp_outputs
+  assert spec_from_config(c).save_tp_outputs and spec_from_config(c).save_dots
   s = cli.train(c, tmp_path)  # what `python -m taco_jax.train` calls
   assert s["status"] == "completed" and s["step"] == 2
   assert s["mesh"] == {"data": 2, "pipeline": 2, "tensor": 2}
   monkeypatch.setattr(loop, "train", lambda config, workdir: "single")
   monkeypatch.setattr(parallel_train, "train", lambda config, workdir: "parallel")
-  c.parallel.update(dp=1, pp=1, tp=1)
-  assert cli.train(c, tmp_path) == "single"  # one device, plain GPT
+  c.parallel.update(dp=1, pp=1, tp=1, save_dots=False)
+  assert cli.train(c, tmp_path) == "single"  # one device, plain GPT, plain remat
   c.model.block = "qwen"
   assert cli.train(c, tmp_path) == "parallel"  # only the parallel model has the Qwen block
 

@@ -44,6 +44,7 @@ def test_loss_falls(tmp_path, cache_dir):
   c = micro(cache_dir, steps=40, log_every=10)
   s = train(c, tmp_path)
   assert s['status'] == 'completed' and s['step'] == 40 and s['last_checkpoint'] == 40
+  assert s['attention'] == 'xla'  # model.attention=auto on CPU
   first = read_jsonl(tmp_path / 'metrics.jsonl')[0]['loss']
   assert first > 5.0 and s['train_loss'] < 3.6 and s['val_loss'] < 3.8  # ln 256 = 5.55
   assert json.loads((tmp_path / 'config.json').read_text())['model']['d_model'] == 32

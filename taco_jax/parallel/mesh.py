@@ -39,9 +39,10 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
       errs.append(f"parallel.{n}={v!r} must be a positive integer")
   if errs:
     return errs
-  if p.get("save_tp_outputs", False) and not m.get("remat", False):
-    errs.append("parallel.save_tp_outputs=True keeps what model.remat would recompute, but "
-                "model.remat is off; set model.remat=True or leave save_tp_outputs off")
+  for name in ("save_tp_outputs", "save_dots"):
+    if p.get(name, False) and not m.get("remat", False):
+      errs.append(f"parallel.{name}=True keeps what model.remat would recompute, but "
+                  f"model.remat is off; set model.remat=True or leave {name} off")
   dp, pp, tp = p.dp, p.pp, p.tp
   if n_devices is not None and dp * pp * tp != n_devices:
     errs.append(f"parallel.dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but there are "

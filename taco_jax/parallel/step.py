@@ -34,6 +34,7 @@ from taco_jax.parallel.compression import CompressionPlan
 from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
 
 _BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
+DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
 
 # XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
 # chain: DotMerger fuses dots sharing an operand (here the weight: A's and B's projection
@@ -64,6 +65,9 @@ class ParallelSpec:
   # with model.remat: keep the TP collectives' outputs for the backward pass, so recomputing
   # a block does not communicate again (parallel.save_tp_outputs; see `remat_policy`)
   save_tp_outputs: bool = False
+  # with model.remat: keep the outputs of the blocks' matmuls (the weight matmuls, not the
+  # attention's batched ones) as well (parallel.save_dots; see `remat_policy`)
+  save_dots: bool = False
 
   def __post_init__(self):
     if not (isinstance(self.interleave, int) and self.interleave >= 1):
@@ -85,12 +89,24 @@ def compiler_options(interleave: int) -> dict:
 
 def remat_policy(spec: ParallelSpec):
   """The `jax.checkpoint` policy of the layer scan under `model.remat`: recompute everything
-  (None), or with `spec.save_tp_outputs` everything but the TP collectives' outputs, so the
-  recomputation sends nothing (and compresses nothing). The cost is memory: per layer and
-  micro-batch, with sequence parallelism, two gathered block inputs [b, T, D] and two
-  sequence shards [b, T / tp, D] (bf16). The ring layers (`parallel.overlap`) gather inside
-  their matmuls and are recomputed either way."""
-  return mappings.save_tp_outputs_policy() if spec.save_tp_outputs else None
+  (None), or keep what each switch names and recompute the rest:
+
+  * `spec.save_tp_outputs`: the TP collectives' outputs, so the recomputation sends nothing
+    (and compresses nothing). Per layer and micro-batch, with sequence parallelism, two
+    gathered block inputs [b, T, D] and two sequence shards [b, T / tp, D] (bf16). The ring
+    layers (`parallel.overlap`) gather inside their matmuls and are recomputed either way.
+  * `spec.save_dots`: the outputs of matmuls without batch dimensions (the block's weight
+    matmuls; the attention's are batched over heads), so the recomputation is the norms,
+    the activation function and the attention. Per layer and micro-batch, what the backward
+    pass needs of them: the QKV and MLP-in outputs [b, T, 3 D / tp + d_ff / tp] (bf16), and
+    the attention's out-projection [b, T, D] unless its reduce-scatter's output is kept.
+    At tp > 1 the gathered inputs are not matmul outputs: add `save_tp_outputs`.
+  """
+  names = mappings.save_tp_outputs_policy() if spec.save_tp_outputs else None
+  dots = DOTS_POLICY if spec.save_dots else None
+  if names and dots:
+    return jax.checkpoint_policies.save_from_both_policies(names, dots)
+  return names or dots
 
 
 def _local_loss(spec: ParallelSpec, params, tokens_BT1):

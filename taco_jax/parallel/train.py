@@ -56,7 +56,8 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
                                p.get("microbatches", 1), plan_from_config(config.compression),
                                overlap=bool(p.get("overlap", False)),
                                interleave=p.get("interleave", 1),
-                               save_tp_outputs=bool(p.get("save_tp_outputs", False)))
+                               save_tp_outputs=bool(p.get("save_tp_outputs", False)),
+                               save_dots=bool(p.get("save_dots", False)))
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
@@ -119,12 +120,14 @@ def train(config, workdir) -> dict:
   n_params = sum(x.size for x in jax.tree.leaves(params))
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
   summary = dict(workdir=str(workdir), start_step=start, n_params=n_params, mesh=dict(
-      mesh.shape), attention=spec.cfg.attention_backend(d.seq_len), compile_s=time.perf_counter() - t0, train_loss=math.nan, val_loss=math.nan,
+      mesh.shape), attention=spec.cfg.attention_backend(d.seq_len),
+                 compile_s=time.perf_counter() - t0, train_loss=math.nan, val_loss=math.nan,
                  tokens_per_s=math.nan, mfu=math.nan,
                  compressed_messages=collectives.decision_summary(decisions))
   if lead:
     print(f"{config.name}: {n_params:,} params on mesh {dict(mesh.shape)}, "
-          f"{summary['attention']} attention, compression {spec.plan}, step compiled in {summary['compile_s']:.1f}s", flush=True)
+          f"{summary['attention']} attention, compression {spec.plan}, step compiled in "
+          f"{summary['compile_s']:.1f}s", flush=True)
     _report_plain_messages(summary["compressed_messages"])
   metrics.truncate_after(workdir / "metrics.jsonl", start)
   writer = metrics.MetricsWriter(workdir) if lead else None

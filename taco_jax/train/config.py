@@ -79,10 +79,12 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
 
 def parallel_reason(c: ml_collections.ConfigDict) -> str:
   """Why `c` needs the 3D-parallel trainer, or '' if the single-device loop runs it (one
-  device, the plain GPT block)."""
+  device, the plain GPT block, its plain remat)."""
   p, block = c.parallel, c.model.get('block', 'gpt')
   if p.dp * p.pp * p.tp != 1:
     return f'parallel.dp*pp*tp = {p.dp}*{p.pp}*{p.tp} != 1'
+  if p.get('save_dots', False):
+    return 'parallel.save_dots=True (a remat policy of the parallel step)'
   return f'model.block={block!r}' if block != 'gpt' else ''
 
 

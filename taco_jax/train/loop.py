@@ -114,15 +114,15 @@ def train(config, workdir: str | pathlib.Path) -> dict:
   eval_step = jax.jit(step_lib.make_eval_step(graphdef))
   compile_s = time.perf_counter() - t0
   tqdm.write(f'{config.name}: {n_params:,} params, {fpt:.3g} FLOPs/token; corpus {corpus.source} '
-             f'({len(corpus.train):,} train / {len(corpus.val):,} val tokens); {attention} attention; '
-             f'step compiled in {compile_s:.1f}s; workdir {workdir}')
+             f'({len(corpus.train):,} train / {len(corpus.val):,} val tokens); {attention} '
+             f'attention; step compiled in {compile_s:.1f}s; workdir {workdir}')
   metrics.truncate_after(workdir / 'metrics.jsonl', start)
   writer = metrics.MetricsWriter(workdir)
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
               desc=config.name)
   summary = {'workdir': str(workdir), 'start_step': start, 'n_params': n_params,
-             'attention': attention, 'compile_s': compile_s, 'train_loss': math.nan, 'val_loss': math.nan,
-             'tokens_per_s': math.nan, 'mfu': math.nan}
+             'attention': attention, 'compile_s': compile_s, 'train_loss': math.nan,
+             'val_loss': math.nan, 'tokens_per_s': math.nan, 'mfu': math.nan}
   t_start = time.perf_counter()
   run_steps(params, opt_state, start=start, train_cfg=t, train_step=train_step,
             eval_step=eval_step, train_batch=batch, val_batch=lambda i: batch(i, 1, corpus.val),
