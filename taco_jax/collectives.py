@@ -30,6 +30,7 @@ and differentiate as those do.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Literal
 
 import jax
@@ -215,7 +216,7 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
 
 
 def _all_reduce(x, axis_name, compression, algorithm, n):
-  rows = x.reshape(-1, x.shape[-1])
+  rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
   if algorithm == "one_shot" or rows.shape[0] < n:
     return sum_from_wire(_gather_wire(x, axis_name, compression, "invarying"), compression,
                          x.shape[-1], x.dtype)

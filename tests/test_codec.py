@@ -135,6 +135,31 @@ def test_codec_under_jit():
   assert float(jnp.max(jnp.abs(out - x.astype(jnp.float32)))) > 0
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("shape", [(4, 0), (0, 128), (2, 0, 3), (0,)])
+def test_empty_arrays_encode_and_decode_to_empty(shape, implementation):
+  """An empty shard (no rows, or an empty last dimension) has nothing to encode: empty codes
+  and scales of the shapes the rules give, and empty results of x's shape."""
+  cfg = CompressionConfig(group_size=32, implementation=implementation)
+  x = jnp.ones(shape, jnp.bfloat16)
+  padded = -(-shape[-1] // 32) * 32
+  c = compress(x, cfg)
+  assert c.codes.shape == (*shape[:-1], padded) and c.codes.dtype == cfg.fp8_dtype
+  assert c.alpha.shape == c.scale.shape == (*shape[:-1], padded // 32)
+  assert decompress(c, cfg, jnp.float32).shape == shape
+  w = codec.to_wire(x, cfg)
+  assert w.shape == (*shape[:-1], padded + 8 * padded // 32) and w.dtype == jnp.uint8
+  assert codec.from_wire(w, cfg, shape[-1], jnp.float32).shape == shape
+  if len(shape) > 1 and shape[0]:  # the sums take N >= 1 messages on axis 0
+    assert decompress_sum(c, cfg, jnp.float32).shape == shape[1:]
+    assert codec.sum_from_wire(w, cfg, shape[-1], jnp.float32).shape == shape[1:]
+  else:
+    with pytest.raises(ValueError, match="N >= 1 messages stacked on axis 0"):
+      decompress_sum(c, cfg)
+    with pytest.raises(ValueError, match="N >= 1 messages stacked on axis 0"):
+      codec.sum_from_wire(w, cfg, shape[-1])
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nonfinite_group_decodes_nonfinite(bad):
   cfg = CompressionConfig(group_size=32, implementation="xla")
