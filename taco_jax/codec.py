@@ -128,20 +128,58 @@ class CompressionConfig:
                 interpret=impl == "pallas" and jax.default_backend() != "gpu")
 
 
+def _static():
+  return dataclasses.field(metadata=dict(static=True))
+
+
+# The settings that decoding depends on; dual_scale and lam only shape the scales, which
+# travel with the codes.
+_DECODE_FIELDS = ("format", "group_size", "hadamard")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Compressed:
-  """FP8 codes and their per-group scales; a pytree, so it can cross collectives.
+  """FP8 codes and their per-group scales, and how they were encoded; a pytree, so it can
+  cross collectives (what it records is static metadata).
 
   ``codes``: x's shape with the last dim padded to a multiple of the group size.
   ``alpha``/``scale``: fp32, x's leading shape + (padded last dim / group size,).
-  ``size``: x's true last dimension (static).
+  ``size``: x's true last dimension.
+  ``format``, ``group_size``, ``hadamard``, ``dual_scale``, ``lam``: the encoding's
+  ``CompressionConfig`` fields. ``decompress`` refuses a config that decodes differently
+  (another format, group size or transform): that would give plausible garbage.
   """
 
   codes: jax.Array
   alpha: jax.Array
   scale: jax.Array
-  size: int = dataclasses.field(metadata=dict(static=True))
+  size: int = _static()
+  format: Format = _static()
+  group_size: int = _static()
+  hadamard: bool = _static()
+  dual_scale: bool = _static()
+  lam: float = _static()
+
+
+def _check_encoding(c: Compressed, cfg: CompressionConfig, what: str) -> None:
+  """``c`` decodes with ``cfg`` (same format, group size and transform), and its arrays
+  have the shapes of groups of its group size."""
+  bad = [f for f in _DECODE_FIELDS if getattr(c, f) != getattr(cfg, f)]
+  if bad:
+    enc, dec = (", ".join(f"{f}={getattr(o, f)!r}" for f in bad) for o in (c, cfg))
+    raise ValueError(f"{what}: the codes were encoded with {enc}, but the config given "
+                     f"decodes with {dec}; decode with the settings they were encoded with")
+  *lead, padded = c.codes.shape
+  g = c.group_size
+  groups = (*lead, padded // g)
+  if (padded % g or c.alpha.shape != groups or c.scale.shape != groups
+      or not padded - g < c.size <= padded
+      or c.codes.dtype != pallas_kernels.FP8_DTYPES[c.format]):
+    raise ValueError(
+        f"{what}: codes {c.codes.dtype}{list(c.codes.shape)}, alpha {list(c.alpha.shape)} and "
+        f"scale {list(c.scale.shape)} of size {c.size} are not {c.format} codes of groups of "
+        f"{g} (codes [..., size padded to groups], alpha and scale [..., groups])")
 
 
 def _check_input(x) -> None:
@@ -209,11 +247,15 @@ def compress(x, cfg: CompressionConfig) -> Compressed:
   padded = x_RD.shape[-1]
   k = padded // cfg.group_size
   return Compressed(codes.reshape(*lead, padded), alpha.reshape(*lead, k),
-                    scale.reshape(*lead, k), x.shape[-1])
+                    scale.reshape(*lead, k), x.shape[-1], cfg.format, cfg.group_size,
+                    cfg.hadamard, cfg.dual_scale, cfg.lam)
 
 
 def decompress(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
-  """Inverse of ``compress``: returns an array of x's shape in ``dtype``."""
+  """Inverse of ``compress``: returns an array of x's shape in ``dtype``. ``cfg`` must
+  decode as the codes were encoded (``Compressed`` records how); it picks the
+  implementation."""
+  _check_encoding(c, cfg, "decompress")
   *lead, padded = c.codes.shape
   rows, k = math.prod(lead), padded // cfg.group_size
   out = _decode(pallas_kernels.decode, c.codes.reshape(rows, padded), c.alpha.reshape(rows, k),
@@ -225,6 +267,7 @@ def decompress(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
 def decompress_sum(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
   """Decodes N chunks stacked on axis 0 of ``c`` and sums them in fp32, in one pass."""
   _check_stacked(c.codes.shape, "decompress_sum")
+  _check_encoding(c, cfg, "decompress_sum")
   n, *lead, padded = c.codes.shape
   rows, k = math.prod(lead), padded // cfg.group_size
   out = _decode(pallas_kernels.decode_sum, c.codes.reshape(n, rows, padded),

@@ -207,6 +207,25 @@ def test_error_not_divisible(compression):
     _shard_map_call(lambda x: tc.reduce_scatter(x, "x", compression=compression), (6, 128))
 
 
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30])  # compressed / below the threshold
+def test_compressed_collective_rejects_integers_at_any_size(min_bytes):
+  """A codec takes floating-point input only: a compressed collective refuses integers
+  naming itself, also where the message is small enough to go plain (compression=None
+  sends them)."""
+  cfg = CompressionConfig(min_bytes=min_bytes)
+  for name, f in EMPTY_CASES.items():
+    x = jnp.ones((4, 128), jnp.int32)
+    g = jax.shard_map(lambda x: f(x, None), mesh=mesh_1d(2), in_specs=P(), out_specs=P("x"),
+                      check_vma=False)
+    assert jax.eval_shape(g, x).dtype == jnp.int32
+    g = jax.shard_map(lambda x: f(x, cfg), mesh=mesh_1d(2), in_specs=P(), out_specs=P("x"),
+                      check_vma=False)
+    collective = name.split("_last")[0].removesuffix("_one_shot").removesuffix("_two_shot")
+    with pytest.raises(TypeError, match=f"^{collective}: compression needs a floating-point "
+                                        "input, got dtype int32"):
+      jax.eval_shape(g, x)
+
+
 def test_error_bad_algorithm():
   with pytest.raises(ValueError, match="algorithm"):
     _shard_map_call(lambda x: tc.all_reduce(x, "x", algorithm="ring"), (8, 128))
