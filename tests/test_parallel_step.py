@@ -332,6 +332,15 @@ def test_python_api_runs_the_config_checks():
         jax.eval_shape(call, tokens)
 
 
+def test_init_params_are_the_single_device_ones_to_rounding():
+  """What `model.init_params` promises: the single-device model's parameters to 1 ulp
+  (jitted vs op-by-op initialization)."""
+  ref = _parallel(model_lib.single_device_model(CFG, seed=3))
+  got = jax.device_get(model_lib.init_params(CFG, make_mesh(2, 2, 2), seed=3))
+  for (path, x), (_, r) in zip(_leaves(got), _leaves(ref), strict=True):
+    np.testing.assert_array_max_ulp(x.astype(np.float32), r.astype(np.float32), maxulp=1)
+
+
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   """With `model.remat` the backward layer scan recomputes each block, its TP collectives
   included; `save_tp_outputs=True` keeps their outputs instead (`step.remat_policy`), so
