@@ -64,7 +64,7 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
 
   outs = jax.shard_map(unchecked, in_specs=(P(),) * len(operands), out_specs=P(),
                        axis_names=frozenset(), check_vma=False)(*operands)
-  return jax.lax.pcast(outs, tuple(varying), to="varying")
+  return jax.lax.pcast(outs, tuple(sorted(varying, key=str)), to="varying")
 
 
 def check_2d(x, group_size: int, what: str) -> None:
