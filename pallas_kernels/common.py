@@ -49,7 +49,10 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
   compiles to nothing). The compiled (Triton) kernel needs no such detour.
   """
   varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))
-  call = lambda out: pl.pallas_call(kernel, out_shape=out, interpret=interpret, **kwargs)  # noqa: E731
+
+  def call(out):
+    return pl.pallas_call(kernel, out_shape=out, interpret=interpret, **kwargs)
+
   if not (interpret and varying):
     mat = ManualAxisType(varying=varying)
     typed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),

@@ -293,6 +293,7 @@ def make_eval_step(spec: ParallelSpec, mesh) -> Callable:
 
   f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
                     out_specs=P(DATA, PIPE), check_vma=False)
+
   def eval_step(params, tokens_BT1):
     _check_batch(spec, tokens_BT1)
     return jnp.mean(jnp.sum(f(params, tokens_BT1), axis=1))
