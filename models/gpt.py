@@ -76,6 +76,27 @@ class GPTConfig:
     shapes = [jax.ShapeDtypeStruct(s, self.compute_dtype) for s in (q, k, k)]
     return attention_implementation(self.attention, *shapes)
 
+  def errors(self, seq_len: int | None = None) -> list[str]:
+    """Every invalid field, named as in a config's model section, with what to change; with
+    `seq_len`, also whether the model takes sequences that long. What
+    `taco_jax.train.config.validate_config` reports for the model section and what
+    `taco_jax.parallel.step.ParallelSpec` checks (a config is not validated when built, so
+    that a config file's mistakes are all listed at once)."""
+    sizes = ('vocab_size', 'n_layers', 'd_model', 'n_heads', 'd_ff', 'max_seq_len')
+    errs = [f'model.{n}={getattr(self, n)!r} must be a positive integer' for n in sizes
+            if not (isinstance(getattr(self, n), int) and getattr(self, n) > 0)]
+    if errs:
+      return errs
+    if self.d_model % self.n_heads:
+      errs.append(f'model.d_model={self.d_model} is not divisible by model.n_heads='
+                  f'{self.n_heads}; pick d_model a multiple of n_heads')
+    if self.dtype not in DTYPES:
+      errs.append(f'model.dtype={self.dtype!r} is unknown; use one of {sorted(DTYPES)}')
+    if seq_len is not None and seq_len > self.max_seq_len:
+      errs.append(f'data.seq_len={seq_len} exceeds model.max_seq_len={self.max_seq_len}; '
+                  'lower data.seq_len or raise model.max_seq_len')
+    return errs
+
   @classmethod
   def from_dict(cls, d) -> 'GPTConfig':
     """From a mapping (e.g. `config.model`); unknown keys are an error.

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.sharding import ManualAxisType
+from jax.sharding import PartitionSpec as P
 
 FP8_DTYPES = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -27,6 +29,45 @@ def hadamard_matrix(group_size: int, repeat: int = 1) -> np.ndarray:
   while h.shape[0] < group_size:
     h = np.block([[h, h], [h, -h]])
   return np.repeat(h, repeat, axis=0)
+
+
+def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
+  """``pl.pallas_call(kernel, out_shape=..., interpret=..., **kwargs)(*operands)`` that also
+  runs inside ``jax.shard_map(check_vma=True)``: the outputs vary over the manual mesh axes
+  that the operands vary over.
+
+  ``out_shape``: a pytree of ``jax.ShapeDtypeStruct`` (shape and dtype only). Pallas cannot
+  infer an output's varying axes from the kernel, so with ``check_vma=True`` each output must
+  state them; a kernel's output varies wherever one of its operands does. Outside
+  shard_map, or with ``check_vma=False``, no operand varies and this is the plain call.
+
+  jax 0.11's interpreter (``interpret=True``) cannot run a kernel on varying operands: it
+  evaluates the kernel's jaxpr, traced on unvarying blocks, on the varying ones, and each op
+  that mixes the two (a block times a constant) fails the check. There the kernel runs in a
+  nested ``shard_map`` over no new axes with ``check_vma=False`` (the workaround JAX's own
+  error suggests, scoped to the kernel), and its outputs are cast back to varying (``pcast``
+  compiles to nothing). The compiled (Triton) kernel needs no such detour.
+  """
+  varying = frozenset().union(*(jax.typeof(x).manual_axis_type.varying for x in operands))
+
+  def call(out):
+    return pl.pallas_call(kernel, out_shape=out, interpret=interpret, **kwargs)
+
+  if not (interpret and varying):
+    mat = ManualAxisType(varying=varying)
+    typed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat),
+                         out_shape)
+    return call(typed)(*operands)
+
+  def unchecked(*operands):
+    # Under check_vma=False an op's output varies over nothing; reshape is one such op (a
+    # round trip that XLA removes), which hands the interpreter unvarying operands.
+    operands = [jax.lax.reshape(jax.lax.reshape(x, (1, *x.shape)), x.shape) for x in operands]
+    return call(out_shape)(*operands)
+
+  outs = jax.shard_map(unchecked, in_specs=(P(),) * len(operands), out_specs=P(),
+                       axis_names=frozenset(), check_vma=False)(*operands)
+  return jax.lax.pcast(outs, tuple(sorted(varying, key=str)), to="varying")
 
 
 def check_2d(x, group_size: int, what: str) -> None:

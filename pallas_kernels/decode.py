@@ -16,7 +16,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import wire
 from pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadamard_iota,
-                                   hadamard_matrix, row_mask)
+                                   hadamard_matrix, pallas_call, row_mask)
 
 
 def group_multiplier(alpha, scale):
@@ -140,16 +140,15 @@ def _decode_sum_call(*inputs, group_size, hadamard, out_dtype, interpret, block_
   kernel = functools.partial(_decode_sum_kernel, rows=rows, group_size=group_size, groups=k,
                              hadamard=hadamard, n=n, stacked=stacked, h_iota=h_iota,
                              packed_fmt=packed_fmt)
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((rows, d), out_dtype),
+  return pallas_call(
+      kernel, operands, jax.ShapeDtypeStruct((rows, d), out_dtype),
       grid=(pl.cdiv(rows, br), k // bk),
       in_specs=in_specs,
       out_specs=pl.BlockSpec((br, bk * group_size), lambda i, j: (i, j)),
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=f"taco_decode{'_sum' if stacked else ''}_g{group_size}",
-  )(*operands)
+  )
 
 
 def decode_pallas(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool = True,

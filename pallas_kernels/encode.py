@@ -16,7 +16,7 @@ from pallas_kernels import wire
 from pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
                                    SCALE_MIN, check_2d, choose_blocks, hadamard_dot,
                                    hadamard_iota, hadamard_matrix, needs_two_terms,
-                                   pow2_floor_f32, row_mask, sum_of_squares)
+                                   pallas_call, pow2_floor_f32, row_mask, sum_of_squares)
 
 
 def encode_groups(x_MG, h_GG, *, fmt: str, dual_scale: bool, lam: float,
@@ -165,16 +165,15 @@ def encode_pallas(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = 
                  jax.ShapeDtypeStruct((rows, k), jnp.float32))
     out_specs = (pl.BlockSpec((br, bk * group_size), tile), pl.BlockSpec((br, bk), tile),
                  pl.BlockSpec((br, bk), tile))
-  return pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
+  return pallas_call(
+      kernel, operands, out_shape,
       grid=(pl.cdiv(rows, br), k // bk),
       in_specs=in_specs,
       out_specs=out_specs,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name=f"taco_encode_{fmt}_g{group_size}",
-  )(*operands)
+  )
 
 
 def encode(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,

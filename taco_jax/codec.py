@@ -2,12 +2,15 @@
 
 Groups of ``group_size`` contiguous elements run along the last axis. A last dimension that
 is not a multiple of the group size is zero-padded up to one (codes carry the padded
-length; ``decompress`` cuts the padding off again), so any shape works mid-training.
+length; ``decompress`` cuts the padding off again), so any shape works mid-training. An
+empty array (no rows, or an empty last dimension: an empty shard) encodes to empty codes
+and scales and decodes to an empty array, without running a kernel.
 ``None`` means "no compression" everywhere a ``CompressionConfig`` is accepted.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Literal
 
@@ -125,20 +128,58 @@ class CompressionConfig:
                 interpret=impl == "pallas" and jax.default_backend() != "gpu")
 
 
+def _static():
+  return dataclasses.field(metadata=dict(static=True))
+
+
+# The settings that decoding depends on; dual_scale and lam only shape the scales, which
+# travel with the codes.
+_DECODE_FIELDS = ("format", "group_size", "hadamard")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Compressed:
-  """FP8 codes and their per-group scales; a pytree, so it can cross collectives.
+  """FP8 codes and their per-group scales, and how they were encoded; a pytree, so it can
+  cross collectives (what it records is static metadata).
 
   ``codes``: x's shape with the last dim padded to a multiple of the group size.
   ``alpha``/``scale``: fp32, x's leading shape + (padded last dim / group size,).
-  ``size``: x's true last dimension (static).
+  ``size``: x's true last dimension.
+  ``format``, ``group_size``, ``hadamard``, ``dual_scale``, ``lam``: the encoding's
+  ``CompressionConfig`` fields. ``decompress`` refuses a config that decodes differently
+  (another format, group size or transform): that would give plausible garbage.
   """
 
   codes: jax.Array
   alpha: jax.Array
   scale: jax.Array
-  size: int = dataclasses.field(metadata=dict(static=True))
+  size: int = _static()
+  format: Format = _static()
+  group_size: int = _static()
+  hadamard: bool = _static()
+  dual_scale: bool = _static()
+  lam: float = _static()
+
+
+def _check_encoding(c: Compressed, cfg: CompressionConfig, what: str) -> None:
+  """``c`` decodes with ``cfg`` (same format, group size and transform), and its arrays
+  have the shapes of groups of its group size."""
+  bad = [f for f in _DECODE_FIELDS if getattr(c, f) != getattr(cfg, f)]
+  if bad:
+    enc, dec = (", ".join(f"{f}={getattr(o, f)!r}" for f in bad) for o in (c, cfg))
+    raise ValueError(f"{what}: the codes were encoded with {enc}, but the config given "
+                     f"decodes with {dec}; decode with the settings they were encoded with")
+  *lead, padded = c.codes.shape
+  g = c.group_size
+  groups = (*lead, padded // g)
+  if (padded % g or c.alpha.shape != groups or c.scale.shape != groups
+      or not padded - g < c.size <= padded
+      or c.codes.dtype != pallas_kernels.FP8_DTYPES[c.format]):
+    raise ValueError(
+        f"{what}: codes {c.codes.dtype}{list(c.codes.shape)}, alpha {list(c.alpha.shape)} and "
+        f"scale {list(c.scale.shape)} of size {c.size} are not {c.format} codes of groups of "
+        f"{g} (codes [..., size padded to groups], alpha and scale [..., groups])")
 
 
 def _check_input(x) -> None:
@@ -157,42 +198,82 @@ def _pad_groups(x, cfg: CompressionConfig):
   padded = -(-size // g) * g
   if padded != size:
     x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, padded - size)])
-  return x.reshape(-1, padded), x.shape[:-1]
+  return x.reshape(math.prod(x.shape[:-1]), padded), x.shape[:-1]
 
 
-def _encode_kwargs(cfg: CompressionConfig) -> dict:
-  return dict(group_size=cfg.group_size, fmt=cfg.format, hadamard=cfg.hadamard,
-              dual_scale=cfg.dual_scale, lam=cfg.lam, **cfg.kernel_kwargs())
+def _empty(shape, dtype, like):
+  """An empty array of ``shape`` and ``dtype`` made from the empty array ``like``, so that
+  inside a ``check_vma=True`` shard_map it varies over the same mesh axes."""
+  return like.astype(dtype).reshape(shape)
+
+
+def _encode(x_RD, cfg: CompressionConfig, packed: bool = False):
+  """``pallas_kernels.encode`` of ``[rows, padded]``; with no rows or no groups (an empty
+  shard) nothing is encoded: empty outputs of the right shapes, as the kernels need at
+  least one group and one row."""
+  if x_RD.size:
+    return pallas_kernels.encode(
+        x_RD, group_size=cfg.group_size, fmt=cfg.format, hadamard=cfg.hadamard,
+        dual_scale=cfg.dual_scale, lam=cfg.lam, packed=packed, **cfg.kernel_kwargs())
+  rows, d = x_RD.shape
+  if packed:
+    return _empty((rows, pallas_kernels.wire.width(d, cfg.group_size)), jnp.uint8, x_RD)
+  k = d // cfg.group_size
+  return (_empty((rows, d), cfg.fp8_dtype, x_RD), _empty((rows, k), jnp.float32, x_RD),
+          _empty((rows, k), jnp.float32, x_RD))
+
+
+def _decode(kernel, first, *inputs, d: int, dtype, **kwargs):
+  """``kernel(first, *inputs, **kwargs)``, one of the ``pallas_kernels`` decoders, whose
+  output is ``[rows, d]`` (rows: ``first``'s next-to-last dim); empty (an empty shard)
+  without running it."""
+  rows = first.shape[-2]
+  if rows and d:
+    return kernel(first, *inputs, out_dtype=dtype, **kwargs)
+  return _empty((rows, d), dtype, first)
+
+
+def _check_stacked(shape, what: str) -> None:
+  """``what`` sums N >= 1 messages stacked on axis 0 of an array of ``shape``."""
+  if len(shape) < 2 or shape[0] == 0:
+    raise ValueError(f"{what} expects N >= 1 messages stacked on axis 0 (shape [N, ..., "
+                     f"last dim]), got shape {tuple(shape)}")
 
 
 def compress(x, cfg: CompressionConfig) -> Compressed:
   """Encodes ``x`` (any leading dims, groups along the last axis) to FP8 + scales."""
   x_RD, lead = _pad_groups(x, cfg)
-  codes, alpha, scale = pallas_kernels.encode(x_RD, **_encode_kwargs(cfg))
+  codes, alpha, scale = _encode(x_RD, cfg)
   padded = x_RD.shape[-1]
   k = padded // cfg.group_size
   return Compressed(codes.reshape(*lead, padded), alpha.reshape(*lead, k),
-                    scale.reshape(*lead, k), x.shape[-1])
+                    scale.reshape(*lead, k), x.shape[-1], cfg.format, cfg.group_size,
+                    cfg.hadamard, cfg.dual_scale, cfg.lam)
 
 
 def decompress(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
-  """Inverse of ``compress``: returns an array of x's shape in ``dtype``."""
+  """Inverse of ``compress``: returns an array of x's shape in ``dtype``. ``cfg`` must
+  decode as the codes were encoded (``Compressed`` records how); it picks the
+  implementation."""
+  _check_encoding(c, cfg, "decompress")
   *lead, padded = c.codes.shape
-  out = pallas_kernels.decode(
-      c.codes.reshape(-1, padded), c.alpha.reshape(-1, padded // cfg.group_size),
-      c.scale.reshape(-1, padded // cfg.group_size), group_size=cfg.group_size,
-      hadamard=cfg.hadamard, out_dtype=dtype, **cfg.kernel_kwargs())
+  rows, k = math.prod(lead), padded // cfg.group_size
+  out = _decode(pallas_kernels.decode, c.codes.reshape(rows, padded), c.alpha.reshape(rows, k),
+                c.scale.reshape(rows, k), d=padded, dtype=dtype, group_size=cfg.group_size,
+                hadamard=cfg.hadamard, **cfg.kernel_kwargs())
   return out.reshape(*lead, padded)[..., :c.size]
 
 
 def decompress_sum(c: Compressed, cfg: CompressionConfig, dtype=jnp.bfloat16):
   """Decodes N chunks stacked on axis 0 of ``c`` and sums them in fp32, in one pass."""
+  _check_stacked(c.codes.shape, "decompress_sum")
+  _check_encoding(c, cfg, "decompress_sum")
   n, *lead, padded = c.codes.shape
-  k = padded // cfg.group_size
-  out = pallas_kernels.decode_sum(
-      c.codes.reshape(n, -1, padded), c.alpha.reshape(n, -1, k), c.scale.reshape(n, -1, k),
-      group_size=cfg.group_size, hadamard=cfg.hadamard, out_dtype=dtype,
-      **cfg.kernel_kwargs(sum_of=n))
+  rows, k = math.prod(lead), padded // cfg.group_size
+  out = _decode(pallas_kernels.decode_sum, c.codes.reshape(n, rows, padded),
+                c.alpha.reshape(n, rows, k), c.scale.reshape(n, rows, k), d=padded,
+                dtype=dtype, group_size=cfg.group_size, hadamard=cfg.hadamard,
+                **cfg.kernel_kwargs(sum_of=n))
   return out.reshape(*lead, padded)[..., :c.size]
 
 
@@ -204,23 +285,26 @@ def to_wire(x, cfg: CompressionConfig):
   (P: D padded to whole groups), the codes then the scales of each row in one buffer, so a
   collective moves a message in one transfer. The encode kernel writes it directly."""
   x_RD, lead = _pad_groups(x, cfg)
-  w = pallas_kernels.encode(x_RD, packed=True, **_encode_kwargs(cfg))
+  w = _encode(x_RD, cfg, packed=True)
   return w.reshape(*lead, w.shape[-1])
 
 
 def from_wire(w, cfg: CompressionConfig, size: int, dtype=jnp.bfloat16):
   """Inverse of ``to_wire`` for a message whose true last dimension is ``size``."""
   *lead, width = w.shape
-  out = pallas_kernels.decode_wire(w.reshape(-1, width), group_size=cfg.group_size,
-                                   fmt=cfg.format, hadamard=cfg.hadamard, out_dtype=dtype,
-                                   **cfg.kernel_kwargs())
-  return out.reshape(*lead, out.shape[-1])[..., :size]
+  d = pallas_kernels.wire.message_width(width, cfg.group_size)
+  out = _decode(pallas_kernels.decode_wire, w.reshape(math.prod(lead), width), d=d,
+                dtype=dtype, group_size=cfg.group_size, fmt=cfg.format, hadamard=cfg.hadamard,
+                **cfg.kernel_kwargs())
+  return out.reshape(*lead, d)[..., :size]
 
 
 def sum_from_wire(w, cfg: CompressionConfig, size: int, dtype=jnp.bfloat16):
   """``decompress_sum`` of N messages' wire rows stacked on axis 0, in one pass."""
+  _check_stacked(w.shape, "sum_from_wire")
   n, *lead, width = w.shape
-  out = pallas_kernels.decode_sum_wire(w.reshape(n, -1, width), group_size=cfg.group_size,
-                                       fmt=cfg.format, hadamard=cfg.hadamard,
-                                       out_dtype=dtype, **cfg.kernel_kwargs(sum_of=n))
-  return out.reshape(*lead, out.shape[-1])[..., :size]
+  d = pallas_kernels.wire.message_width(width, cfg.group_size)
+  out = _decode(pallas_kernels.decode_sum_wire, w.reshape(n, math.prod(lead), width), d=d,
+                dtype=dtype, group_size=cfg.group_size, fmt=cfg.format, hadamard=cfg.hadamard,
+                **cfg.kernel_kwargs(sum_of=n))
+  return out.reshape(*lead, d)[..., :size]

@@ -30,6 +30,7 @@ and differentiate as those do.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Literal
 
 import jax
@@ -99,7 +100,18 @@ def compresses(collective: str, x, compression: CompressionConfig | None,
                axis_size: int | None = None) -> bool:
   """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
   x (the local input, as passed to it) compressed: static, from shapes and the config.
-  Without ``axis_size``, a ``link`` threshold is the most cautious measured one."""
+  Without ``axis_size``, a ``link`` threshold is the most cautious measured one.
+
+  With a codec, x must be a floating-point array of at least one dimension whatever its
+  size (a TypeError / ValueError naming the collective otherwise), so that whether a call
+  is accepted never depends on the message size."""
+  if compression is not None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{collective}: compression needs a floating-point input, got dtype "
+                      f"{x.dtype}; send it with compression=None")
+    if not x.ndim:
+      raise ValueError(f"{collective}: compression needs an array with at least one "
+                       "dimension (groups run along the last), got a scalar")
   nbytes = x.size * x.dtype.itemsize
   decision = compression is not None and compression.pays_for(collective, nbytes, axis_size)
   if _decisions is not None and compression is not None:
@@ -209,13 +221,11 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   n = axis_size(axis_name, fn, x.shape)
   if not compresses(fn, x, compression, n):
     return jax.lax.psum(x, axis_name)
-  if x.ndim == 0:
-    raise ValueError(f"{fn}: compression needs an array with at least one dimension")
   return _forward_only(fn, lambda x: _all_reduce(x, axis_name, compression, algorithm, n), x)
 
 
 def _all_reduce(x, axis_name, compression, algorithm, n):
-  rows = x.reshape(-1, x.shape[-1])
+  rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
   if algorithm == "one_shot" or rows.shape[0] < n:
     return sum_from_wire(_gather_wire(x, axis_name, compression, "invarying"), compression,
                          x.shape[-1], x.dtype)

@@ -135,6 +135,61 @@ def test_codec_under_jit():
   assert float(jnp.max(jnp.abs(out - x.astype(jnp.float32)))) > 0
 
 
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("shape", [(4, 0), (0, 128), (2, 0, 3), (0,)])
+def test_empty_arrays_encode_and_decode_to_empty(shape, implementation):
+  """An empty shard (no rows, or an empty last dimension) has nothing to encode: empty codes
+  and scales of the shapes the rules give, and empty results of x's shape."""
+  cfg = CompressionConfig(group_size=32, implementation=implementation)
+  x = jnp.ones(shape, jnp.bfloat16)
+  padded = -(-shape[-1] // 32) * 32
+  c = compress(x, cfg)
+  assert c.codes.shape == (*shape[:-1], padded) and c.codes.dtype == cfg.fp8_dtype
+  assert c.alpha.shape == c.scale.shape == (*shape[:-1], padded // 32)
+  assert decompress(c, cfg, jnp.float32).shape == shape
+  w = codec.to_wire(x, cfg)
+  assert w.shape == (*shape[:-1], padded + 8 * padded // 32) and w.dtype == jnp.uint8
+  assert codec.from_wire(w, cfg, shape[-1], jnp.float32).shape == shape
+  if len(shape) > 1 and shape[0]:  # the sums take N >= 1 messages on axis 0
+    assert decompress_sum(c, cfg, jnp.float32).shape == shape[1:]
+    assert codec.sum_from_wire(w, cfg, shape[-1], jnp.float32).shape == shape[1:]
+  else:
+    with pytest.raises(ValueError, match="N >= 1 messages stacked on axis 0"):
+      decompress_sum(c, cfg)
+    with pytest.raises(ValueError, match="N >= 1 messages stacked on axis 0"):
+      codec.sum_from_wire(w, cfg, shape[-1])
+
+
+def test_compressed_records_its_encoding():
+  """The codes carry the settings they were encoded with (static pytree metadata, kept by
+  jit and tree maps); a config that would decode them differently is refused by name,
+  one that differs only in how the scales were chosen decodes the same bits."""
+  enc = CompressionConfig(group_size=64, implementation="xla")
+  x = jnp.asarray(_dist("gaussian", (3, 2, 192), 16), jnp.float32)
+  c = jax.jit(lambda x: compress(x, enc))(x)
+  assert (c.size, c.format, c.group_size, c.hadamard, c.dual_scale, c.lam) == (
+      192, "e4m3", 64, False, True, 1e-6)
+  out = decompress(c, enc, jnp.float32)
+  other = dataclasses.replace(enc, dual_scale=False, lam=0.5, implementation="pallas")
+  np.testing.assert_array_equal(decompress(c, other, jnp.float32), out)
+  for change, needle in ((dict(hadamard=True), "hadamard=False, but the config given "
+                                                "decodes with hadamard=True"),
+                         (dict(group_size=128), "group_size=64, but the config given decodes "
+                                                "with group_size=128"),
+                         (dict(format="e5m2"), "format='e4m3', but the config given decodes "
+                                               "with format='e5m2'")):
+    bad = dataclasses.replace(enc, **change)
+    with pytest.raises(ValueError, match=f"decompress: the codes were encoded with {needle}"):
+      decompress(c, bad)
+    with pytest.raises(ValueError, match=f"decompress_sum: the codes were encoded with "
+                                         f"{needle}"):
+      decompress_sum(c, bad)
+  with pytest.raises(ValueError, match=r"decompress: codes float8_e4m3fn\[3, 2, 192\], alpha "
+                                       r"\[3, 2, 2\] and scale \[3, 2, 3\] of size 192 are not "
+                                       r"e4m3 codes of groups of 64"):
+    decompress(dataclasses.replace(c, alpha=c.alpha[..., :2]), enc)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nonfinite_group_decodes_nonfinite(bad):
   cfg = CompressionConfig(group_size=32, implementation="xla")

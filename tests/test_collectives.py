@@ -145,6 +145,50 @@ def test_min_bytes_threshold_uses_plain_collective():
   np.testing.assert_array_equal(a, b)
 
 
+EMPTY_CASES = {
+    "all_gather": lambda x, c: tc.all_gather(x, "x", compression=c),
+    "all_gather_last": lambda x, c: tc.all_gather(x, "x", axis=-1, compression=c),
+    "reduce_scatter": lambda x, c: tc.reduce_scatter(x, "x", compression=c),
+    "reduce_scatter_last": lambda x, c: tc.reduce_scatter(x, "x", scatter_dimension=-1,
+                                                          compression=c),
+    "all_reduce_one_shot": lambda x, c: tc.all_reduce(x, "x", compression=c,
+                                                      algorithm="one_shot"),
+    "all_reduce_two_shot": lambda x, c: tc.all_reduce(x, "x", compression=c),
+    "ppermute": lambda x, c: tc.ppermute(x, "x", [(0, 1)], compression=c),
+}
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("shape", [(4, 0), (0, 128)])
+def test_empty_shard(shape, implementation):
+  """A compressed collective of an empty shard gives the empty result of the lax collective
+  (its shape, dtype and, under check_vma=True, varying axes). Shapes are compared through
+  eval_shape: XLA cannot lower a lax all-gather or reduce-scatter along an empty dimension,
+  which the compressed one (a gather on a new leading axis) never does."""
+  cfg = CompressionConfig(implementation=implementation)
+
+  def body(x, c):
+    ys = {k: f(x, c) for k, f in EMPTY_CASES.items()}
+    return ys, {k: jax.typeof(y).manual_axis_type.varying for k, y in ys.items()}
+
+  def run(c, lower):
+    types = {}
+
+    def f(x):
+      ys, types[c] = body(x, c)
+      return ys
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh_1d(2), in_specs=P(), out_specs=P("x")))
+    x = jnp.ones(shape, jnp.bfloat16)
+    return (g(x) if lower else jax.eval_shape(g, x)), types[c]
+
+  out, out_types = run(cfg, lower=True)
+  ref, ref_types = run(None, lower=False)
+  assert out_types == ref_types
+  for k in EMPTY_CASES:
+    assert (out[k].shape, out[k].dtype) == (ref[k].shape, ref[k].dtype) and out[k].size == 0, k
+
+
 def _shard_map_call(body, shape, n=4):
   f = jax.shard_map(body, mesh=mesh_1d(n), in_specs=P(), out_specs=P(), check_vma=False)
   return jax.jit(f)(jnp.ones(shape, jnp.float32))
@@ -161,6 +205,25 @@ def test_error_not_divisible(compression):
   with pytest.raises(ValueError, match=r"dimension 0 of shape \(6, 128\) has size 6.*"
                                        r"size 4 of mesh axis 'x'"):
     _shard_map_call(lambda x: tc.reduce_scatter(x, "x", compression=compression), (6, 128))
+
+
+@pytest.mark.parametrize("min_bytes", [0, 1 << 30])  # compressed / below the threshold
+def test_compressed_collective_rejects_integers_at_any_size(min_bytes):
+  """A codec takes floating-point input only: a compressed collective refuses integers
+  naming itself, also where the message is small enough to go plain (compression=None
+  sends them)."""
+  cfg = CompressionConfig(min_bytes=min_bytes)
+  for name, f in EMPTY_CASES.items():
+    x = jnp.ones((4, 128), jnp.int32)
+    g = jax.shard_map(lambda x: f(x, None), mesh=mesh_1d(2), in_specs=P(), out_specs=P("x"),
+                      check_vma=False)
+    assert jax.eval_shape(g, x).dtype == jnp.int32
+    g = jax.shard_map(lambda x: f(x, cfg), mesh=mesh_1d(2), in_specs=P(), out_specs=P("x"),
+                      check_vma=False)
+    collective = name.split("_last")[0].removesuffix("_one_shot").removesuffix("_two_shot")
+    with pytest.raises(TypeError, match=f"^{collective}: compression needs a floating-point "
+                                        "input, got dtype int32"):
+      jax.eval_shape(g, x)
 
 
 def test_error_bad_algorithm():

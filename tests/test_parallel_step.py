@@ -6,10 +6,12 @@ the meshes of INTERLEAVED, also with `interleave=2`).
 """
 import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -300,11 +302,62 @@ def test_interleave_errors():
   params = model_lib.abstract_params(CFG, mesh)
   tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
                                 sharding=step_lib.batch_sharding(mesh))
-  with pytest.raises(ValueError, match=r"parallel.interleave=3 does not divide the 8 "
-                     r"sequences of a micro-batch"):
+  with pytest.raises(ValueError, match=r"data.batch_size=16 is not divisible by parallel.dp \* "
+                     r"parallel.microbatches \* parallel.interleave = 1\*2\*3 = 6"):
     jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens)
   assert step_lib.compiler_options(spec.interleave) == step_lib.INTERLEAVE_XLA_OPTIONS
   assert step_lib.compiler_options(step_lib.ParallelSpec(CFG, 1, 1, 8).interleave) == {}
+
+
+def test_python_api_runs_the_config_checks():
+  """ParallelSpec checks the model and the layout when built, the step functions the mesh
+  they are given and the batch they are called with: the config path's checks
+  (`mesh.layout_errors`, `GPTConfig.errors`), before anything is traced or reshaped."""
+  heads4 = dataclasses.replace(CFG, n_heads=4)
+  with pytest.raises(ValueError, match=r"invalid parallel layout:\n  model.n_heads=4 \(attention "
+                     r"heads\) is not divisible by parallel.tp=8"):
+    step_lib.ParallelSpec(heads4, 1, 1, 8)
+  with pytest.raises(ValueError, match=r"model.d_model=130 is not divisible by model.n_heads=8"):
+    step_lib.ParallelSpec(dataclasses.replace(CFG, d_model=130), 1, 1, 2)
+  with pytest.raises(ValueError, match=r"model.n_layers=2 is not divisible by parallel.pp=4"):
+    step_lib.ParallelSpec(CFG, 2, 4, 1)
+  with pytest.raises(ValueError, match=r"parallel.save_tp_outputs=True keeps what model.remat"):
+    step_lib.ParallelSpec(CFG, 1, 1, 8, save_tp_outputs=True)
+
+  spec = step_lib.ParallelSpec(CFG, 1, 2, 4, MICRO)
+  tx = optax.sgd(0.1)
+  for make in (step_lib.loss_and_grads_fn, step_lib.make_eval_step,
+               lambda s, m: step_lib.make_train_step(s, m, tx)):
+    with pytest.raises(ValueError, match=r"the mesh \{'data': 1, 'pipeline': 1, 'tensor': 8\} "
+                       r"does not match the layout dp=1, pp=2, tp=4"):
+      make(spec, make_mesh(1, 1, 8))
+
+  mesh = make_mesh(1, 2, 4)
+  params = model_lib.abstract_params(CFG, mesh)
+  opt_state = jax.eval_shape(tx.init, params)
+  calls = {"loss_and_grads_fn": lambda t: step_lib.loss_and_grads_fn(spec, mesh)(params, t),
+           "make_eval_step": lambda t: step_lib.make_eval_step(spec, mesh)(params, t),
+           "make_train_step": lambda t: step_lib.make_train_step(spec, mesh, tx)(
+               params, opt_state, t)}
+  for shape, needle in (((BATCH, 31), r"data.seq_len=30 is not divisible by parallel.tp=4 "
+                                      r"\(sequence parallelism shards it\)"),
+                        ((BATCH, 65), r"data.seq_len=64 exceeds model.max_seq_len=32"),
+                        ((5, SEQ + 1), r"data.batch_size=5 is not divisible by parallel.dp \* "
+                                       r"parallel.microbatches = 1\*2 = 2")):
+    tokens = jax.ShapeDtypeStruct(shape, jnp.int32)
+    for name, call in calls.items():
+      with pytest.raises(ValueError, match=rf"tokens_BT1 of shape {re.escape(str(shape))}.*"
+                         rf"\n  {needle}"):
+        jax.eval_shape(call, tokens)
+
+
+def test_init_params_are_the_single_device_ones_to_rounding():
+  """What `model.init_params` promises: the single-device model's parameters to 1 ulp
+  (jitted vs op-by-op initialization)."""
+  ref = _parallel(model_lib.single_device_model(CFG, seed=3))
+  got = jax.device_get(model_lib.init_params(CFG, make_mesh(2, 2, 2), seed=3))
+  for (path, x), (_, r) in zip(_leaves(got), _leaves(ref), strict=True):
+    np.testing.assert_array_max_ulp(x.astype(np.float32), r.astype(np.float32), maxulp=1)
 
 
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():

@@ -63,3 +63,23 @@ def test_decode_sum_lowers_to_one_triton_kernel(n):
   stacked = [jax.ShapeDtypeStruct((n, 256) + a.shape[1:], a.dtype) for a in encoded]
   decode_sum = functools.partial(decode_sum_pallas, group_size=128)
   assert triton_calls(decode_sum, *stacked) == 1
+
+
+def test_kernels_lower_inside_shard_map_with_check_vma():
+  """Inside ``jax.shard_map(check_vma=True)`` every kernel's outputs vary over the manual
+  axes its inputs vary over (Pallas rejects outputs whose varying axes are unstated)."""
+  from jax.sharding import PartitionSpec as P
+
+  from taco_jax.testing import mesh_1d
+  kw = dict(group_size=128, hadamard=False)
+
+  def body(x_RD):
+    w_RW = encode_pallas(x_RD, packed=True, **kw)
+    codes, alpha, scale = encode_pallas(x_RD, **kw)
+    outs = (w_RW, codes, alpha, scale, decode_pallas(codes, alpha, scale, **kw),
+            pallas_kernels.decode_sum_wire(w_RW[None], implementation="pallas", **kw))
+    assert all(jax.typeof(o).manual_axis_type.varying == {"x"} for o in outs)
+    return outs[-2] + outs[-1]  # needs all four kernels
+
+  f = jax.shard_map(body, mesh=mesh_1d(2), in_specs=P("x"), out_specs=P("x"), check_vma=True)
+  assert triton_calls(f, jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)) == 4

@@ -20,30 +20,38 @@ DATA, PIPE, TENSOR = AXES
 
 
 def _model_sizes(m) -> dict:
-  """The model sizes that must split evenly (works for the GPT and the Qwen block)."""
-  qwen = m.get("block", "gpt") == "qwen"
-  n_kv = m.get("n_kv_heads", QwenConfig.n_kv_heads) if qwen else None  # default counts too
+  """The model sizes that must split evenly, from a model config (GPT or Qwen) or a config's
+  model section (where Qwen's n_kv_heads may be left at its default)."""
+  qwen = getattr(m, "block", "gpt") == "qwen"
+  n_kv = getattr(m, "n_kv_heads", QwenConfig.n_kv_heads) if qwen else None
   return dict(n_heads=m.n_heads, d_model=m.d_model, d_ff=m.d_ff, vocab_size=m.vocab_size,
               n_layers=m.n_layers, n_kv_heads=n_kv)
 
 
-def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
-                    ) -> list[str]:
-  """Every way `c.parallel` does not fit the model, the batch or the devices."""
-  p, m, d = c.parallel, c.model, c.data
-  mb, il = p.get("microbatches", 1), p.get("interleave", 1)
+def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_outputs=False,
+                  save_dots=False,
+                  batch_size: int | None = None, seq_len: int | None = None,
+                  n_devices: int | None = None, n_local_devices: int | None = None
+                  ) -> list[str]:
+  """Every way a (dp, pp, tp) layout does not fit the model, the batch and the devices.
+
+  ``model``: a model config (``GPTConfig`` / ``QwenConfig``) or a config's model section.
+  The batch (``batch_size`` sequences of ``seq_len`` tokens) and the devices are checked
+  when given. Messages name the config fields (``parallel.*``, ``model.*``, ``data.*``),
+  which ``ParallelSpec``'s fields and the model config's mirror: the config path
+  (``parallel_errors``) and the Python API (``taco_jax.parallel.step``) run these same checks.
+  """
+  mb, il = microbatches, interleave
   errs = []
-  for n, v in (("dp", p.dp), ("pp", p.pp), ("tp", p.tp), ("microbatches", mb),
-               ("interleave", il)):
+  for n, v in (("dp", dp), ("pp", pp), ("tp", tp), ("microbatches", mb), ("interleave", il)):
     if not (isinstance(v, int) and v > 0):
       errs.append(f"parallel.{n}={v!r} must be a positive integer")
   if errs:
     return errs
-  for name in ("save_tp_outputs", "save_dots"):
-    if p.get(name, False) and not m.get("remat", False):
+  for name, on in (("save_tp_outputs", save_tp_outputs), ("save_dots", save_dots)):
+    if on and not getattr(model, "remat", False):
       errs.append(f"parallel.{name}=True keeps what model.remat would recompute, but "
                   f"model.remat is off; set model.remat=True or leave {name} off")
-  dp, pp, tp = p.dp, p.pp, p.tp
   if n_devices is not None and dp * pp * tp != n_devices:
     errs.append(f"parallel.dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} but there are "
                 f"{n_devices} devices; choose dp, pp, tp whose product is {n_devices}")
@@ -51,29 +59,42 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
       and n_local_devices % tp:
     errs.append(f"parallel.tp={tp} does not divide the {n_local_devices} devices of one host; "
                 "a tensor group must stay inside a host: pick tp dividing it")
-  s = _model_sizes(m)
+  s = _model_sizes(model)
   for name, what in (("n_heads", "attention heads"), ("d_model", "hidden width"),
                      ("d_ff", "MLP width"), ("vocab_size", "vocabulary (vocab-parallel "
                                              "embedding)"), ("n_kv_heads", "KV heads")):
     if s[name] is not None and s[name] % tp:
       errs.append(f"model.{name}={s[name]} ({what}) is not divisible by parallel.tp={tp}; "
                   f"pick tp dividing it or change model.{name}")
-  if d.seq_len % tp:
-    errs.append(f"data.seq_len={d.seq_len} is not divisible by parallel.tp={tp} (sequence "
-                f"parallelism shards it); use a multiple of {tp}")
   if s["n_layers"] % pp:
     errs.append(f"model.n_layers={s['n_layers']} is not divisible by parallel.pp={pp} "
                 "(pipeline stages hold equal numbers of layers); change pp or n_layers")
-  if d.batch_size % (dp * mb):
-    errs.append(f"data.batch_size={d.batch_size} is not divisible by parallel.dp * "
+  if seq_len is not None and seq_len % tp:
+    errs.append(f"data.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence "
+                f"parallelism shards it); use a multiple of {tp}")
+  if batch_size is None:
+    return errs
+  if batch_size % (dp * mb):
+    errs.append(f"data.batch_size={batch_size} is not divisible by parallel.dp * "
                 f"parallel.microbatches = {dp}*{mb} = {dp * mb}; use a batch size that is a "
                 f"multiple of {dp * mb}")
-  elif d.batch_size % (dp * mb * il):
-    errs.append(f"data.batch_size={d.batch_size} is not divisible by parallel.dp * "
+  elif batch_size % (dp * mb * il):
+    errs.append(f"data.batch_size={batch_size} is not divisible by parallel.dp * "
                 f"parallel.microbatches * parallel.interleave = {dp}*{mb}*{il} = "
                 f"{dp * mb * il} (each micro-batch splits into {il} sub-batches); use a "
                 f"multiple of {dp * mb * il} or a smaller parallel.interleave")
   return errs
+
+
+def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
+                    ) -> list[str]:
+  """Every way `c.parallel` does not fit the model, the batch or the devices."""
+  p = c.parallel
+  return layout_errors(c.model, dp=p.dp, pp=p.pp, tp=p.tp,
+                       microbatches=p.get("microbatches", 1), interleave=p.get("interleave", 1),
+                       save_tp_outputs=p.get("save_tp_outputs", False),
+                       save_dots=p.get("save_dots", False), batch_size=c.data.batch_size, seq_len=c.data.seq_len,
+                       n_devices=n_devices, n_local_devices=n_local_devices)
 
 
 def validate_parallel(c, n_devices: int | None = None) -> None:

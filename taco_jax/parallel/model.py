@@ -102,7 +102,12 @@ def shardings(cfg, mesh) -> dict:
 
 
 def init_params(cfg, mesh, seed: int = 0) -> dict:
-  """Parameters of `single_device_model(cfg, seed)`, created directly in the parallel layout."""
+  """Parameters of `single_device_model(cfg, seed)`, created directly in the parallel layout
+  (one jitted initialization, nothing gathered on one device).
+
+  The same bits on every mesh; equal to `single_device_model(cfg, seed)`'s to rounding: that
+  one initializes op by op, and XLA rounds the jitted initializer's scalings differently
+  for some parameters (by at most 1 ulp, tests/test_parallel_step.py)."""
   def init():
     m = single_device_model(cfg, seed)
     return to_parallel(nnx.state(m, nnx.Param).to_pure_dict())

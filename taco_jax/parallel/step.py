@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import collectives, mappings, quality
 from taco_jax.parallel import layers, model as model_lib, pipeline
 from taco_jax.parallel.compression import CompressionPlan
-from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
+from taco_jax.parallel.mesh import DATA, PIPE, TENSOR, layout_errors
 
 _BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
@@ -51,7 +51,12 @@ INTERLEAVE_XLA_OPTIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSpec:
-  """Everything static about one parallel layout of one model."""
+  """Everything static about one parallel layout of one model.
+
+  Checked when built, as a config is (`taco_jax.parallel.train.validate`): the model config
+  (`GPTConfig.errors`) and the layout against it (`mesh.layout_errors`); the functions
+  below check the mesh they are given, and the batch when they are called.
+  """
   cfg: object                        # GPTConfig | QwenConfig
   dp: int                            # mesh axis "data"
   pp: int                            # mesh axis "pipeline"
@@ -70,14 +75,48 @@ class ParallelSpec:
   save_dots: bool = False
 
   def __post_init__(self):
-    if not (isinstance(self.interleave, int) and self.interleave >= 1):
-      raise ValueError(f"parallel.interleave={self.interleave!r} must be a positive integer "
-                       "(1 = no interleaving)")
+    _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors())
+
+  def layout_errors(self, tokens_BT1=None) -> list[str]:
+    """`mesh.layout_errors` of this layout; with `tokens_BT1` ([batch, seq_len + 1] token
+    ids, the global batch), also of the batch."""
+    batch = {}
+    if tokens_BT1 is not None:
+      batch = dict(batch_size=tokens_BT1.shape[0], seq_len=tokens_BT1.shape[1] - 1)
+    return layout_errors(self.cfg, dp=self.dp, pp=self.pp, tp=self.tp,
+                         microbatches=self.microbatches, interleave=self.interleave,
+                         save_tp_outputs=self.save_tp_outputs,
+                         save_dots=self.save_dots, **batch)
 
   @property
   def ctx(self) -> layers.TPContext:
     return layers.TPContext(tp=self.tp, dtype=self.cfg.compute_dtype,
                             plan=self.plan, overlap=self.overlap)
+
+
+def _raise(what: str, errs: list[str]) -> None:
+  if errs:
+    raise ValueError(f"{what}:\n  " + "\n  ".join(errs))
+
+
+def _check_mesh(spec: ParallelSpec, mesh) -> None:
+  """The mesh must have the layout's axes and sizes (`mesh.make_mesh(dp, pp, tp)`)."""
+  want = {DATA: spec.dp, PIPE: spec.pp, TENSOR: spec.tp}
+  if dict(mesh.shape) != want:
+    raise ValueError(f"the mesh {dict(mesh.shape)} does not match the layout "
+                     f"dp={spec.dp}, pp={spec.pp}, tp={spec.tp}: build it with "
+                     f"taco_jax.parallel.mesh.make_mesh({spec.dp}, {spec.pp}, {spec.tp})")
+
+
+def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
+  """The global batch ([batch, seq_len + 1] token ids) must split over the layout."""
+  if tokens_BT1.ndim != 2 or tokens_BT1.shape[1] < 2:
+    raise ValueError(f"tokens_BT1 must be [batch, seq_len + 1] token ids with seq_len >= 1, "
+                     f"got shape {tuple(tokens_BT1.shape)}")
+  t = tokens_BT1.shape[1] - 1
+  _raise(f"tokens_BT1 of shape {tuple(tokens_BT1.shape)} (batch_size={tokens_BT1.shape[0]}, "
+         f"seq_len={t}) do not fit the layout",
+         spec.cfg.errors(t) + spec.layout_errors(tokens_BT1))
 
 
 def compiler_options(interleave: int) -> dict:
@@ -125,10 +164,6 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
   block_gd, _ = model_lib.block_template(cfg, ctx)
   norm_gd, _ = model_lib.norm_template(cfg)
   b, t1 = tokens_BT1.shape
-  if (b // m) % k:
-    raise ValueError(f"parallel.interleave={k} does not divide the {b // m} sequences of a "
-                     f"micro-batch ({b} per data rank / {m} micro-batches); pick a batch size "
-                     f"that is a multiple of dp * microbatches * interleave")
   inputs = tokens_BT1[:, :-1].reshape(m, b // m, t1 - 1)
   targets = tokens_BT1[:, 1:].reshape(m, b // m, t1 - 1)
 
@@ -204,6 +239,7 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   """(params, tokens_BT1) -> (loss, grads, metrics): metrics are the compression errors
   (empty unless `spec.plan.log_errors`); `capture` (a `quality.Capture`) records what each
   compressed collective sends instead."""
+  _check_mesh(spec, mesh)
   specs = model_lib.param_specs(spec.cfg)
   if spec.overlap and spec.tp > 1 and (spec.plan.log_errors or capture is not None):
     raise ValueError("parallel.overlap: the ring collective matmuls do not report their "
@@ -230,6 +266,7 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
                     check_vma=False)
 
   def loss_and_grads(params, tokens_BT1):
+    _check_batch(spec, tokens_BT1)
     loss_DP, grads, *stats = f(params, tokens_BT1)
     metrics = quality.family_metrics(stats[0], logged_families(spec)) if log else {}
     # the last stage's loss, mean over data
@@ -265,6 +302,7 @@ def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, 
 
 def make_eval_step(spec: ParallelSpec, mesh) -> Callable:
   """(params, tokens_BT1) -> mean loss (no gradients; same layout and collectives)."""
+  _check_mesh(spec, mesh)
   specs = model_lib.param_specs(spec.cfg)
 
   def local(params, tokens_BT1):
@@ -272,7 +310,12 @@ def make_eval_step(spec: ParallelSpec, mesh) -> Callable:
 
   f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
                     out_specs=P(DATA, PIPE), check_vma=False)
-  return lambda params, tokens: jnp.mean(jnp.sum(f(params, tokens), axis=1))
+
+  def eval_step(params, tokens_BT1):
+    _check_batch(spec, tokens_BT1)
+    return jnp.mean(jnp.sum(f(params, tokens_BT1), axis=1))
+
+  return eval_step
 
 
 def batch_sharding(mesh):

@@ -13,33 +13,27 @@ import pathlib
 
 import ml_collections
 
-from models.gpt import DTYPES
 from models.qwen import model_config
 
 
-def _checks(c) -> list[str]:
-  m, d, o, t = c.model, c.data, c.optim, c.train
+def _checks(c, mcfg) -> list[str]:
+  """The model section's checks are the model config's own (`GPTConfig.errors`)."""
+  d, o, t = c.data, c.optim, c.train
   errs = []
 
   def need(ok, msg):
     if not ok:
       errs.append(msg)
 
-  for sec, names in (('model', ('vocab_size', 'n_layers', 'd_model', 'n_heads', 'd_ff',
-                                'max_seq_len')),
-                     ('data', ('seq_len', 'batch_size', 'max_corpus_bytes')),
+  for sec, names in (('data', ('seq_len', 'batch_size', 'max_corpus_bytes')),
                      ('train', ('steps', 'log_every', 'eval_batches')),
                      ('parallel', ('dp', 'pp', 'tp'))):
     for n in names:
       v = c[sec][n]
       need(isinstance(v, int) and v > 0, f'{sec}.{n}={v!r} must be a positive integer')
-  if errs:
-    return errs
-  need(m.d_model % m.n_heads == 0, f'model.d_model={m.d_model} is not divisible by '
-       f'model.n_heads={m.n_heads}; pick d_model a multiple of n_heads')
-  need(m.dtype in DTYPES, f'model.dtype={m.dtype!r} is unknown; use one of {sorted(DTYPES)}')
-  need(d.seq_len <= m.max_seq_len, f'data.seq_len={d.seq_len} exceeds model.max_seq_len='
-       f'{m.max_seq_len}; lower data.seq_len or raise model.max_seq_len')
+  if errs:  # the checks below compare these
+    return mcfg.errors() + errs
+  errs.extend(mcfg.errors(d.seq_len))
   need(0 < d.val_fraction < 1, f'data.val_fraction={d.val_fraction} must be in (0, 1)')
   need(d.bin_dtype in ('uint8', 'uint16'), f'data.bin_dtype={d.bin_dtype!r}: use uint8|uint16')
   need(math.isfinite(o.lr) and o.lr > 0, f'optim.lr={o.lr} must be a positive number')
@@ -67,7 +61,7 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
     mcfg = model_config(c.model)
   except (TypeError, ValueError) as e:
     raise ValueError(f'bad model section: {e}') from e
-  errs = _checks(c)
+  errs = _checks(c, mcfg)
   if not errs:
     try:  # e.g. model.attention=cudnn where cuDNN cannot run it
       mcfg.attention_backend(c.data.seq_len)
