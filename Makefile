@@ -22,6 +22,9 @@ $(PY):
 install: $(PY)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e ".[test]"
+	@# Mosaic GPU's compiler bindings (no CUDA runtime): the tests lower the collective-matmul
+	@# kernels for sm_90 on a machine without a GPU (tests/test_collective_matmul.py)
+	$(PY) -m pip install -q --no-deps jax-cuda13-plugin==0.11.2
 
 train: install
 	$(PY) -m taco_jax.train --config=$(CONFIG) $(ARGS)

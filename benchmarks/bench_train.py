@@ -13,7 +13,8 @@ parameters on the same batches, their steps interleaved (the order rotates every
           (`noop_tensor_collectives`), which `mappings` / `layers` / `step` call by module
           attribute, only around `.lower()`; nothing else is changed.
   ring_off, ring_on  off / on with the TP layers as ring collective matmuls
-          (`parallel.overlap`: each chunk's transfer in flight during another's matmul)
+          (`parallel.tp_overlap="ring"`: each chunk's transfer in flight during another's
+          matmul)
   gspmd   the same model under plain `jax.jit` with Megatron NamedSharding annotations
           (`taco_jax.parallel.gspmd`) on a (dp * pp, tp) ("data", "tensor") mesh (no
           pipeline: for a pp > 1 layout this is the GSPMD run on the same devices with the
@@ -23,6 +24,9 @@ parameters on the same batches, their steps interleaved (the order rotates every
 
 Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_pgle`):
 
+  _cm     (off / on only) the TP layers as fused collective-matmul kernels
+          (`parallel.tp_overlap="kernel"`, `taco_jax.parallel.fused`): the transfers run
+          inside the matmul kernels, plain (`off_cm`) or FP8-compressed (`on_cm`)
   _il2    each micro-batch split into 2 sub-batches whose blocks run side by side
           (`parallel.interleave=2`: one's TP collectives can overlap the other's matmuls),
           compiled with `step.INTERLEAVE_XLA_OPTIONS` (DotMerger and the all-gather /
@@ -86,7 +90,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("il2", "save", "dots", "noremat", "pgle")  # in this order: off_il2_save_dots_pgle
+MODIFIERS = ("cm", "il2", "save", "dots", "noremat", "pgle")  # in this order: off_cm_save_pgle
 GSPMD_MODIFIERS = ("noremat", "pgle")
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 PGLE_RUNS = 2  # profiled steps per *_pgle variant (after one warm-up step)
@@ -102,6 +106,7 @@ class Variant:
   save_dots: bool = False       # _dots: parallel.save_dots (with remat)
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
+  kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -110,6 +115,10 @@ class Variant:
   @property
   def compressed(self) -> bool:
     return self.base.removeprefix("ring_") == "on"
+
+  @property
+  def tp_overlap(self) -> str:
+    return "kernel" if self.kernels else "ring" if self.base.startswith("ring_") else "none"
 
 
 def parse_variant(name: str) -> Variant:
@@ -121,14 +130,15 @@ def parse_variant(name: str) -> Variant:
   order = [MODIFIERS.index(m) if m in MODIFIERS else -1 for m in mods]
   if base is None or -1 in order or order != sorted(set(order)) or (
       base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
-      "noremat" in mods and set(mods) & set(REMAT_SAVES)):
+      "noremat" in mods and set(mods) & set(REMAT_SAVES)) or (
+      "cm" in mods and base not in ("off", "on")):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)})")
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
-                 remat="noremat" not in mods, pgle="pgle" in mods)
+                 remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods)
 
 
 def parse_args(argv=None):
@@ -272,7 +282,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   else:
     plan = compression_plan(args, link=args.link) if variant.compressed else CompressionPlan()
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
-                                          overlap=variant.base.startswith("ring_"),
+                                          tp_overlap=variant.tp_overlap,
                                           interleave=variant.interleave,
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots)
@@ -373,6 +383,12 @@ def summarize(rows) -> list[dict]:
         s[f"speedup_on_vs_off{mods}"] = t[v.name] / t[on]
         if exposed:
           s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
+      # a kernel variant against the collectives-between-matmuls pair of its other modifiers
+      off, ideal = f"off{mods.removeprefix('_cm')}", f"ideal{mods.removeprefix('_cm')}"
+      if v.kernels and off in t and ideal in t and t[off] > t[ideal]:
+        s[f"recovered_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
+      if v.kernels and "gspmd" in t:
+        s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
     offs = [v.name for v in ours if v.base in ("off", "ring_off")]
     ons = [v.name for v in ours if v.compressed]
     if len(offs) > 1 or len(ons) > 1:  # a choice of programs: what a user would pick

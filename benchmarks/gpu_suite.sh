@@ -24,6 +24,9 @@
 #   bash benchmarks/gpu_suite.sh baseline            # issue 19, 2xH200, TP=2: cuDNN attention,
 #                                                    # remat policies and no remat (<= 9 min)
 #   bash benchmarks/gpu_suite.sh baseline_dp2        # ... DP=2, TP=1 (<= 6 min)
+#   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~2 min)
+#   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -41,6 +44,17 @@ out=${OUT:-/tmp/taco_out}; mkdir -p "$out"
 sizes=${SIZES:-1,4,16,64,256}
 for job in "$@"; do
   case $job in
+    cm_train)  # issue 15: TP=2 (2xH200), the kernel layers beside the collectives and GSPMD
+      timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts 1,1,2 \
+        --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
+        --out-dir "$out" ;;
+    cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
+      timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
+        --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
+        --out-dir "$out" ;;
+    collective_matmul)
+      BENCH_WATCHDOG_S=420 timeout 450 python3 -m benchmarks.bench_collective_matmul \
+        --tilings "${TILINGS:-default}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

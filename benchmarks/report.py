@@ -334,7 +334,7 @@ BENCH_TRAIN_WORDS = (
     "the attention that ran (`model.attention`: cuDNN flash attention or XLA's). "
     "`ideal` = the step with every TP collective replaced by a local stand-in of the "
     "same shape (free communication); `ring` = the TP layers as ring collective "
-    "matmuls (`parallel.overlap`){il2}; `comm share` = (off - ideal) / off; `recovered` "
+    "matmuls (`parallel.tp_overlap=\"ring\"`){il2}; `comm share` = (off - ideal) / off; `recovered` "
     "= (off - on) / (off - ideal); `GSPMD / off` > 1 means our bf16 step is faster "
     "than plain `jax.jit` + sharding annotations (with XLA's overlap flags, and the "
     "layer recomputed as in `recompute`; for a pp > 1 layout GSPMD runs the same "

@@ -129,7 +129,7 @@ def build_step(layout, args, cfg, tx, plan, **spec_fields):
   """Our sharded train step for one (dp, pp, tp) layout and codec plan, not yet compiled:
   (jitted step, (params, opt_state), tokens -> global batch, mesh). Parameters come from
   seed 0, so every variant of a layout starts from the same ones. `spec_fields`: further
-  `ParallelSpec` fields (overlap, interleave). Shared with bench_train."""
+  `ParallelSpec` fields (tp_overlap, interleave). Shared with bench_train."""
   import jax
   from taco_jax.parallel import model as model_lib, step as step_lib
   from taco_jax.parallel.mesh import make_mesh

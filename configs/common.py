@@ -59,8 +59,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.dp = 1                       # data-parallel degree (mesh axis "data")
   p.pp = 1                       # pipeline-parallel degree (mesh axis "pipeline")
   p.tp = 1                       # tensor-parallel degree (mesh axis "tensor")
-  p.overlap = False              # TP layers as ring collective matmuls: each chunk's transfer
-  #                                overlaps a matmul (taco_jax.parallel.overlap)
+  p.tp_overlap = "none"           # how TP layers communicate: "none" (collectives between the
+  #                                matmuls), "ring" (ring collective matmuls,
+  #                                taco_jax.parallel.overlap) or "kernel" (fused collective-
+  #                                matmul kernels on Hopper GPUs, taco_jax.parallel.fused)
   p.interleave = 1               # sub-batches per micro-batch whose blocks run side by side, so
   #                                one's TP collectives can overlap another's matmuls; 1 = off
   p.save_tp_outputs = False      # with model.remat: keep the TP collectives' outputs, so the

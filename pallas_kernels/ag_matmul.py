@@ -168,10 +168,14 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     sent = take(n_arrays) if local else None
     if not local:
       src = xg
+    if not local and n > 1:  # one rank alone has no peers (and no symmetric memory)
       sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
     r = lax.axis_index(axis_name) if rank is None else rank
     prev = lax.rem(r + n - 1, n)
-    peer = sent if local else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
+    if local or n == 1:
+      peer = sent
+    else:
+      peer = [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(mine[0], w_ref),
                        collective_axes=gemm.WG)

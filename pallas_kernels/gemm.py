@@ -79,6 +79,8 @@ class Tiling:
         return f"{what} {size} is not a multiple of the tile {tile}"
     if k < 2 * self.tile_k:
       return f"contraction {k} is shorter than two pipeline steps of {self.tile_k}"
+    if self.epi_m % 64:  # a warpgroup's accumulator rows come in blocks of 64
+      return f"epilogue rows {self.epi_m} are not a multiple of 64"
     if self.tile_m % self.epi_m or self.tile_n % self.epi_n:
       return f"epilogue tile {self.epi_m}x{self.epi_n} does not divide {self.tile_m}x{self.tile_n}"
     return None

@@ -62,6 +62,11 @@ def matmul_reduce_scatter_reference(y_BTF, w_FD, axis_name, *, fp8=None, out_dty
   return total.astype(out_dtype).reshape(b, t // n, d)
 
 
+# the epilogue's staging and receive buffers leave shared memory for 3 pipeline stages
+TILING = gemm.Tiling(stages=3)
+FP8_TILING = gemm.Tiling(stages=3, epi_n=32)  # G = tile_n = 128; the codes' buffers too
+
+
 def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None):
   """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
   tiles (and, for the FP8 kernel, groups of ``group_size``), or None when it can."""
@@ -141,7 +146,8 @@ class _Epilogues:
         for p in range(n):  # rank order, as the reference sums
           codes = self._load(received[0].at[p, rows, pl.ds(col, t.tile_n)], wg, "in_codes")
           mult = self._load(received[1].at[p, pl.ds(col // t.tile_n, 1), rows], wg, "in_mult")
-          total = total + jnp.where(r == p, own, decode_tile(codes[...], mult[0], jnp.float32))
+          is_own = jnp.broadcast_to(r == p, own.shape)  # select_n takes no scalar predicate
+          total = total + jnp.where(is_own, own, decode_tile(codes[...], mult[0], jnp.float32))
       for j in range(cols):
         sub = pl.ds(col + j * t.epi_n, t.epi_n)
         if self.fp8:
@@ -203,6 +209,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     sent = take(n_slots) if local else None
     if not local:
       inbox = slots
+    if not local and n > 1:  # one rank alone has no peers (and no symmetric memory)
       sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
     r = lax.axis_index(axis_name) if rank is None else rank
     epi = epilogues(scratch=scratch)
@@ -217,7 +224,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       for step in range(1, n + 1):
         c = lax.rem(r + step, n)
         own = step == n
-        if own and not local:  # every peer's partials of this rank's chunk have landed
+        if own and not local and n > 1:  # every peer's partials of this rank's chunk have landed
           pl.semaphore_wait(sem, value=(n - 1) * signals, decrement=False)
 
         def epilogue(m_idx, n_idx, wg, acc, c=c, own=own):
@@ -251,7 +258,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   return kernel(y_RF, w_FD, *(received if local else ()))
 
 
-def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling = gemm.Tiling(),
+def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, rank=None, n=None,
                           received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
@@ -262,6 +269,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling = gemm.
   ``slot_shapes``); it returns ``(out, sent)``, the partials sent in slot c for rank c."""
   if rank is None:
     n = lax.axis_size(axis_name)
+  tiling = tiling or (TILING if fp8 is None else FP8_TILING)
   reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"])
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")

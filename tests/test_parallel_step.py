@@ -178,7 +178,7 @@ def test_model_attention_reaches_the_blocks_of_both_parallel_steps():
 
 @pytest.mark.parametrize("layout", [(2, 1, 4), (1, 2, 4)], ids=lambda m: "dp%d-pp%d-tp%d" % m)
 def test_overlap_matches_single_device(layout, reference):
-  """`parallel.overlap` (ring collective matmuls) computes the same loss and gradients:
+  """`parallel.tp_overlap="ring"` (ring collective matmuls) computes the same loss and gradients:
   exactly to fp32 roundoff uncompressed, within the FP8 bound compressed (the ring's
   reduce-scatter rounds n - 1 running sums: sqrt(n - 1) times one message's bound)."""
   ref_params, ref_loss, ref_grads = reference
@@ -187,7 +187,7 @@ def test_overlap_matches_single_device(layout, reference):
   params = model_lib.shard_params(CFG, ref_params, mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   for plan in (CompressionPlan(), ON):
-    spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan, overlap=True)
+    spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan, tp_overlap="ring")
     exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
         compiler_options=FAST_COMPILE)
     loss, grads = exe(params, tokens)
@@ -203,6 +203,26 @@ def test_overlap_matches_single_device(layout, reference):
         assert rel <= eps * (2 + (2 if dp > 1 else 0)), (path, rel)
       else:
         assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 8), (2, 1, 4), (2, 2, 2)],
+                         ids=lambda m: "dp%d-pp%d-tp%d" % m)
+def test_kernel_layers_match_single_device(layout, reference):
+  """`parallel.tp_overlap="kernel"`: the layers' custom VJPs (`taco_jax.parallel.fused`, on
+  CPU their XLA path) give the single-device loss and gradients, uncompressed."""
+  ref_params, ref_loss, ref_grads = reference
+  dp, pp, tp = layout
+  mesh = make_mesh(dp, pp, tp)
+  params = model_lib.shard_params(CFG, ref_params, mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, tp_overlap="kernel")
+  fn = step_lib.loss_and_grads_fn(spec, mesh)
+  assert "custom_vjp_call" in str(jax.make_jaxpr(fn)(params, tokens))
+  loss, grads = jax.jit(fn).lower(params, tokens).compile(compiler_options=FAST_COMPILE)(
+      params, tokens)
+  np.testing.assert_allclose(float(loss), ref_loss, rtol=F32_TOL)
+  for (path, g), (_, r) in zip(_leaves(jax.device_get(grads)), _leaves(ref_grads), strict=True):
+    assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
 
 
 def test_site_overrides_reach_every_collective(reference):

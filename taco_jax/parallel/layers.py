@@ -8,9 +8,14 @@ mesh axis "tensor"). Every byte that crosses devices goes through `taco_jax.mapp
   RowParallelLinear     y_BTF/tp @ w[shard, :] --reduce_scatter_to_sp--> x_BSD + b
                         (forward: reduce-scatter over sequence; backward: all-gather)
   vocab_parallel_embed  masked lookup in the local V/tp rows --reduce_scatter_to_sp--> h_BSD
-  vocab_parallel_xent   h_BSD --gather_from_sp--> local logits_BTV/tp (with overlap: one
+  vocab_parallel_xent   h_BSD --gather_from_sp--> local logits_BTV/tp (with the ring: one
                         ring gather_matmul, like the column layers); max / sum-exp /
                         target logit reduced over "tensor" (fp32, uncompressed, tiny)
+
+`TPContext.overlap` (``parallel.tp_overlap``) picks how the column / row layers
+communicate: ``"none"``, the regions above; ``"ring"``, ring collective matmuls
+(`taco_jax.parallel.overlap`); ``"kernel"``, fused collective-matmul kernels
+(`taco_jax.parallel.fused`; the head keeps its region there).
 
 The factory (`TensorParallelFactory`) keeps the `models.layers.LinearFactory` contract, so
 the single-device `Block` runs unchanged on local heads. Each layer records how its
@@ -23,14 +28,17 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from models.layers import normal_init
 from taco_jax import collectives, mappings
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import overlap
+from taco_jax.parallel import fused, overlap
 from taco_jax.parallel.compression import CompressionPlan
-from taco_jax.parallel.mesh import TENSOR
+from taco_jax.parallel.mesh import TENSOR, TP_OVERLAP
+from taco_jax.mappings import TP_OUTPUT
 from taco_jax.parallel.overlap import SEQ  # the sequence axis of [B, T, D] activations
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +47,11 @@ class TPContext:
   tp: int                                    # size of mesh axis "tensor"
   dtype: object = jnp.bfloat16               # compute dtype of the matmuls
   plan: CompressionPlan = CompressionPlan()  # codec per collective (default: all plain)
-  overlap: bool = False                      # column/row layers as ring collective matmuls
-  #                                            (taco_jax.parallel.overlap)
+  overlap: str = "none"                      # parallel.tp_overlap: none | ring | kernel
+
+  def __post_init__(self):
+    if self.overlap not in TP_OVERLAP:
+      raise ValueError(f"parallel.tp_overlap={self.overlap!r}: choose one of {TP_OVERLAP}")
 
   def codecs(self, region: str) -> tuple[CompressionConfig | None, CompressionConfig | None]:
     """(forward, backward) codecs of a `taco_jax.mappings` region, e.g. "gather_from_sp"."""
@@ -85,11 +96,15 @@ class ColumnParallelLinear(nnx.Module):
 
   def __call__(self, x_BSD: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
-    if ctx.overlap and ctx.tp > 1:
-      y = overlap.gather_matmul(x_BSD.astype(ctx.dtype), w, TENSOR,
-                                *ctx.codecs("gather_from_sp"))
+    x_BSD = x_BSD.astype(ctx.dtype)
+    if ctx.overlap == "ring" and ctx.tp > 1:
+      y = overlap.gather_matmul(x_BSD, w, TENSOR, *ctx.codecs("gather_from_sp"))
+    elif ctx.overlap == "kernel" and ctx.tp > 1:
+      # named: with parallel.save_tp_outputs the recomputation must not run the kernel again
+      y = checkpoint_name(fused.gather_matmul(x_BSD, w, TENSOR, *ctx.codecs("gather_from_sp")),
+                          TP_OUTPUT)
     else:
-      y = jnp.einsum("...i,io->...o", gather_seq(x_BSD.astype(ctx.dtype), ctx), w)
+      y = jnp.einsum("...i,io->...o", gather_seq(x_BSD, ctx), w)
     return y + self.bias[...].astype(ctx.dtype)
 
 
@@ -106,11 +121,15 @@ class RowParallelLinear(nnx.Module):
 
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
-    if ctx.overlap and ctx.tp > 1:
-      x_BSD = overlap.matmul_scatter(y_BTF.astype(ctx.dtype), w, TENSOR,
-                                      *ctx.codecs("reduce_scatter_to_sp"))
+    y_BTF = y_BTF.astype(ctx.dtype)
+    if ctx.overlap == "ring" and ctx.tp > 1:
+      x_BSD = overlap.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp"))
+    elif ctx.overlap == "kernel" and ctx.tp > 1:
+      x_BSD = checkpoint_name(
+          fused.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp")),
+          TP_OUTPUT)
     else:
-      x_BSD = scatter_seq(jnp.einsum("...i,io->...o", y_BTF.astype(ctx.dtype), w), ctx)
+      x_BSD = scatter_seq(jnp.einsum("...i,io->...o", y_BTF, w), ctx)
     return x_BSD + self.bias[...].astype(ctx.dtype)
 
 
@@ -147,7 +166,7 @@ def _sum_tp(x, ctx: TPContext):
 def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array,
                         ctx: TPContext) -> jax.Array:
   """Per-token cross-entropy (fp32) of the tied head h @ w.T, never gathering full logits."""
-  if ctx.overlap and ctx.tp > 1:
+  if ctx.overlap == "ring" and ctx.tp > 1:
     logits_BTV = overlap.gather_matmul(h_BSD.astype(ctx.dtype), w_VD.astype(ctx.dtype).T,
                                        TENSOR, *ctx.codecs("gather_from_sp"), jnp.float32)
   else:

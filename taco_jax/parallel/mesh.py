@@ -16,6 +16,7 @@ import numpy as np
 from models.qwen import QwenConfig
 
 AXES = ("data", "pipeline", "tensor")
+TP_OVERLAP = ("none", "ring", "kernel")  # parallel.tp_overlap
 DATA, PIPE, TENSOR = AXES
 
 
@@ -29,7 +30,7 @@ def _model_sizes(m) -> dict:
 
 
 def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_outputs=False,
-                  save_dots=False,
+                  save_dots=False, tp_overlap="none",
                   batch_size: int | None = None, seq_len: int | None = None,
                   n_devices: int | None = None, n_local_devices: int | None = None
                   ) -> list[str]:
@@ -48,6 +49,8 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
       errs.append(f"parallel.{n}={v!r} must be a positive integer")
   if errs:
     return errs
+  if tp_overlap not in TP_OVERLAP:
+    errs.append(f"parallel.tp_overlap={tp_overlap!r} must be one of {TP_OVERLAP}")
   for name, on in (("save_tp_outputs", save_tp_outputs), ("save_dots", save_dots)):
     if on and not getattr(model, "remat", False):
       errs.append(f"parallel.{name}=True keeps what model.remat would recompute, but "
@@ -90,11 +93,22 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
                     ) -> list[str]:
   """Every way `c.parallel` does not fit the model, the batch or the devices."""
   p = c.parallel
-  return layout_errors(c.model, dp=p.dp, pp=p.pp, tp=p.tp,
-                       microbatches=p.get("microbatches", 1), interleave=p.get("interleave", 1),
-                       save_tp_outputs=p.get("save_tp_outputs", False),
-                       save_dots=p.get("save_dots", False), batch_size=c.data.batch_size, seq_len=c.data.seq_len,
-                       n_devices=n_devices, n_local_devices=n_local_devices)
+  if "overlap" in p:
+    return [f"parallel.overlap={p.overlap!r} was replaced by parallel.tp_overlap: use "
+            "tp_overlap='ring' for the ring collective matmuls (overlap=True), 'none' (False), "
+            "or 'kernel' for the fused collective-matmul kernels"]
+  errs = []
+  overlap = p.get("tp_overlap", "none")
+  if overlap != "none" and p.tp > 1 and c.get("compression", {}).get("log_errors", False):
+    errs.append(f"parallel.tp_overlap={overlap!r}: the collective matmuls do not report "
+                "their messages; set it to 'none' to log compression errors "
+                "(compression.log_errors)")
+  return errs + layout_errors(
+      c.model, dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=overlap,
+      microbatches=p.get("microbatches", 1), interleave=p.get("interleave", 1),
+      save_tp_outputs=p.get("save_tp_outputs", False), save_dots=p.get("save_dots", False),
+      batch_size=c.data.batch_size, seq_len=c.data.seq_len, n_devices=n_devices,
+      n_local_devices=n_local_devices)
 
 
 def validate_parallel(c, n_devices: int | None = None) -> None:

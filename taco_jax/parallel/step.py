@@ -63,7 +63,9 @@ class ParallelSpec:
   tp: int                            # mesh axis "tensor"
   microbatches: int = 1              # GPipe micro-batches per step (per data rank)
   plan: CompressionPlan = CompressionPlan()  # codec per collective
-  overlap: bool = False              # TP layers as ring collective matmuls (parallel.overlap)
+  # how the TP layers communicate (parallel.tp_overlap): "none", the collectives between
+  # the matmuls; "ring", ring collective matmuls; "kernel", fused collective-matmul kernels
+  tp_overlap: str = "none"
   # sub-batches per micro-batch whose blocks run side by side, so that one's TP collectives
   # can overlap another's matmuls (parallel.interleave; see `_local_loss`)
   interleave: int = 1
@@ -86,12 +88,12 @@ class ParallelSpec:
     return layout_errors(self.cfg, dp=self.dp, pp=self.pp, tp=self.tp,
                          microbatches=self.microbatches, interleave=self.interleave,
                          save_tp_outputs=self.save_tp_outputs,
-                         save_dots=self.save_dots, **batch)
+                         save_dots=self.save_dots, tp_overlap=self.tp_overlap, **batch)
 
   @property
   def ctx(self) -> layers.TPContext:
     return layers.TPContext(tp=self.tp, dtype=self.cfg.compute_dtype,
-                            plan=self.plan, overlap=self.overlap)
+                            plan=self.plan, overlap=self.tp_overlap)
 
 
 def _raise(what: str, errs: list[str]) -> None:
@@ -133,7 +135,9 @@ def remat_policy(spec: ParallelSpec):
   * `spec.save_tp_outputs`: the TP collectives' outputs, so the recomputation sends nothing
     (and compresses nothing). Per layer and micro-batch, with sequence parallelism, two
     gathered block inputs [b, T, D] and two sequence shards [b, T / tp, D] (bf16). The ring
-    layers (`parallel.overlap`) gather inside their matmuls and are recomputed either way.
+    layers (`parallel.tp_overlap="ring"`) gather inside their matmuls and are recomputed
+    either way; the kernel layers (``"kernel"``) keep the column layers' outputs
+    [b, T, 3 D / tp + d_ff / tp] as well, so that no kernel runs again.
   * `spec.save_dots`: the outputs of matmuls without batch dimensions (the block's weight
     matmuls; the attention's are batched over heads), so the recomputation is the norms,
     the activation function and the attention. Per layer and micro-batch, what the backward
@@ -241,10 +245,11 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   compressed collective sends instead."""
   _check_mesh(spec, mesh)
   specs = model_lib.param_specs(spec.cfg)
-  if spec.overlap and spec.tp > 1 and (spec.plan.log_errors or capture is not None):
-    raise ValueError("parallel.overlap: the ring collective matmuls do not report their "
-                     "messages yet; switch off compression.log_errors (or overlap) to "
-                     "log or calibrate")
+  if spec.tp_overlap != "none" and spec.tp > 1 and (spec.plan.log_errors
+                                                    or capture is not None):
+    raise ValueError(f"parallel.tp_overlap={spec.tp_overlap!r}: the collective matmuls do not "
+                     "report their messages; set parallel.tp_overlap='none' to log "
+                     "compression errors (compression.log_errors) or to calibrate")
   log = spec.plan.log_errors and capture is None
 
   def local(params, tokens_BT1):

@@ -54,7 +54,7 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
   p = config.parallel
   return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
                                p.get("microbatches", 1), plan_from_config(config.compression),
-                               overlap=bool(p.get("overlap", False)),
+                               tp_overlap=p.get("tp_overlap", "none"),
                                interleave=p.get("interleave", 1),
                                save_tp_outputs=bool(p.get("save_tp_outputs", False)),
                                save_dots=bool(p.get("save_dots", False)))

@@ -1,0 +1,313 @@
+"""Fused collective matmuls (``pallas_kernels.ag_matmul`` / ``matmul_rs``) against XLA's
+collective + cuBLAS, at the GPT layer shapes of tensor parallelism, device-timed.
+
+For each model (1.3B, 2.7B) and TP layer, on a 1-D mesh over all local GPUs (TP = their
+count), the same random inputs go through:
+
+* ``xla``: the plain collective, then the matmul (``*_reference``: what the layers do today);
+* ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
+  kernel (its own time is reported apart as ``fp8_kernel``);
+* ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
+* ``cublas``: XLA's matmul of the same full shape on one GPU: the ideal.
+
+Column layers (``qkv``, ``up``) are all-gather + matmul, row layers (``proj``, ``down``)
+matmul + reduce-scatter. Every kernel's result is first checked against its reference
+(relative Frobenius error, and the gathered x bit for bit); a kernel that fails its check
+is reported, not timed. Times: CUPTI kernel durations (``mosaic.gpu.profiler.measure``) per
+call; per kernel name the minimum over devices (the device that waited least, as jax's
+collective-matmul example measures), summed over kernels; median over ``--iters`` calls.
+Results (and every check) go to the JSON as each case finishes, so a hang loses nothing.
+
+GPU: ``python3 -m benchmarks.bench_collective_matmul --out-dir $OUT`` (2 or 4 GPUs).
+CPU (--smoke): the references and the checks' plumbing only; the kernels lower but need
+a GPU to run (``tests/test_collective_matmul.py`` runs their per-device parts on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import functools
+import json
+import os
+import pathlib
+import statistics
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+
+MODELS = {"1.3b": dict(d=2048, f=8192), "2.7b": dict(d=2560, f=10240)}
+FP8 = dict(group_size=128, fmt="e4m3", dual_scale=True, lam=1e-6)
+TOL = 1e-2  # relative error of a bf16 result against its reference
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--models", default="1.3b,2.7b")
+  p.add_argument("--layers", default="qkv,up,proj,down")
+  p.add_argument("--batch", type=int, default=8)
+  p.add_argument("--seq", type=int, default=2048)
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--tilings", default="default",
+                 help="comma-separated Tiling overrides per kernel, e.g. "
+                      "'default,stages=3,tile_n=64' (each 'k=v+k=v')")
+  add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
+  return parse_with_smoke(p, argv, dict(models="tiny", batch=2, seq=512, iters=2))
+
+
+def layer_shapes(model: str, tp: int, batch: int, seq: int) -> dict:
+  """Per layer: (kind, x or y global shape, w global shape)."""
+  d, f = MODELS[model]["d"], MODELS[model]["f"]
+  return {"qkv": ("ag", (batch, seq, d), (d, 3 * d)),
+          "up": ("ag", (batch, seq, d), (d, f)),
+          "proj": ("rs", (batch, seq, d), (d, d)),
+          "down": ("rs", (batch, seq, f), (f, d))}
+
+
+def _tiling(base, spec: str):
+  from pallas_kernels import gemm
+  if spec == "default":
+    return base
+  kw = dict(kv.split("=") for kv in spec.split("+"))
+  return gemm.Tiling(**{**base.__dict__, **{k: (v if k == "split" else int(v))
+                                            for k, v in kw.items()}})
+
+
+def device_time_ms(fn, args, iters: int, n_devices: int) -> dict:
+  """Median over ``iters`` calls of the summed kernel durations (per kernel name, the
+  minimum over devices), with the per-kernel breakdown of the median call."""
+  from jax.experimental.mosaic.gpu import profiler
+  _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+  if iters == 1:
+    runs = [runs]
+  totals, breakdowns = [], []
+  for kernels in runs:
+    by_name: dict[str, list[float]] = {}
+    for name, ms in kernels:
+      by_name.setdefault(name, []).append(ms)
+    # names repeated more often than there are devices are separate launches: keep each
+    # launch's minimum over devices
+    per = {name: sum(sorted(v)[:max(1, len(v) // n_devices)]) for name, v in by_name.items()}
+    totals.append(sum(per.values()))
+    breakdowns.append(per)
+  mid = sorted(range(len(totals)), key=totals.__getitem__)[len(totals) // 2]
+  return dict(ms=statistics.median(totals), min_ms=min(totals), max_ms=max(totals),
+              kernels=breakdowns[mid])
+
+
+def rel_err(a, b) -> float:
+  import jax.numpy as jnp
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def run(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from pallas_kernels import ag_matmul, gemm, matmul_rs
+  from pallas_kernels.encode import encode
+
+  on_gpu = jax.default_backend() == "gpu"
+  devs = jax.devices()
+  tp = len(devs)
+  mesh = jax.make_mesh((tp,), ("tensor",), devices=devs)
+  one = jax.make_mesh((1,), ("tensor",), devices=devs[:1])
+  sms = gemm.num_sms()
+  smap = functools.partial(jax.shard_map, check_vma=False)
+  results = dict(tp=tp, device=devs[0].device_kind, num_sms=sms, batch=args.batch,
+                 seq=args.seq, fp8=FP8, cases=[])
+  models = {"tiny": dict(d=256, f=512), **MODELS}
+
+  def put(a, spec, m=mesh):
+    return jax.device_put(a, NamedSharding(m, spec))
+
+  for model in args.models.split(","):
+    MODELS.setdefault(model, models[model])
+    for layer in args.layers.split(","):
+      kind, a_shape, w_shape = layer_shapes(model, tp, args.batch, args.seq)[layer]
+      key = jax.random.key(hash((model, layer)) % 2**31)
+      ka, kw = jax.random.split(key)
+      a = jax.random.normal(ka, a_shape, jnp.bfloat16)
+      w = (jax.random.normal(kw, w_shape, jnp.float32) * w_shape[0] ** -0.5
+           ).astype(jnp.bfloat16)
+      if kind == "ag":
+        a_spec, w_spec, out_spec = P(None, "tensor"), P(None, "tensor"), P(None, None, "tensor")
+      else:
+        a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
+      a_s, w_s = put(a, a_spec), put(w, w_spec)
+      variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
+                           args.tilings, ag_matmul, matmul_rs, encode)
+      reference = variants.pop("xla")
+      ref_fp8 = variants.pop("xla_fp8")
+      case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
+                  tp=tp, variants={})
+      results["cases"].append(case)
+      ref = jax.jit(reference)(a_s, w_s)
+      ref8 = jax.jit(ref_fp8)(a_s, w_s)
+      case["fp8_vs_plain_rel_err"] = rel_err(ref8[0], ref[0])
+      timed = {"xla": (reference, (a_s, w_s))}
+      # one rank's matmul: the gathered x times its weight columns (column layers), its
+      # feature slice of y times its weight rows (row layers)
+      if kind == "ag":
+        full_a, full_w = a, w[:, :w.shape[1] // tp]
+      else:
+        full_a, full_w = a[..., :a.shape[-1] // tp], w[:w.shape[0] // tp]
+      full_a, full_w = put(full_a, P(), one), put(full_w, P(), one)
+      timed["cublas"] = (jax.jit(lambda x, v: jnp.einsum(
+          "btk,kn->btn", x, v, preferred_element_type=jnp.float32).astype(x.dtype)),
+          (full_a, full_w))
+      for name, (fn, alone) in variants.items():
+        check = dict()
+        case["variants"][name] = check
+        if not on_gpu:
+          check["skipped"] = "the kernels run on a GPU only"
+          continue
+        try:
+          if alone:  # our GEMM, no communication: the full matmul on one rank
+            out = jax.jit(fn)(full_a, full_w)
+            got, want = out[0], ref_full(full_a, full_w)
+          else:
+            out = jax.jit(fn)(a_s, w_s)
+            want_all = ref8 if "fp8" in name else ref
+            got, want = out[0], want_all[0]
+            if kind == "ag":
+              check["gathered_equal"] = bool(jnp.array_equal(out[1], want_all[1]))
+          check["rel_err"] = rel_err(got, want)
+          check["ok"] = check["rel_err"] < TOL and check.get("gathered_equal", True)
+        except Exception as e:  # noqa: BLE001 (reported, not timed)
+          check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        if check["ok"]:
+          timed[name] = (fn, (full_a, full_w) if alone else (a_s, w_s))
+        _write(args, results)
+      for name, (fn, fargs) in timed.items():
+        if not on_gpu:
+          continue
+        t = device_time_ms(jax.jit(fn), fargs, args.iters, 1 if name in ("cublas",) or
+                           name.startswith("gemm") else tp)
+        case["variants"].setdefault(name, {}).update(t)
+        _write(args, results)
+      _ratios(case)
+      _write(args, results)
+      print(_line(case), flush=True)
+  return results
+
+
+def ref_full(a, w):
+  import jax.numpy as jnp
+  return jnp.einsum("btk,kn->btn", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
+              encode):
+  """name -> (function of (a, w), runs on the one-GPU mesh)."""
+  import jax.numpy as jnp
+  from jax.sharding import PartitionSpec as P
+  from pallas_kernels import gemm
+  t = "tensor"
+  out = {}
+  if kind == "ag":
+    gathered = P(None, None)
+    out["xla"] = smap(lambda x, w: ag.all_gather_matmul_reference(x, w, t), mesh=mesh,
+                      in_specs=(a_spec, w_spec), out_specs=(out_spec, P()))
+    out["xla_fp8"] = smap(lambda x, w: ag.all_gather_matmul_reference(x, w, t, fp8=FP8),
+                          mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec, P()))
+    for spec in tilings.split(","):
+      sfx = "" if spec == "default" else f"[{spec}]"
+      tl = _tiling(gemm.Tiling(), spec)
+      tl8 = _tiling(ag.FP8_TILING, spec)
+
+      def plain(x, w, tl=tl):
+        return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms)
+
+      def fp8(x, w, tl=tl8):
+        b, s, k = x.shape
+        codes, alpha, scale = encode(x.reshape(b * s, k), group_size=FP8["group_size"],
+                                     fmt=FP8["fmt"], hadamard=False,
+                                     dual_scale=FP8["dual_scale"], lam=FP8["lam"])
+        y, cg, mg = ag.all_gather_matmul_fp8(
+            codes.reshape(b, s, k), ag.multipliers(alpha, scale), w, t,
+            group_size=FP8["group_size"], tiling=tl, num_sms=sms)
+        return y, ag.decode_gathered(cg, mg, group_size=FP8["group_size"], dtype=x.dtype)
+
+      out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
+                                 out_specs=(out_spec, P())), False)
+      out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
+                                     out_specs=(out_spec, P())), False)
+      out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()),
+                                out_specs=(P(), gathered)), True)
+  else:
+    out["xla"] = smap(lambda y, w: (rs.matmul_reduce_scatter_reference(y, w, t),), mesh=mesh,
+                      in_specs=(a_spec, w_spec), out_specs=(out_spec,))
+    out["xla_fp8"] = smap(lambda y, w: (rs.matmul_reduce_scatter_reference(y, w, t, fp8=FP8),),
+                          mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec,))
+    for spec in tilings.split(","):
+      sfx = "" if spec == "default" else f"[{spec}]"
+      tl = _tiling(rs.TILING, spec)
+      tl8 = _tiling(rs.FP8_TILING, spec)
+
+      def plain(y, w, tl=tl):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms),)
+
+      def fp8(y, w, tl=tl8):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8),)
+
+      out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
+                                 out_specs=(out_spec,)), False)
+      out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
+                                     out_specs=(out_spec,)), False)
+      out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
+  del jnp
+  return out
+
+
+def _ratios(case):
+  v = case["variants"]
+  base = v.get("cublas", {}).get("ms")
+  xla = v.get("xla", {}).get("ms")
+  for name, r in v.items():
+    if "ms" in r and base:
+      r["vs_cublas"] = r["ms"] / base
+    if "ms" in r and xla:
+      r["speedup_vs_xla"] = xla / r["ms"]
+    if name.startswith("fused_fp8") and "kernels" in r:
+      r["fp8_kernel_ms"] = sum(ms for k, ms in r["kernels"].items()
+                               if "taco_all_gather_matmul" in k or "taco_matmul_reduce" in k)
+
+
+def _line(case) -> str:
+  parts = [f"{case['model']} {case['layer']:4s} {case['kind']}"]
+  for name, r in case["variants"].items():
+    if "ms" in r:
+      parts.append(f"{name} {r['ms']:.3f}ms" + (f" ({r['vs_cublas']:.2f}x)" if "vs_cublas" in r
+                                                  else ""))
+    elif r.get("ok") is False:
+      parts.append(f"{name} FAILED {r.get('error', r.get('rel_err'))}"[:200])
+  return " | ".join(parts)
+
+
+def _write(args, results):
+  import jax
+  results["date"] = results.get("date") or datetime.datetime.now().isoformat()
+  path = results_path("bench_collective_matmul", args, num_devices=results["tp"],
+                      platform=jax.default_backend(), date=results["date"])
+  args.out_dir = str(path.parent)
+  path.write_text(json.dumps(results, indent=1, default=str))
+  return path
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.smoke:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  faulthandler.dump_traceback_later(float(os.environ.get("BENCH_WATCHDOG_S", 1e9)), exit=True)
+  results = run(args)
+  print(f"wrote {_write(args, results)}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,175 @@
+"""The tensor-parallel layers' collectives inside their matmul kernels
+(``parallel.tp_overlap = "kernel"``): ``pallas_kernels.ag_matmul`` and ``matmul_rs``.
+
+Same math and custom VJPs as the ring version (`taco_jax.parallel.overlap`), each direction
+one fused kernel:
+
+  gather_matmul(x_BSD, w_DF)   forward: all-gather + matmul, which also returns the
+      gathered x for the weight gradient; backward: dx = matmul + reduce-scatter of
+      dy @ w.T, dw = x_full.T @ dy.
+  matmul_scatter(y_BTF, w_FD)  forward: matmul + reduce-scatter; backward: the all-gather +
+      matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
+
+Each collective is compressed when the codec of its direction pays for the message the
+plain collective would send (`collectives.compresses`: thresholds and link as there); the
+FP8 kernels take the codec's codes (the same codes as `taco_jax.codec`).
+
+Where a kernel cannot run (no Hopper GPU; ``NCCL_P2P_DISABLE=1``, which marks runs without
+peer access; shapes its tiles do not divide; a codec with the Hadamard transform, which
+the kernels do not apply), that collective runs as the XLA collective
+(`taco_jax.collectives`, compressed alike) plus the matmul, and the reason is logged once.
+That path is also how the CPU tests check the custom VJPs.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+from absl import logging
+from jax.ad_checkpoint import checkpoint_name
+
+from pallas_kernels import ag_matmul, gemm, matmul_rs
+from pallas_kernels.encode import encode
+from taco_jax import collectives
+from taco_jax.mappings import TP_OUTPUT
+from taco_jax.codec import CompressionConfig
+
+SEQ = 1  # the sequence axis of [B, T, D] activations
+_said: set[str] = set()
+
+
+def _say_once(problem: str, what: str) -> None:
+  """Logs, once per reason, that a collective runs as XLA's instead of in a kernel."""
+  if problem not in _said:
+    _said.add(problem)
+    logging.warning("parallel.tp_overlap='kernel': %s runs as XLA's collective (and so "
+                    "does every collective for the same reason): %s", what, problem)
+
+
+def platform_problem() -> str | None:
+  """Why no kernel can run in this process, or None."""
+  if jax.default_backend() != "gpu":
+    return f"no GPU (backend {jax.default_backend()!r}); the kernels are Mosaic GPU"
+  cc = getattr(jax.devices()[0], "compute_capability", "9.0")
+  if not str(cc).startswith("9"):
+    return f"{jax.devices()[0].device_kind} (sm_{cc}) is not a Hopper GPU (sm_90)"
+  if os.environ.get("NCCL_P2P_DISABLE") == "1":
+    return "NCCL_P2P_DISABLE=1: no peer access between the GPUs"
+  return None
+
+
+def _fp8(codec: CompressionConfig) -> dict:
+  return dict(group_size=codec.group_size, fmt=codec.format, dual_scale=codec.dual_scale,
+              lam=codec.lam)
+
+
+def _pays(codec, collective: str, shape, dtype, n: int):
+  message = jax.ShapeDtypeStruct(shape, dtype)
+  return codec if collectives.compresses(collective, message, codec, n) else None
+
+
+def _kernel_problem(misfit: str | None, codec) -> str | None:
+  if codec is not None and codec.hadamard:
+    return "the kernels do not apply the codec's Hadamard transform"
+  return platform_problem() or misfit
+
+
+def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
+  """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
+  runs, else the XLA collective (the module docstring)."""
+  n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
+  codec = _pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n)
+  if codec is None:
+    misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling())
+  else:
+    misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, ag_matmul.FP8_TILING,
+                              codec.group_size)
+  problem = _kernel_problem(misfit, codec)
+  if problem is None and codec is None:
+    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, num_sms=gemm.num_sms())
+  if problem is None:
+    b, s, d = x_BSD.shape
+    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec))
+    y, codes_full, mult = ag_matmul.all_gather_matmul_fp8(
+        codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
+        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=gemm.num_sms())
+    return y, ag_matmul.decode_gathered(codes_full, mult, group_size=codec.group_size,
+                                        dtype=x_BSD.dtype)
+  _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
+  x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True, compression=codec)
+  return jnp.einsum("btd,df->btf", x_full, w_DF), x_full
+
+
+def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | None):
+  """``reduce_scatter(y @ w)`` along the sequence: the fused kernel where it runs, else
+  the matmul then the XLA collective."""
+  n = collectives.axis_size(axis_name, "matmul_scatter", y_BTF.shape)
+  if y_BTF.shape[SEQ] % n:
+    raise ValueError(f"matmul_scatter: sequence length {y_BTF.shape[SEQ]} of {y_BTF.shape} "
+                     f"is not divisible by the size {n} of axis {axis_name!r}")
+  dtype = jnp.result_type(y_BTF, w_FD)
+  codec = _pays(codec, "reduce_scatter", (*y_BTF.shape[:-1], w_FD.shape[1]), dtype, n)
+  tiling = matmul_rs.TILING if codec is None else matmul_rs.FP8_TILING
+  misfit = matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling,
+                            codec and codec.group_size)
+  problem = _kernel_problem(misfit, codec)
+  if problem is None:
+    return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling,
+                                           num_sms=gemm.num_sms(),
+                                           fp8=codec and _fp8(codec))
+  _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_FD.shape}")
+  return collectives.reduce_scatter(jnp.einsum("btf,fd->btd", y_BTF, w_FD), axis_name,
+                                    scatter_dimension=SEQ, compression=codec)
+
+
+# --- all-gather -> matmul ------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def gather_matmul(x_BSD, w_DF, axis_name, fwd: CompressionConfig | None = None,
+                  bwd: CompressionConfig | None = None):
+  """all_gather(x_BSD along the sequence) @ w_DF; ``fwd`` / ``bwd``: the codecs of the
+  forward all-gather and of the backward reduce-scatter."""
+  return all_gather_matmul(x_BSD, w_DF, axis_name, fwd)[0]
+
+
+def _gather_matmul_fwd(x, w, axis_name, fwd, bwd):
+  y, x_full = all_gather_matmul(x, w, axis_name, fwd)
+  return y, (checkpoint_name(x_full, TP_OUTPUT), w)
+
+
+def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
+  x_full, w = res
+  dx = matmul_reduce_scatter(dy.astype(x_full.dtype), w.T, axis_name, bwd)
+  dw = jnp.einsum("btd,btf->df", x_full, dy, preferred_element_type=jnp.float32)
+  return dx.astype(x_full.dtype), dw.astype(w.dtype)
+
+
+gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
+
+
+# --- matmul -> reduce-scatter --------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def matmul_scatter(y_BTF, w_FD, axis_name, fwd: CompressionConfig | None = None,
+                   bwd: CompressionConfig | None = None):
+  """reduce_scatter(y_BTF @ w_FD along the sequence); ``fwd`` / ``bwd``: the codecs of the
+  forward reduce-scatter and of the backward all-gather."""
+  return matmul_reduce_scatter(y_BTF, w_FD, axis_name, fwd)
+
+
+def _matmul_scatter_fwd(y, w, axis_name, fwd, bwd):
+  return matmul_reduce_scatter(y, w, axis_name, fwd), (y, w)
+
+
+def _matmul_scatter_bwd(axis_name, fwd, bwd, res, dout):
+  y, w = res
+  dy, dout_full = all_gather_matmul(dout.astype(y.dtype), w.T, axis_name, bwd)
+  dw = jnp.einsum("btf,btd->fd", y, dout_full, preferred_element_type=jnp.float32)
+  return dy.astype(y.dtype), dw.astype(w.dtype)
+
+
+matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)

@@ -1,0 +1,296 @@
+"""Fused collective-matmul kernels (`pallas_kernels.ag_matmul`, `matmul_rs`) and the layers'
+custom VJPs over them (`taco_jax.parallel.fused`).
+
+On CPU the kernels run in jax's Mosaic GPU interpret mode, one rank at a time in local mode
+(the interpreter simulates no peer copies): what a rank computes and what it sends where,
+against the pure-jnp references. The compressed all-gather kernel decodes into a register
+operand of the wgmma, which the interpreter does not take; its decode is tested on its own
+and the whole kernel lowers for sm_90 here and runs on the GPU (`bench_collective_matmul`
+checks it against its reference). The custom VJPs are checked on the XLA path against the
+regions they replace.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels import ag_matmul, gemm, matmul_rs
+from pallas_kernels.decode import decode_reference, group_multiplier
+from pallas_kernels.encode import encode_reference
+from taco_jax import mappings, testing
+from taco_jax.codec import CompressionConfig
+from taco_jax.parallel import fused
+
+# small tiles the interpreter runs quickly; a chunk is one row tile
+TILING = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32)
+FP8 = dict(group_size=64, fmt="e4m3", dual_scale=True, lam=1e-6)
+
+
+def _interpret():
+  return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams())
+
+
+def _bf16(key, shape, scale=1.0):
+  return (jax.random.normal(key, shape, jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def test_all_gather_matmul_kernel_per_rank():
+  """Each rank's output rows equal the gathered x @ w (fp32 accumulation, bf16 out), its
+  own chunk lands in the gathered x, and it forwards every chunk but the one rank r - 1
+  started from to rank r - 1."""
+  n, b, s, k, nout = 2, 2, 64, 128, 128
+  kx, kw = jax.random.split(jax.random.key(1))
+  x_full = _bf16(kx, (b, n * s, k))
+  w = _bf16(kw, (k, nout), k ** -0.5)
+  ref = jnp.einsum("btk,kn->btn", x_full, w, preferred_element_type=jnp.float32)
+  with _interpret():
+    for r in range(n):
+      x_r = x_full[:, r * s:(r + 1) * s]
+      y, xg, sent = ag_matmul.all_gather_matmul(x_r, w, "t", tiling=TILING, num_sms=1,
+                                                rank=r, local_gathered=x_full)
+      np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(
+          ref.astype(jnp.bfloat16), np.float32), rtol=1e-2, atol=1e-2)
+      own = slice(r * s, (r + 1) * s)
+      np.testing.assert_array_equal(xg[:, own], x_r)
+      for c in (r + i for i in range(n - 1)):  # chunks r, ..., r + n - 2 go on to r - 1
+        chunk = slice((c % n) * s, (c % n + 1) * s)
+        np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
+
+
+def _partials(n, b, s, f, d, seed):
+  ky, kw = jax.random.split(jax.random.key(seed))
+  ys = [_bf16(jax.random.fold_in(ky, p), (b, n * s, f)) for p in range(n)]
+  ws = [_bf16(jax.random.fold_in(kw, p), (f, d), f ** -0.5) for p in range(n)]
+  return ys, ws
+
+
+def _exchange(n, fp8, ys, ws, slots):
+  """Runs every rank twice in local mode: first to collect what each sends to whom, then
+  with the partials its peers sent it. Returns each rank's output and what it sent."""
+  with _interpret():
+    sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=TILING, num_sms=1,
+                                            rank=p, n=n, received=slots, fp8=fp8)[1]
+            for p in range(n)]
+    outs = []
+    for r in range(n):
+      received = tuple(jnp.stack([sent[p][i][r] for p in range(n)]) for i in range(len(slots)))
+      outs.append(matmul_rs.matmul_reduce_scatter(ys[r], ws[r], "t", tiling=TILING,
+                                                  num_sms=1, rank=r, n=n, received=received,
+                                                  fp8=fp8)[0])
+  return outs, sent
+
+
+def test_matmul_reduce_scatter_kernel_per_rank():
+  """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
+  sends to rank c is its own partial of chunk c, in bf16."""
+  n, b, s, f, d = 2, 1, 64, 128, 128
+  ys, ws = _partials(n, b, s, f, d, seed=2)
+  parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
+           for p in range(n)]
+  outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),))
+  for r in range(n):
+    chunk = slice(r * s, (r + 1) * s)
+    want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
+    np.testing.assert_allclose(np.asarray(outs[r], np.float32), np.asarray(want),
+                               rtol=2e-2, atol=2e-2)
+    c = (r + 1) % n
+    np.testing.assert_allclose(
+        np.asarray(sent[r][0][c], np.float32),
+        np.asarray(parts[r][:, c * s:(c + 1) * s].reshape(b * s, d).astype(jnp.bfloat16),
+                   np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes():
+  """The FP8 kernel encodes each partial tile as the codec does (same codes, same
+  multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
+  make every partial exact, so accumulation order cannot change a code."""
+  n, b, s, f, d = 2, 1, 64, 128, 128
+  ky, kw = jax.random.split(jax.random.key(3))
+  ys = [jax.random.randint(jax.random.fold_in(ky, p), (b, n * s, f), -3, 4).astype(
+      jnp.bfloat16) for p in range(n)]
+  ws = [jax.random.randint(jax.random.fold_in(kw, p), (f, d), -3, 4).astype(jnp.bfloat16)
+        for p in range(n)]
+  fp8 = dict(FP8)
+  slots = (jnp.zeros((n, b * s, d), jnp.float8_e4m3fn),
+           jnp.zeros((n, d // fp8["group_size"], b * s), jnp.float32))
+  outs, sent = _exchange(n, fp8, ys, ws, slots)
+  parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32
+                      ).astype(jnp.bfloat16) for p in range(n)]
+  g = fp8["group_size"]
+  for r in range(n):
+    c = (r + 1) % n
+    codes, alpha, scale = encode_reference(parts[r][:, c * s:(c + 1) * s].reshape(b * s, d),
+                                           group_size=g, hadamard=False)
+    np.testing.assert_array_equal(np.asarray(sent[r][0][c], np.float32),
+                                  np.asarray(codes, np.float32))
+    np.testing.assert_array_equal(sent[r][1][c], group_multiplier(alpha, scale).T)
+    total = sum(decode_reference(*encode_reference(
+        parts[p][:, r * s:(r + 1) * s].reshape(b * s, d), group_size=g, hadamard=False),
+        group_size=g, hadamard=False, out_dtype=jnp.float32) for p in range(n))
+    # same codes, so the same sum up to fp32 contraction (code * multiplier + running sum
+    # may be one FMA): at most one bf16 rounding step apart, and rarely
+    got = np.asarray(outs[r], np.float32).reshape(b * s, d)
+    want = np.asarray(total.astype(jnp.bfloat16), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)  # one bf16 ulp
+    assert np.mean(got != want) < 0.01
+
+
+def test_decode_tile_is_the_codecs_decode():
+  """The FP8 all-gather kernel's in-register decode equals `decode_reference` (no
+  transform) bit for bit, on codes of random data of many scales."""
+  x = jax.random.normal(jax.random.key(4), (64, 256)) * jnp.exp(
+      jax.random.normal(jax.random.key(5), (64, 1)) * 4)
+  codes, alpha, scale = encode_reference(x, group_size=128, hadamard=False)
+  want = decode_reference(codes, alpha, scale, group_size=128, hadamard=False,
+                          out_dtype=jnp.bfloat16)
+  mult = ag_matmul.multipliers(alpha, scale)  # [groups, rows]
+  for g in range(2):
+    cols = slice(g * 128, (g + 1) * 128)
+    got = ag_matmul.decode_tile(codes[:, cols], mult[g], jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want[:, cols],
+                                                                          np.float32))
+  got = ag_matmul.decode_gathered(codes.reshape(2, 32, 256), mult, group_size=128)
+  np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(64, 256),
+                                np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 100), jnp.bfloat16),
+                                         jnp.zeros((100, 128), jnp.bfloat16), "t",
+                                         tiling=TILING, num_sms=1, rank=0,
+                                         local_gathered=jnp.zeros((1, 128, 100))),
+     "contraction 100 is not a multiple of the tile 64"),
+    (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 128), jnp.bfloat16),
+                                         jnp.zeros((64, 128), jnp.bfloat16), "t",
+                                         tiling=TILING, num_sms=1, rank=0,
+                                         local_gathered=jnp.zeros((1, 128, 128))),
+     "do not contract"),
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 96, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=2,
+                                             received=()),
+     "sequence shard 48 is not a multiple of the tile 64"),
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 128, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=2,
+                                             received=(), fp8=dict(FP8, group_size=128)),
+     "encodes groups of its tile_n"),
+])
+def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+def _lowers_for_hopper(f, *args) -> str:
+  """The kernel's sm_90 lowering (Mosaic GPU's layout inference and dialect lowering), on
+  a (2, 2, 2) mesh with TP as one of its axes; needs jax-cuda13-plugin's Mosaic GPU
+  bindings, which `make install` adds (no GPU needed)."""
+  pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["plain", "fp8"])
+def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
+  mesh = jax.make_mesh((2, 2, 2), ("data", "pipeline", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  sd = jax.ShapeDtypeStruct
+  b, t, d, f = 2, 512, 256, 512
+  smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+  if compressed:
+    g = 128
+
+    def ag(codes, mult, w):
+      return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
+                                             num_sms=132)[0]
+    fn = smap(ag, in_specs=(P(None, "tensor"), P(None, "tensor"), P()),
+              out_specs=P())
+    text = _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
+                              sd((d // g, b * t), jnp.float32), sd((d, f), jnp.bfloat16))
+    fp8 = dict(FP8, group_size=128)
+  else:
+    fn = smap(lambda x, w: ag_matmul.all_gather_matmul(x, w, "tensor", num_sms=132)[0],
+              in_specs=(P(None, "tensor"), P()), out_specs=P())
+    text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
+    fp8 = None
+  assert "mosaic_gpu" in text
+  fn = smap(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "tensor", num_sms=132, fp8=fp8),
+            in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
+  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
+                                            sd((2 * f, d), jnp.bfloat16))
+
+
+# --- the layers' custom VJPs, on the XLA path -------------------------------------------
+
+
+def _value_and_grads(f, n, x, w, ct):
+  mesh = testing.mesh_1d(n)
+
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"),
+                     check_vma=False)
+  def run(x, w, ct):
+    out, vjp = jax.vjp(f, x[0], w[0])
+    return jax.tree.map(lambda a: a[None], (out, *vjp(ct[0])))
+
+  return jax.jit(run)(x, w, ct)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("codec", [None, CompressionConfig(group_size=32)], ids=["plain", "fp8"])
+def test_custom_vjps_match_the_regions_they_replace(kind, codec):
+  """Values and gradients of `fused.gather_matmul` / `matmul_scatter` (the XLA path the
+  kernels fall back to on CPU) equal the layers' regions + matmul, plain and compressed."""
+  n, b, s, d, f = 4, 2, 4, 64, 32
+  rng = np.random.default_rng(7)
+  if kind == "column":
+    x, w, ct = rng.normal(size=(n, b, s, d)), rng.normal(size=(n, d, f)), rng.normal(
+        size=(n, b, n * s, f))
+    ours = lambda x, w: fused.gather_matmul(x, w, "x", codec, codec)  # noqa: E731
+    theirs = lambda x, w: jnp.einsum("btd,df->btf", mappings.gather_from_sp(  # noqa: E731
+        x, "x", fwd_compression=codec, bwd_compression=codec), w)
+  else:
+    x, w, ct = rng.normal(size=(n, b, n * s, f)), rng.normal(size=(n, f, d)), rng.normal(
+        size=(n, b, s, d))
+    ours = lambda y, w: fused.matmul_scatter(y, w, "x", codec, codec)  # noqa: E731
+    theirs = lambda y, w: mappings.reduce_scatter_to_sp(  # noqa: E731
+        jnp.einsum("btf,fd->btd", y, w), "x", fwd_compression=codec, bwd_compression=codec)
+  x, w, ct = (jnp.asarray(a, jnp.float32) for a in (x, w, ct))
+  got, want = _value_and_grads(ours, n, x, w, ct), _value_and_grads(theirs, n, x, w, ct)
+  for name, g, e in zip(("value", "dx", "dw"), got, want, strict=True):
+    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_no_gpu_falls_back_to_the_collectives_and_says_so(caplog):
+  fused._said.clear()
+  x, w = jnp.ones((2, 2, 4, 64)), jnp.ones((2, 64, 32))
+  with caplog.at_level("WARNING"):
+    for _ in range(2):
+      _value_and_grads(lambda x, w: fused.gather_matmul(x, w, "x"), 2, x, w,
+                       jnp.ones((2, 2, 8, 32)))
+  said = [r.getMessage() for r in caplog.records if "tp_overlap='kernel'" in r.getMessage()]
+  assert len(said) == 1 and "no GPU" in said[0], said  # once, for every layer and direction
+
+
+def test_tp_overlap_config_errors():
+  """`parallel.tp_overlap`: unknown values, the old `parallel.overlap` boolean and
+  compression logging with collective matmuls are one-line errors naming the fields."""
+  from configs import tiny
+  from taco_jax.parallel import mesh as mesh_lib, step as step_lib
+  c = tiny.get_micro_config()
+  c.parallel.update(tp=2, dp=1, pp=1)
+  assert mesh_lib.parallel_errors(c, 2) == []
+  c.parallel.tp_overlap = "fused"
+  assert any("parallel.tp_overlap='fused' must be one of ('none', 'ring', 'kernel')" in e
+             for e in mesh_lib.parallel_errors(c, 2))
+  c.parallel.tp_overlap = "kernel"
+  c.compression.log_errors = True
+  assert any("collective matmuls do not report" in e for e in mesh_lib.parallel_errors(c, 2))
+  c = tiny.get_micro_config()
+  c.parallel.overlap = True
+  assert "was replaced by parallel.tp_overlap" in mesh_lib.parallel_errors(c, 1)[0]
+  with pytest.raises(ValueError, match="tp_overlap='yes' must be one of"):
+    step_lib.ParallelSpec(step_lib.model_lib.model_config(tiny.get_micro_config().model),
+                          1, 1, 1, tp_overlap="yes")
