@@ -158,24 +158,13 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   signals = num_sms * (gemm.COMPUTE_WGS if fp8 else 1)
 
   def body(*refs, out_smem, **scratch):
-    refs = list(refs)
-    take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
-    mine = take(n_arrays)
-    (w_ref,) = take(1)
-    src = take(n_arrays) if local else None
-    (y_ref,) = take(1)
-    xg = take(n_arrays)
-    sent = take(n_arrays) if local else None
-    if not local:
-      src = xg
-    if not local and n > 1:  # one rank alone has no peers (and no symmetric memory)
-      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
-    r = lax.axis_index(axis_name) if rank is None else rank
+    extra = n_arrays if local else 0
+    mine, (w_ref,), src, (y_ref,), xg, sent = gemm.split_refs(
+        refs, n_arrays, 1, extra, 1, n_arrays, extra)
+    src = src or xg  # the peers write the gathered arrays themselves
+    r, sem = gemm.rank_and_semaphore(axis_name, rank, n, local)
     prev = lax.rem(r + n - 1, n)
-    if local or n == 1:
-      peer = sent
-    else:
-      peer = [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
+    peer = sent if sem is None else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(mine[0], w_ref),
                        collective_axes=gemm.WG)
@@ -219,7 +208,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  decode=mults.decoder(dtype, scratch) if fp8 else None,
                  before_tile=before_tile if fp8 else None,
                  after_mma=after_mma if dests else None)
-        if forward and not local:  # chunk c is on rank r - 1 once every SM's copies landed
+        if forward and sem is not None:  # chunk c is on rank r - 1 once every SM's copies landed
           @pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))
           def _signal():
             plgpu.wait_smem_to_gmem(0)

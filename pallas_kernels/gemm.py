@@ -206,6 +206,25 @@ def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:
                     transforms=swizzled(tiling.epi_n, dtype))
 
 
+def split_refs(refs, *counts) -> list[list]:
+  """A kernel body's refs, in order, as groups of ``counts`` refs (0: an empty group)."""
+  groups, i = [], 0
+  for c in counts:
+    groups.append(list(refs[i:i + c]))
+    i += c
+  return groups
+
+
+def rank_and_semaphore(axis_name, rank, n: int, local: bool):
+  """This rank (``rank`` in local mode, else its index on ``axis_name``) and the global
+  semaphore that counts the peers' landed copies: None in local mode or alone (n = 1, no
+  peers and no symmetric memory)."""
+  r = lax.axis_index(axis_name) if rank is None else rank
+  if local or n == 1:
+    return r, None
+  return r, pl.get_global(plgpu.SemaphoreType.REGULAR)
+
+
 def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str):
   """A persistent kernel: ``num_sms`` CTAs of 2 compute + 1 memory warpgroups."""
   return plgpu.kernel(

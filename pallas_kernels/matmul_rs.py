@@ -200,18 +200,11 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8)
 
   def body(*refs, **scratch):
-    refs = list(refs)
-    take = lambda k: [refs.pop(0) for _ in range(k)]  # noqa: E731
-    y_ref, w_ref = take(2)
-    inbox = take(n_slots) if local else None
-    (out_ref,) = take(1)
-    slots = take(n_slots)
-    sent = take(n_slots) if local else None
-    if not local:
-      inbox = slots
-    if not local and n > 1:  # one rank alone has no peers (and no symmetric memory)
-      sem = pl.get_global(plgpu.SemaphoreType.REGULAR)
-    r = lax.axis_index(axis_name) if rank is None else rank
+    extra = n_slots if local else 0
+    (y_ref, w_ref), inbox, (out_ref,), slots, sent = gemm.split_refs(
+        refs, 2, extra, 1, n_slots, extra)
+    inbox = inbox or slots  # the peers write the receive slots themselves
+    r, sem = gemm.rank_and_semaphore(axis_name, rank, n, local)
     epi = epilogues(scratch=scratch)
 
     def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
@@ -224,7 +217,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       for step in range(1, n + 1):
         c = lax.rem(r + step, n)
         own = step == n
-        if own and not local and n > 1:  # every peer's partials of this rank's chunk have landed
+        if own and sem is not None:  # every peer's partials of this rank's chunk have landed
           pl.semaphore_wait(sem, value=(n - 1) * signals, decrement=False)
 
         def epilogue(m_idx, n_idx, wg, acc, c=c, own=own):
@@ -242,7 +235,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         loop.run(allocs, m=out_rows, n=d,
                  a_refs=lambda m_idx, c=c: [y_ref.at[pl.ds(y_row(c, m_idx), t.cta_m)]],
                  w_ref=w_ref, epilogue=epilogue)
-        if not own and not local:  # this SM's partials of chunk c are on rank c
+        if not own and sem is not None:  # this SM's partials of chunk c are on rank c
           @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
           def _signal(c=c):
             plgpu.wait_smem_to_gmem(0)

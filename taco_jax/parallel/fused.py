@@ -34,9 +34,9 @@ from pallas_kernels import ag_matmul, gemm, matmul_rs
 from pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
+from taco_jax.parallel.overlap import SEQ, codec_if_pays
 from taco_jax.codec import CompressionConfig
 
-SEQ = 1  # the sequence axis of [B, T, D] activations
 _said: set[str] = set()
 
 
@@ -65,11 +65,6 @@ def _fp8(codec: CompressionConfig) -> dict:
               lam=codec.lam)
 
 
-def _pays(codec, collective: str, shape, dtype, n: int):
-  message = jax.ShapeDtypeStruct(shape, dtype)
-  return codec if collectives.compresses(collective, message, codec, n) else None
-
-
 def _kernel_problem(misfit: str | None, codec) -> str | None:
   if codec is not None and codec.hadamard:
     return "the kernels do not apply the codec's Hadamard transform"
@@ -80,7 +75,7 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
-  codec = _pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n)
+  codec = codec_if_pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n)
   if codec is None:
     misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling())
   else:
@@ -110,7 +105,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
     raise ValueError(f"matmul_scatter: sequence length {y_BTF.shape[SEQ]} of {y_BTF.shape} "
                      f"is not divisible by the size {n} of axis {axis_name!r}")
   dtype = jnp.result_type(y_BTF, w_FD)
-  codec = _pays(codec, "reduce_scatter", (*y_BTF.shape[:-1], w_FD.shape[1]), dtype, n)
+  codec = codec_if_pays(codec, "reduce_scatter", (*y_BTF.shape[:-1], w_FD.shape[1]), dtype, n)
   tiling = matmul_rs.TILING if codec is None else matmul_rs.FP8_TILING
   misfit = matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling,
                             codec and codec.group_size)
