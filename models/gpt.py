@@ -19,6 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.linen import partitioning
 
 from models.layers import DenseFactory, Embedding, LinearFactory, layer_norm, normal_init
 
@@ -149,12 +150,20 @@ def attention_implementation(requested: str, q_BTNH, k_BTKH, v_BTKH) -> str:
   return 'xla' if refusal else 'cudnn'
 
 
+# Logical axes of attention's inputs. A no-op unless the caller sets flax axis rules under a
+# mesh (the GSPMD baseline does: cuDNN's partitioner refuses a sequence-sharded input, which
+# the partitioner would otherwise propagate from a sequence-parallel residual stream).
+HEAD_AXES = ('batch', 'length', 'heads', 'head_dim')
+
+
 def causal_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
                      implementation: str = 'auto') -> jax.Array:
   """Causal softmax attention over however many heads N the inputs carry (K KV heads, K
   dividing N), through `attention_implementation(implementation, ...)`: cuDNN flash
   attention, or XLA's (fp32 softmax)."""
   impl = attention_implementation(implementation, q_BTNH, k_BTKH, v_BTKH)
+  q_BTNH, k_BTKH, v_BTKH = (partitioning.with_sharding_constraint(a, HEAD_AXES)
+                            for a in (q_BTNH, k_BTKH, v_BTKH))
   return jax.nn.dot_product_attention(q_BTNH, k_BTKH, v_BTKH, is_causal=True,
                                       implementation=impl)
 

@@ -76,6 +76,16 @@ def test_hlo_is_sharded(run):
   assert ("data" in axes) == (run["dp"] > 1)
 
 
+def test_attention_inputs_are_split_by_heads(run):
+  """q, k and v are pinned to whole heads per tensor rank (cuDNN's partitioner refuses a
+  sequence-sharded input, which the sequence-parallel residual stream would propagate)."""
+  text = jax.jit(gspmd.loss_fn(CFG, run["mesh"])).lower(run["params"], run["tokens"]).as_text()
+  shape = "tensor<%dx%dx%dx%d" % (BATCH, SEQ, CFG.n_heads, CFG.d_model // CFG.n_heads)
+  pinned = [l for l in text.splitlines() if "sharding_constraint" in l and shape in l]
+  assert len(pinned) == 3, pinned  # q, k, v of the scanned layer body
+  assert all('[{"data"}, {}, {"tensor"}, {}]' in l for l in pinned), pinned
+
+
 def test_train_step_runs_and_keeps_shardings(run):
   tx = optax.adamw(1e-3)
   sh = gspmd.shardings(CFG, run["mesh"])

@@ -9,7 +9,9 @@ pipeline axis) and the residual stream between blocks is pinned with
 `jax.lax.with_sharding_constraint`: batch on "data", and with `activation="sp"` the
 sequence on "tensor" (Megatron sequence parallelism: XLA then inserts all-gather /
 reduce-scatter around each block, as our step does), with "replicated" the full sequence
-on every tensor rank (Megatron's all-reduce). The XLA partitioner picks every collective.
+on every tensor rank (Megatron's all-reduce). Attention's inputs are pinned to whole heads
+per tensor rank (flax logical axis rules for `models.gpt.HEAD_AXES`), as Megatron lays them
+out and as cuDNN flash attention requires. The XLA partitioner picks every collective.
 
 `XLA_OVERLAP_FLAGS` are the XLA GPU flags that let XLA overlap those collectives with
 compute (latency-hiding scheduler, pipelined collectives in the layer loop); set them in
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.linen import partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from taco_jax.parallel import model as model_lib
@@ -30,6 +33,8 @@ from taco_jax.parallel import mesh as mesh_lib
 from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
 
 AXES = (DATA, TENSOR)
+# models.gpt.HEAD_AXES -> mesh axes: attention's batch on "data", its heads on "tensor".
+LOGICAL_RULES = (("batch", DATA), ("heads", TENSOR))
 
 XLA_OVERLAP_FLAGS = (
     "--xla_gpu_enable_latency_hiding_scheduler=true",
@@ -86,6 +91,10 @@ def loss_fn(cfg, mesh, activation: str = "sp") -> Callable:
   pin = lambda h: jax.lax.with_sharding_constraint(h, h_spec)
 
   def loss(params, tokens_BT1):
+    with partitioning.axis_rules(LOGICAL_RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return _loss(params, tokens_BT1)
+
+  def _loss(params, tokens_BT1):
     inputs, targets = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
     h = jnp.take(params["wte"], inputs, axis=0).astype(dt)
     if "wpe" in params:
