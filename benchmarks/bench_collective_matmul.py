@@ -8,7 +8,12 @@ count), the same random inputs go through:
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
   kernel (its own time is reported apart as ``fp8_kernel``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
-* ``cublas``: XLA's matmul of the same full shape on one GPU: the ideal.
+* ``cublas``: XLA's matmul of the same full shape on one GPU: the ideal;
+* ``jax_gemm``: jax's own Hopper matmul example (``hopper_matmul_mgpu``) on that shape, with
+  the same tiles as ours: a yardstick for our GEMM core.
+
+With fewer GPUs than ``--tp`` (e.g. one H200 and ``--tp 2``), only the one-GPU variants run
+(``gemm``, ``cublas``, ``jax_gemm``) at the TP shapes: the GEMM core's own speed.
 
 Column layers (``qkv``, ``up``) are all-gather + matmul, row layers (``proj``, ``down``)
 matmul + reduce-scatter. Every kernel's result is first checked against its reference
@@ -18,7 +23,8 @@ call; per kernel name the minimum over devices (the device that waited least, as
 collective-matmul example measures), summed over kernels; median over ``--iters`` calls.
 Results (and every check) go to the JSON as each case finishes, so a hang loses nothing.
 
-GPU: ``python3 -m benchmarks.bench_collective_matmul --out-dir $OUT`` (2 or 4 GPUs).
+GPU: ``python3 -m benchmarks.bench_collective_matmul --out-dir $OUT`` (2 or 4 GPUs; one GPU
+with ``--tp 2``).
 CPU (--smoke): the references and the checks' plumbing only; the kernels lower but need
 a GPU to run (``tests/test_collective_matmul.py`` runs their per-device parts on CPU).
 """
@@ -52,6 +58,9 @@ def parse_args(argv=None):
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--tp", type=int, default=0,
+                 help="the TP the layer shapes are for (default: the local GPU count); with "
+                      "fewer GPUs, only the one-GPU variants run")
   p.add_argument("--tilings", default="default",
                  help="comma-separated Tiling overrides per kernel, e.g. "
                       "'default,stages=3,tile_n=64' (each 'k=v+k=v')")
@@ -73,7 +82,7 @@ def _tiling(base, spec: str):
   if spec == "default":
     return base
   kw = dict(kv.split("=") for kv in spec.split("+"))
-  return gemm.Tiling(**{**base.__dict__, **{k: (v if k == "split" else int(v))
+  return gemm.Tiling(**{**base.__dict__, **{k: (int(v) if v.isdigit() else v)
                                             for k, v in kw.items()}})
 
 
@@ -114,12 +123,13 @@ def run(args) -> dict:
 
   on_gpu = jax.default_backend() == "gpu"
   devs = jax.devices()
-  tp = len(devs)
-  mesh = jax.make_mesh((tp,), ("tensor",), devices=devs)
+  tp = args.tp or len(devs)
+  mesh = jax.make_mesh((tp,), ("tensor",), devices=devs[:tp]) if tp <= len(devs) else None
   one = jax.make_mesh((1,), ("tensor",), devices=devs[:1])
   sms = gemm.num_sms()
   smap = functools.partial(jax.shard_map, check_vma=False)
-  results = dict(tp=tp, device=devs[0].device_kind, num_sms=sms, batch=args.batch,
+  results = dict(tp=tp, gpus=min(tp, len(devs)), device=devs[0].device_kind, num_sms=sms,
+                 batch=args.batch,
                  seq=args.seq, fp8=FP8, cases=[])
 
   def put(a, spec, m=mesh):
@@ -137,18 +147,11 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, "tensor"), P(None, "tensor"), P(None, None, "tensor")
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
-      a_s, w_s = put(a, a_spec), put(w, w_spec)
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode)
-      reference = variants.pop("xla")
-      ref_fp8 = variants.pop("xla_fp8")
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
                   tp=tp, variants={})
       results["cases"].append(case)
-      ref = jax.jit(reference)(a_s, w_s)
-      ref8 = jax.jit(ref_fp8)(a_s, w_s)
-      case["fp8_vs_plain_rel_err"] = rel_err(ref8[0], ref[0])
-      timed = {"xla": (reference, (a_s, w_s))}
       # one rank's matmul: the gathered x times its weight columns (column layers), its
       # feature slice of y times its weight rows (row layers)
       if kind == "ag":
@@ -156,7 +159,18 @@ def run(args) -> dict:
       else:
         full_a, full_w = a[..., :a.shape[-1] // tp], w[:w.shape[0] // tp]
       full_a, full_w = put(full_a, P(), one), put(full_w, P(), one)
-      timed["cublas"] = (ref_full, (full_a, full_w))
+      timed = {"cublas": (ref_full, (full_a, full_w))}
+      if mesh is not None:
+        a_s, w_s = put(a, a_spec), put(w, w_spec)
+        reference, ref_fp8 = variants.pop("xla"), variants.pop("xla_fp8")
+        ref = jax.jit(reference)(a_s, w_s)
+        ref8 = jax.jit(ref_fp8)(a_s, w_s)
+        case["fp8_vs_plain_rel_err"] = rel_err(ref8[0], ref[0])
+        timed["xla"] = (reference, (a_s, w_s))
+      else:
+        variants = {k: v for k, v in variants.items() if isinstance(v, tuple) and v[1]}
+      if on_gpu:
+        variants["jax_gemm"] = (_jax_gemm, True)
       for name, (fn, alone) in variants.items():
         check = dict()
         case["variants"][name] = check
@@ -167,6 +181,9 @@ def run(args) -> dict:
           if alone:  # our GEMM, no communication: the full matmul on one rank
             out = jax.jit(fn)(full_a, full_w)
             got, want = out[0], ref_full(full_a, full_w)
+            if "fp8" in name:
+              check["rel_err_vs_plain"] = rel_err(got, want)
+              want = _one_rank_fp8_reference(kind, smap, one)(full_a, full_w)
           else:
             out = jax.jit(fn)(a_s, w_s)
             want_all = ref8 if "fp8" in name else ref
@@ -183,8 +200,7 @@ def run(args) -> dict:
       for name, (fn, fargs) in timed.items():
         if not on_gpu:
           continue
-        t = device_time_ms(jax.jit(fn), fargs, args.iters, 1 if name in ("cublas",) or
-                           name.startswith("gemm") else tp)
+        t = device_time_ms(jax.jit(fn), fargs, args.iters, 1 if fargs[0] is full_a else tp)
         case["variants"].setdefault(name, {}).update(t)
         _write(args, results)
       _ratios(case)
@@ -197,6 +213,31 @@ def ref_full(a, w):
   """One rank's matmul with XLA (cuBLAS on the GPU), bf16 out of an fp32 accumulator."""
   import jax.numpy as jnp
   return jnp.einsum("btk,kn->btn", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+def _one_rank_fp8_reference(kind, smap, one):
+  """The compressed reference at n = 1 (encode, decode, matmul): what ``gemm_fp8`` computes.
+  Compiled without excess precision: with no collective between the encode and the decode,
+  XLA would otherwise fold the FP8 round trip away (on the GPU it did, for the
+  reduce-scatter's, and the reference came out uncompressed)."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from pallas_kernels import ag_matmul, matmul_rs
+  if kind == "ag":
+    f = lambda x, w: ag_matmul.all_gather_matmul_reference(x, w, "tensor", fp8=FP8)[0]
+  else:
+    f = lambda y, w: matmul_rs.matmul_reduce_scatter_reference(y, w, "tensor", fp8=FP8)
+  fn = jax.jit(smap(f, mesh=one, in_specs=(P(), P()), out_specs=P()))
+  return lambda a, w: fn.lower(a, w).compile(
+      compiler_options={"xla_allow_excess_precision": False})(a, w)
+
+
+def _jax_gemm(a, w):
+  """jax's Hopper matmul example on one rank's full matmul, with our default tiles."""
+  from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+  cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+  b, t, k = a.shape
+  return (hm.matmul(a.reshape(b * t, k), w, None, cfg).reshape(b, t, -1),)
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
@@ -236,6 +277,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                      out_specs=(out_spec, P())), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()),
                                 out_specs=(P(), gathered)), True)
+      out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()),
+                                    out_specs=(P(), gathered)), True)
   else:
     out["xla"] = smap(lambda y, w: (rs.matmul_reduce_scatter_reference(y, w, t),), mesh=mesh,
                       in_specs=(a_spec, w_spec), out_specs=(out_spec,))
@@ -257,6 +300,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
+      out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
+                               True)
   return out
 
 
@@ -288,7 +333,7 @@ def _line(case) -> str:
 def _write(args, results):
   import jax
   results["date"] = results.get("date") or datetime.datetime.now().isoformat()
-  path = results_path("bench_collective_matmul", args, num_devices=results["tp"],
+  path = results_path("bench_collective_matmul", args, num_devices=results["gpus"],
                       platform=jax.default_backend(), date=results["date"])
   args.out_dir = str(path.parent)
   path.write_text(json.dumps(results, indent=1, default=str))

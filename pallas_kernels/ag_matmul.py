@@ -6,9 +6,12 @@ rank's sequence shard and the gathered x ``[B, T = n S, K]`` the full sequence, 
 (rows ``c S .. (c + 1) S`` of every sequence) coming from rank c. The kernel computes the
 chunks in ring order: at step s it multiplies chunk ``c = (r + s) mod n`` and, as each A
 block of that chunk passes through shared memory, copies it on to rank ``r - 1``
-(``plgpu.remote_ref``), which multiplies it at step s + 1. A semaphore counts the SMs whose
-copies of a step have landed; a step starts once its chunk is complete. The gathered x is
-an output as well: the weight gradient needs it and must not gather again.
+(``plgpu.remote_ref``), which multiplies it at step s + 1. A semaphore per step counts the
+SMs whose copies of that step have landed; a step starts once its chunk is complete. Every
+output tile of a row forwards a share of that row's A blocks (tile column j the blocks
+k = j mod the columns), so the copies spread evenly over all SMs and the whole step, at a
+rate the link sustains, instead of a few SMs stalling on them. The gathered x is an output
+as well: the weight gradient needs it and must not gather again.
 
 Compressed (``fp8=True``), what travels is the codec's FP8 codes ``[B, S, K]`` and one fp32
 multiplier per group of G codes, ``scale / alpha`` (``decode.group_multiplier``), laid out
@@ -148,6 +151,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   fp8 = mult_GR is not None
   rows, k = a_RK.shape
   t_rows, n_out = rows * n, w_KN.shape[1]
+  n_tiles = n_out // t.cta_n  # output tiles per row: each forwards a share of the A blocks
   at = _Rows(s, n * s, t.cta_m)
   a_op = gemm.Operand((t.cta_m, t.tile_k), a_RK.dtype, lambda kk: (0, kk))
   loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k, delay_release=1)
@@ -162,9 +166,9 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     mine, (w_ref,), src, (y_ref,), xg, sent = gemm.split_refs(
         refs, n_arrays, 1, extra, 1, n_arrays, extra)
     src = src or xg  # the peers write the gathered arrays themselves
-    r, sem = gemm.rank_and_semaphore(axis_name, rank, n, local)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, max(n - 1, 1))
     prev = lax.rem(r + n - 1, n)
-    peer = sent if sem is None else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
+    peer = sent if sems is None else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(mine[0], w_ref),
                        collective_axes=gemm.WG)
@@ -189,13 +193,21 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
         def after_mma(m_idx, n_idx, k_idx, blocks, c=c, dests=dests):
           row = at.gathered(c, m_idx)
+          sender = lax.axis_index(gemm.WG) == 0
+          mine = lax.rem(k_idx, n_tiles) == n_idx
 
-          @pl.when((lax.axis_index(gemm.WG) == 0) & (n_idx == 0))
+          # A block is released one step after its own (delay_release=1): the copies of the
+          # last step must have read it by the end of this one
+          @pl.when(sender & mine)
           def _send():
             for dest in dests:
               plgpu.copy_smem_to_gmem(blocks[0], dest[0].at[
                   pl.ds(row, t.cta_m), pl.ds(k_idx * t.tile_k, t.tile_k)])
             plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
+
+          @pl.when(sender & ~mine)
+          def _drain():
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         def epilogue(m_idx, n_idx, wg, acc, c=c):
           row0, col0 = t.wg_offsets(wg)
@@ -208,13 +220,13 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  decode=mults.decoder(dtype, scratch) if fp8 else None,
                  before_tile=before_tile if fp8 else None,
                  after_mma=after_mma if dests else None)
-        if forward and sem is not None:  # chunk c is on rank r - 1 once every SM's copies landed
+        if forward and sems is not None:  # chunk c is on rank r - 1 once every SM's copies landed
           @pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))
-          def _signal():
+          def _signal(step=step):
             plgpu.wait_smem_to_gmem(0)
-            pl.semaphore_signal(sem, device_id={axis_name: prev})
+            pl.semaphore_signal(sems.at[step], device_id={axis_name: prev})
 
-          pl.semaphore_wait(sem, value=(step + 1) * signals, decrement=False)
+          pl.semaphore_wait(sems.at[step], value=signals, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   gathered_types = [jax.ShapeDtypeStruct((t_rows, k), a_RK.dtype)]

@@ -5,11 +5,15 @@ FP8-compressed.
 Inside a ``jax.shard_map`` over ``axis`` (n ranks; this rank r), y ``[B, T, F]`` is this
 rank's slice of the features for the full sequence and w ``[F, D]`` its rows of the weight;
 rank c owns chunk c of the sequence (rows ``c S .. (c + 1) S`` of every sequence, S = T / n)
-of the sum over ranks. The kernel computes the chunks in the order ``c = r + 1, ..., r + n``
-(its own last). Each partial output tile of a peer's chunk goes, straight from the epilogue,
-into slot r of that peer's receive buffer (``plgpu.remote_ref``), while the next tiles are
-computed. A semaphore counts the senders' SMs that finished; once all have, the own chunk's
-epilogue adds the received partials to its accumulator, in fp32.
+of the sum over ranks. Each partial output tile of a peer's chunk goes, straight from the
+epilogue, into slot r of that peer's receive buffer (``plgpu.remote_ref``), while the next
+tiles are computed; the own chunk's epilogue adds the received partials to its accumulator,
+in fp32. The row tiles of every chunk come in ``phases`` groups (``schedule``): phase p of
+each peer's chunk (``c = r + 1, ..., r + n - 1``), then phase p - 1 of the own chunk, whose
+partials the peers sent one phase earlier. So the transfers run beside compute all through
+the kernel, instead of the own chunk waiting for the last partial of every peer. A
+semaphore per phase counts the senders' SMs that finished it; the own phase starts once all
+have.
 
 Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
 groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
@@ -67,9 +71,14 @@ TILING = gemm.Tiling(stages=3)
 FP8_TILING = gemm.Tiling(stages=3, epi_n=32)  # G = tile_n = 128; the codes' buffers too
 
 
-def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None):
+MAX_PHASES = 4
+
+
+def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None,
+           phases: int | None = None):
   """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
-  tiles (and, for the FP8 kernel, groups of ``group_size``), or None when it can."""
+  tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups),
+  or None when it can."""
   b, t, f = y_shape
   if w_shape[0] != f:
     return f"y {tuple(y_shape)} and w {tuple(w_shape)} do not contract"
@@ -78,7 +87,30 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None
   if group_size is not None and group_size != tiling.tile_n:
     return (f"the FP8 kernel encodes groups of its tile_n ({tiling.tile_n}) columns, "
             f"not {group_size}")
-  return tiling.misfit(rows_per_seq=t // n, m=b * t // n, n=w_shape[1], k=f)
+  reason = tiling.misfit(rows_per_seq=t // n, m=b * t // n, n=w_shape[1], k=f)
+  row_tiles = b * t // n // tiling.cta_m
+  if reason is None and phases is not None and (phases < 1 or row_tiles % phases):
+    return f"{phases} phases do not divide the chunk's {row_tiles} row tiles"
+  return reason
+
+
+def default_phases(row_tiles: int) -> int:
+  """The most phases, up to ``MAX_PHASES``, that divide a chunk's row tiles evenly."""
+  return max(p for p in range(1, MAX_PHASES + 1) if row_tiles % p == 0)
+
+
+def schedule(n: int, phases: int) -> list[tuple[int, int]]:
+  """The order of a rank's work: ``(q, p)`` is phase p of chunk ``r + q`` (q = n: its own).
+  Phase p of every peer's chunk comes one phase before phase p of the own chunk, which
+  waits for the peers' partials of that phase: every rank sends what the others wait for
+  before it waits itself."""
+  order = []
+  for p in range(phases + 1):
+    if p < phases:
+      order += [(q, p) for q in range(1, n)]
+    if p > 0:
+      order.append((n, p - 1))
+  return order
 
 
 class _Epilogues:
@@ -180,7 +212,7 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, fp8=None, received=None):
+          num_sms: int, out_dtype, phases: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): the receive slots' arrays that peers would have written. Returns the
   output rows ``[B S, D]``, the receive slots, and in local mode the partials sent."""
@@ -204,8 +236,9 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     (y_ref, w_ref), inbox, (out_ref,), slots, sent = gemm.split_refs(
         refs, 2, extra, 1, n_slots, extra)
     inbox = inbox or slots  # the peers write the receive slots themselves
-    r, sem = gemm.rank_and_semaphore(axis_name, rank, n, local)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, phases)
     epi = epilogues(scratch=scratch)
+    phase_tiles = out_rows // t.cta_m // phases
 
     def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
       row = m_idx * t.cta_m
@@ -214,15 +247,16 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
-      for step in range(1, n + 1):
-        c = lax.rem(r + step, n)
-        own = step == n
-        if own and sem is not None:  # every peer's partials of this rank's chunk have landed
-          pl.semaphore_wait(sem, value=(n - 1) * signals, decrement=False)
+      for q, p in schedule(n, phases):
+        c = lax.rem(r + q, n)
+        own = q == n
+        first = p * phase_tiles  # the phase's first row tile
+        if own and sems is not None:  # every peer's partials of this phase have landed
+          pl.semaphore_wait(sems.at[p], value=(n - 1) * signals, decrement=False)
 
-        def epilogue(m_idx, n_idx, wg, acc, c=c, own=own):
+        def epilogue(m_idx, n_idx, wg, acc, c=c, own=own, first=first):
           row0, col0 = t.wg_offsets(wg)
-          row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
+          row, col = (first + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
           if own:
             epi.finish(acc, wg, r, row, col, inbox, out_ref)
             return
@@ -232,14 +266,15 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
           epi.send(acc, wg, row, col, [tuple(dest) + ((None,) if fp8 is None else ())])
 
-        loop.run(allocs, m=out_rows, n=d,
-                 a_refs=lambda m_idx, c=c: [y_ref.at[pl.ds(y_row(c, m_idx), t.cta_m)]],
+        loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
+                 a_refs=lambda m_idx, c=c, first=first: [
+                     y_ref.at[pl.ds(y_row(c, first + m_idx), t.cta_m)]],
                  w_ref=w_ref, epilogue=epilogue)
-        if not own and sem is not None:  # this SM's partials of chunk c are on rank c
+        if not own and sems is not None:  # this SM's partials of (c, p) are on rank c
           @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
-          def _signal(c=c):
+          def _signal(c=c, p=p):
             plgpu.wait_smem_to_gmem(0)
-            pl.semaphore_signal(sem, device_id={axis_name: c})
+            pl.semaphore_signal(sems.at[p], device_id={axis_name: c})
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
@@ -252,27 +287,29 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
-                          num_sms: int, out_dtype=None, fp8=None, rank=None, n=None,
-                          received=None):
+                          num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
+                          rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
-  compressed kernel. ``num_sms``: the GPU's multiprocessor count. Local mode: ``rank``,
+  compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
+  groups of the schedule (default ``default_phases``). Local mode: ``rank``,
   ``n`` and ``received`` (the receive slots' arrays, sender p in slot p; see
   ``slot_shapes``); it returns ``(out, sent)``, the partials sent in slot c for rank c."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
-  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"])
+  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
+  phases = phases or default_phases(b * t_len // n // tiling.cta_m)
   if fp8 is not None:
     fp8 = dict(fmt=fp8["fmt"], dual_scale=fp8["dual_scale"], lam=fp8["lam"],
                codes_dtype=jnp.dtype(FP8_DTYPES[fp8["fmt"]]))
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or y_BTF.dtype, fp8=fp8, received=received)
+              out_dtype=out_dtype or y_BTF.dtype, phases=phases, fp8=fp8, received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

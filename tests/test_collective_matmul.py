@@ -41,8 +41,9 @@ def _bf16(key, shape, scale=1.0):
 def test_all_gather_matmul_kernel_per_rank():
   """Each rank's output rows equal the gathered x @ w (fp32 accumulation, bf16 out), its
   own chunk lands in the gathered x, and it forwards every chunk but the one rank r - 1
-  started from to rank r - 1."""
-  n, b, s, k, nout = 2, 2, 64, 128, 128
+  started from to rank r - 1. Two by two output tiles per chunk: the tile order
+  (``plgpu.planar_snake``) visits each once."""
+  n, b, s, k, nout = 2, 2, 64, 128, 256
   kx, kw = jax.random.split(jax.random.key(1))
   x_full = _bf16(kx, (b, n * s, k))
   w = _bf16(kw, (k, nout), k ** -0.5)
@@ -86,8 +87,10 @@ def _exchange(n, fp8, ys, ws, slots):
 
 def test_matmul_reduce_scatter_kernel_per_rank():
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
-  sends to rank c is its own partial of chunk c, in bf16."""
-  n, b, s, f, d = 2, 1, 64, 128, 128
+  sends to rank c is its own partial of chunk c, in bf16. Two row tiles per chunk: the
+  schedule runs them as two phases."""
+  n, b, s, f, d = 2, 2, 64, 128, 128
+  assert matmul_rs.default_phases(b * s // TILING.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
@@ -158,6 +161,20 @@ def test_decode_tile_is_the_codecs_decode():
                                 np.asarray(want, np.float32))
 
 
+@pytest.mark.parametrize("n, phases", [(1, 1), (2, 1), (2, 4), (4, 3)])
+def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
+  """Every (chunk, phase) once; a rank's own phase p (which waits for the peers' partials of
+  phase p) comes after it sent its own partials of phase p to every peer, and the peers'
+  phase p + 1 comes before it too, so the link has work while the own phase computes."""
+  order = matmul_rs.schedule(n, phases)
+  assert sorted(order) == sorted((q, p) for q in range(1, n + 1) for p in range(phases))
+  for p in range(phases):
+    own = order.index((n, p))
+    assert all(order.index((q, p)) < own for q in range(1, n))
+    if p + 1 < phases:
+      assert all(order.index((q, p + 1)) < own for q in range(1, n))
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 100), jnp.bfloat16),
                                          jnp.zeros((100, 128), jnp.bfloat16), "t",
@@ -179,6 +196,11 @@ def test_decode_tile_is_the_codecs_decode():
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), fp8=dict(FP8, group_size=128)),
      "encodes groups of its tile_n"),
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=2,
+                                             received=(), phases=3),
+     "3 phases do not divide the chunk's 2 row tiles"),
 ])
 def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
