@@ -2,11 +2,16 @@
 
 MIN_BYTES[link][devices][collective]: the smallest message (bytes per device) from
 which the compressed collective beat bf16 at every larger measured size, on that
-link with that many devices in the axis; None where it never did."""
+link with that many devices in the axis; None where it never did.
+
+KERNEL_MIN_BYTES: the same for the fused collective-matmul kernels
+(bench_collective_matmul: the FP8 kernel against the plain kernel, by the message
+the plain collective would send)."""
 
 SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'collectives_nvlink_4gpu_20261121.json',
- 'collectives_p2p_disabled_4gpu_20261121.json']
+ 'collectives_p2p_disabled_4gpu_20261121.json',
+ 'bench_collective_matmul_nvlink_2gpu_20261123.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
@@ -15,3 +20,5 @@ MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_s
  'p2p_disabled': {4: {'all_gather': 1048576,
                       'all_reduce': 16777216,
                       'reduce_scatter': 1048576}}}
+
+KERNEL_MIN_BYTES = {'nvlink': {2: {'all_gather': None, 'reduce_scatter': None}}}

@@ -72,7 +72,8 @@ class CompressionConfig:
       return None
     return "p2p_disabled" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
 
-  def pays_for(self, collective: str, nbytes: int, axis_size: int | None = None) -> bool:
+  def pays_for(self, collective: str, nbytes: int, axis_size: int | None = None, *,
+               kernel: bool = False) -> bool:
     """Whether ``collective`` over ``axis_size`` devices should compress ``nbytes`` per device.
 
     Without a link: from ``min_bytes`` on. With one (``resolved_link``: the label of a
@@ -80,11 +81,15 @@ class CompressionConfig:
     measured compressed collective beat bf16, never where it never did. An axis size that was not
     measured on that link takes the most cautious of the measured ones; a collective that
     was not measured (ppermute) falls back to ``min_bytes``. The larger bound wins.
+    ``kernel``: for the fused collective-matmul kernel of ``collective`` (its compressed
+    kernel against its plain one, ``_measured.KERNEL_MIN_BYTES``), ``nbytes`` being what the
+    plain collective would send.
     """
     if nbytes < self.min_bytes:
       return False
     link = self.resolved_link()
-    by_size = _measured.MIN_BYTES.get(link, {}) if link else {}
+    table = _measured.KERNEL_MIN_BYTES if kernel else _measured.MIN_BYTES
+    by_size = table.get(link, {}) if link else {}
     rows = [by_size[axis_size]] if axis_size in by_size else list(by_size.values())
     found = [r[collective] for r in rows if collective in r]
     if not found:

@@ -97,10 +97,11 @@ def recording_decisions():
 
 
 def compresses(collective: str, x, compression: CompressionConfig | None,
-               axis_size: int | None = None) -> bool:
+               axis_size: int | None = None, *, kernel: bool = False) -> bool:
   """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
   x (the local input, as passed to it) compressed: static, from shapes and the config.
-  Without ``axis_size``, a ``link`` threshold is the most cautious measured one.
+  Without ``axis_size``, a ``link`` threshold is the most cautious measured one. ``kernel``:
+  inside a fused collective-matmul kernel (its own measured thresholds).
 
   With a codec, x must be a floating-point array of at least one dimension whatever its
   size (a TypeError / ValueError naming the collective otherwise), so that whether a call
@@ -113,7 +114,8 @@ def compresses(collective: str, x, compression: CompressionConfig | None,
       raise ValueError(f"{collective}: compression needs an array with at least one "
                        "dimension (groups run along the last), got a scalar")
   nbytes = x.size * x.dtype.itemsize
-  decision = compression is not None and compression.pays_for(collective, nbytes, axis_size)
+  decision = compression is not None and compression.pays_for(collective, nbytes, axis_size,
+                                                              kernel=kernel)
   if _decisions is not None and compression is not None:
     _decisions.append((collective, nbytes, decision))
   return decision

@@ -71,5 +71,27 @@ def test_unknown_link_is_a_clear_error():
     CompressionConfig(link="infiniband")
 
 
+KERNEL_MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.KERNEL_MIN_BYTES.items())
+                   for n, row in sorted(by_n.items()) for coll, t in sorted(row.items())]
+
+
+@pytest.mark.parametrize("link,n,collective,threshold", KERNEL_MEASURED)
+def test_kernels_have_their_own_measured_sizes(link, n, collective, threshold):
+  """`kernel=True` reads the collective-matmul kernels' thresholds, not the collectives'."""
+  cfg = CompressionConfig(link=link)
+  if threshold is None:
+    assert not any(cfg.pays_for(collective, 1 << k, n, kernel=True) for k in range(40))
+  else:
+    assert not cfg.pays_for(collective, threshold - 1, n, kernel=True)
+    assert cfg.pays_for(collective, threshold, n, kernel=True)
+
+
+def test_first_win_needs_every_point_from_that_size_on():
+  assert report._first_win([(1, False), (2, True), (2, True), (4, True)]) == 2
+  assert report._first_win([(2, True), (4, True), (4, False)]) is None  # a tie of sizes
+  assert report._first_win([(1, True), (2, False), (4, True)]) == 4
+  assert report._first_win([]) is None
+
+
 def test_readme_and_thresholds_are_generated_from_the_results():
   assert report.main(["--check"]) == 0, "run python -m benchmarks.report"

@@ -10,9 +10,11 @@ one fused kernel:
   matmul_scatter(y_BTF, w_FD)  forward: matmul + reduce-scatter; backward: the all-gather +
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
 
-Each collective is compressed when the codec of its direction pays for the message the
-plain collective would send (`collectives.compresses`: thresholds and link as there); the
-FP8 kernels take the codec's codes (the same codes as `taco_jax.codec`).
+Each kernel is compressed when the codec of its direction pays there: from the message
+size at which the FP8 kernel beat the plain one on that link (`CompressionConfig.pays_for`
+with ``kernel=True``, measured by `benchmarks/bench_collective_matmul.py`); the FP8 kernels
+take the codec's codes (the same codes as `taco_jax.codec`). A collective that falls back
+to XLA is compressed as the XLA collective would be.
 
 Where a kernel cannot run (no Hopper GPU; ``NCCL_P2P_DISABLE=1``, which marks runs without
 peer access; shapes its tiles do not divide; a codec with the Hadamard transform, which
@@ -75,24 +77,25 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
-  codec = codec_if_pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n)
-  if codec is None:
+  kcodec = codec_if_pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n, kernel=True)
+  if kcodec is None:
     misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling())
   else:
     misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, ag_matmul.FP8_TILING,
-                              codec.group_size)
-  problem = _kernel_problem(misfit, codec)
-  if problem is None and codec is None:
+                              kcodec.group_size)
+  problem = _kernel_problem(misfit, kcodec)
+  if problem is None and kcodec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, num_sms=gemm.num_sms())
   if problem is None:
     b, s, d = x_BSD.shape
-    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec))
+    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(kcodec))
     y, codes_full, mult = ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
-        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=gemm.num_sms())
-    return y, ag_matmul.decode_gathered(codes_full, mult, group_size=codec.group_size,
+        group_size=kcodec.group_size, dtype=x_BSD.dtype, num_sms=gemm.num_sms())
+    return y, ag_matmul.decode_gathered(codes_full, mult, group_size=kcodec.group_size,
                                         dtype=x_BSD.dtype)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
+  codec = codec_if_pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n)
   x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True, compression=codec)
   return jnp.einsum("btd,df->btf", x_full, w_DF), x_full
 
@@ -105,16 +108,18 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
     raise ValueError(f"matmul_scatter: sequence length {y_BTF.shape[SEQ]} of {y_BTF.shape} "
                      f"is not divisible by the size {n} of axis {axis_name!r}")
   dtype = jnp.result_type(y_BTF, w_FD)
-  codec = codec_if_pays(codec, "reduce_scatter", (*y_BTF.shape[:-1], w_FD.shape[1]), dtype, n)
-  tiling = matmul_rs.TILING if codec is None else matmul_rs.FP8_TILING
+  partial = (*y_BTF.shape[:-1], w_FD.shape[1])
+  kcodec = codec_if_pays(codec, "reduce_scatter", partial, dtype, n, kernel=True)
+  tiling = matmul_rs.TILING if kcodec is None else matmul_rs.FP8_TILING
   misfit = matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling,
-                            codec and codec.group_size)
-  problem = _kernel_problem(misfit, codec)
+                            kcodec and kcodec.group_size)
+  problem = _kernel_problem(misfit, kcodec)
   if problem is None:
     return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling,
                                            num_sms=gemm.num_sms(),
-                                           fp8=codec and _fp8(codec))
+                                           fp8=kcodec and _fp8(kcodec))
   _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_FD.shape}")
+  codec = codec_if_pays(codec, "reduce_scatter", partial, dtype, n)
   return collectives.reduce_scatter(jnp.einsum("btf,fd->btd", y_BTF, w_FD), axis_name,
                                     scatter_dimension=SEQ, compression=codec)
 

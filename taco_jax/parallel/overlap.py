@@ -34,10 +34,12 @@ from taco_jax.codec import CompressionConfig, from_wire, to_wire
 SEQ = 1  # the sequence axis of [B, T, D] activations
 
 
-def codec_if_pays(codec: CompressionConfig | None, collective: str, shape, dtype, n: int):
-  """`codec` if the direct `collective` would send a [shape] `dtype` message with it."""
+def codec_if_pays(codec: CompressionConfig | None, collective: str, shape, dtype, n: int, *,
+                  kernel: bool = False):
+  """`codec` if the direct `collective` would send a [shape] `dtype` message with it; with
+  `kernel`, if its fused collective-matmul kernel would (`CompressionConfig.pays_for`)."""
   message = jax.ShapeDtypeStruct(shape, dtype)
-  return codec if collectives.compresses(collective, message, codec, n) else None
+  return codec if collectives.compresses(collective, message, codec, n, kernel=kernel) else None
 
 
 def _chunk(a, c, size: int):
