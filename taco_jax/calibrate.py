@@ -3,9 +3,10 @@
 
 1. Capture: run N training steps of the config (from the latest checkpoint of the trained
    run in --workdir, read only; without it from init, which the run warns about: an
-   untrained model's tensors are not the ones that matter) with a `quality.Capture` watching: every message a compressed
-   collective sends (forward activations and, in the backward pass, their gradients; the
-   pipeline shift; the DP gradient buffer) is copied to the host per site (`quality.SITES`).
+   untrained model's tensors are not the ones that matter) with a `quality.Capture`
+   watching: every message a compressed collective sends (forward activations and, in the
+   backward pass, their gradients; the pipeline shift; the DP gradient buffer) is copied to
+   the host per site (`quality.SITES`).
 2. Measure: every codec setting of the grid (format x group size x Hadamard on/off) is
    applied to each site's tensors (encode -> u8 wire -> decode); per site: relative L2 error
    ||x_hat - x|| / ||x|| over all its tensors (rel_l2), max |x_hat - x|, that max / max |x|,
@@ -29,8 +30,8 @@
    `compression.sites.<site>` for each collective whose own choice differs from its
    family's, and `name` = the file's stem, so that it trains in its own workdir) that
    `python -m taco_jax.train --config=<out>` runs, and a JSON report beside it (every
-   measurement, the choices). Every collective is compared against its family's codec; site overrides
-   already in the config are replaced.
+   measurement, the choices). Every collective is compared against its family's codec;
+   site overrides already in the config are replaced.
 
 Families the config leaves uncompressed are not measured and stay uncompressed.
 """

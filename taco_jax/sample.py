@@ -67,7 +67,7 @@ def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
   finally:
     ckpt.close()
   if stacked:
-    params.replace_by_pure_dict(model_lib.from_parallel(restored))
+    nnx.replace_by_pure_dict(params, model_lib.from_parallel(restored))
   else:
     params = restored
   nnx.update(model, params)
