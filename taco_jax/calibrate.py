@@ -45,6 +45,7 @@ import json
 import pathlib
 import pprint
 import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -327,10 +328,11 @@ def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
   out = pathlib.Path(out)
   table = "\n".join(f"  {fam}: {describe(c)}" for fam, c in choices.items())
   source = f"the trained run {workdir}" if workdir else "an untrained model"
-  header = (f"{out.stem}: {config.name} calibrated by `python -m taco_jax.calibrate` on {steps} "
-            f"steps of {source} ({datetime.date.today()}); report: "
-            f"{out.with_suffix('.json').name}.\n\nChosen per family (lowest mean score = "
-            f"rel_l2 + share of elements off by > 1/8, at <= the config's wire bytes):\n{table}")
+  header = textwrap.fill(
+      f"{out.stem}: {config.name} calibrated by `python -m taco_jax.calibrate` on {steps} "
+      f"steps of {source} ({datetime.date.today()}); report: {out.with_suffix('.json').name}."
+      " Chosen per family: the lowest mean score (rel_l2 + share of elements off by > 1/8)"
+      " at <= the config's wire bytes:", 90) + f"\n{table}"
   out.parent.mkdir(parents=True, exist_ok=True)
   sites = site_sections(plan, choices)
   out.write_text(config_source(config, calibrated_sections(plan, choices),
