@@ -12,7 +12,7 @@ from tensorboardX import SummaryWriter
 # substring of JAX's device_kind ("NVIDIA H100 80GB HBM3"); the first match wins, so more
 # specific names come first.
 PEAK_BF16_FLOPS = (
-    ('H100 PCIe', 756e12), ('H100', 989e12), ('H200', 989e12), ('H800', 989e12),
+    ('H100 PCIe', 756e12), ('H100', 989.4e12), ('H200', 989.4e12), ('H800', 989.4e12),
     ('GB200', 2.5e15), ('B200', 2.25e15), ('A100', 312e12), ('L40S', 362e12),
 )
 
