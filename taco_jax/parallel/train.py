@@ -159,9 +159,10 @@ def _report_plain_messages(by_collective: dict) -> None:
   plain = {c: r for c, r in by_collective.items() if r["plain"]}
   if plain:
     tqdm.write("sent plain, below the size from which compression pays (compression.*.link / "
-          "min_bytes): " + "; ".join(
-              f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
-              f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)" for c, r in plain.items()))
+               "min_bytes): " + "; ".join(
+                   f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
+                   f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)"
+                   for c, r in plain.items()))
 
 
 def main(argv=None):
