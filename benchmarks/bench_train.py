@@ -478,7 +478,7 @@ def main(argv=None) -> pathlib.Path:
   print(f"{args.model} GPT, seq {args.seq}, batch {args.batch}, {n}x {env['device_kind']}, "
         f"{attention['backend']} attention, bf16 matmul ceiling {ceiling['tflops']:.0f} TFLOP/s, "
         f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE')}")
-  print(f"mfu: against the spec peak ({common.PEAK_BF16_TFLOPS.get(env['device_kind'])} "
+  print(f"mfu: against the spec peak ({common.peak_tflops(env['device_kind'])} "
         f"TFLOP/s); mfu_of_measured: against the bf16 matmul ceiling measured above; "
         f"peak_gib, temp_gib: the compiled step's peak memory and temporaries per device")
   gib = lambda b: None if b is None else b / 2**30  # noqa: E731

@@ -59,13 +59,18 @@ def _looped(fn: Callable, inner: int, compiler_options: dict | None = None) -> C
       **(compiler_options or {}), "xla_gpu_enable_while_loop_double_buffering": False})
 
 
-# Dense bf16 tensor-core peak (TFLOP/s, no sparsity) by device kind: the MFU denominator.
-PEAK_BF16_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4}
+def peak_tflops(device_kind: str) -> float | None:
+  """Dense bf16 tensor-core peak (TFLOP/s, no sparsity) of `device_kind`, the MFU
+  denominator (the trainer's table, `taco_jax.train.metrics.PEAK_BF16_FLOPS`); None if
+  unlisted."""
+  from taco_jax.train.metrics import peak_flops
+  peak = peak_flops(device_kind)
+  return None if peak is None else peak / 1e12
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, devices: int, device_kind: str):
   """Model FLOP/s utilization against the device's spec peak; None for an unlisted device."""
-  peak = PEAK_BF16_TFLOPS.get(device_kind)
+  peak = peak_tflops(device_kind)
   return None if peak is None else tokens_per_s * flops_per_token / (devices * peak * 1e12)
 
 

@@ -272,10 +272,10 @@ def _mfu(d: dict, r: dict):
 def _mfu_of_measured(d: dict, r: dict):
   """A step's MFU against the bf16 matmul ceiling measured in its run; None where that
   ceiling is above the spec peak (measured before the timing loop's fix) or missing."""
-  from benchmarks.common import PEAK_BF16_TFLOPS
+  from benchmarks.common import peak_tflops
   fpt = d["config"].get("flops_per_token")
   ceiling = d.get("ceilings", {}).get("matmul_bf16", {}).get("tflops")
-  if not (fpt and ceiling) or ceiling > PEAK_BF16_TFLOPS.get(d["device"], float("inf")):
+  if not (fpt and ceiling) or ceiling > (peak_tflops(d["device"]) or float("inf")):
     return None
   return r["tokens_per_s"] * fpt / (d["num_devices"] * ceiling * 1e12)
 

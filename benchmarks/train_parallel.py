@@ -6,7 +6,7 @@ vocab-parallel head costs what it would with a BPE vocab), steps interleaved off
 order alternates every step). Timing: host wall-clock around `block_until_ready` of each
 step (steps are well over 10 ms on the target GPUs); tokens/s from the median step time
 after `--warmup` steps. MFU = model FLOP/s / (devices x the device's dense bf16 peak,
-`common.PEAK_BF16_TFLOPS`); `mfu_of_measured` divides by the bf16 matmul rate measured in
+`common.peak_tflops`); `mfu_of_measured` divides by the bf16 matmul rate measured in
 the same run instead. The compiled program's collective instructions are
 summarized per mesh axis and dtype (`comm_bytes_static`: bytes per device summed over the
 instructions, each counted once even inside the layer / pipeline loops), so the JSON shows

@@ -31,7 +31,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   d.bin_dtype = 'uint16'         # element type of a raw .bin token file: uint8 | uint16
   d.val_fraction = 0.05          # share of files (or of the tail of one file/array) held out
   d.max_corpus_bytes = 32_000_000  # cap on the embedded corpus size
-  d.cache_dir = ''               # where the embedded corpus .npy is cached; '' = the workdir
+  d.cache_dir = ''               # where the embedded corpus .npy is cached; '' = once per user
+  #                                ($TACO_JAX_CACHE, else ~/.cache/taco_jax: data.default_cache_dir)
   d.seq_len = 128                # tokens per training sequence (the model sees seq_len inputs)
   d.batch_size = 32              # sequences per step
 
@@ -52,7 +53,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   t.eval_batches = 8             # validation batches per evaluation (a fixed set)
   t.checkpoint_every = 500       # checkpoint every N steps (and at the end); 0 = only at the end
   t.keep_checkpoints = 2         # how many recent checkpoints to keep
-  t.peak_flops = 989e12          # per-device peak FLOP/s for the MFU estimate (H100 bf16 dense)
+  t.peak_flops = 0.0             # per-device peak FLOP/s for MFU; 0 = the dense bf16 peak of the
+  #                                device kind (known GPUs; no MFU on CPU or an unlisted device)
   t.progress_bar = True          # show a tqdm progress bar
 
   c.parallel = p = ml_collections.ConfigDict()

@@ -48,5 +48,5 @@ def get_config():
   c.data.update(seq_len=64, batch_size=16)
   c.optim.update(lr=2e-3, warmup_steps=20)
   c.train.update(steps=200, log_every=10, eval_every=100, eval_batches=4,
-                 checkpoint_every=100, peak_flops=1e11)
+                 checkpoint_every=100)
   return add_parallel_sections(c, dp=2, pp=2, tp=2, microbatches=2)

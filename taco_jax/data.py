@@ -70,6 +70,15 @@ def _join_files(files, val_fraction: float, max_bytes: int | None):
   return encode(b''.join(train)), encode(b''.join(val))
 
 
+def default_cache_dir() -> pathlib.Path:
+  """Where the embedded corpus is cached once per user: $TACO_JAX_CACHE, else
+  $XDG_CACHE_HOME/taco_jax, else ~/.cache/taco_jax."""
+  if os.environ.get('TACO_JAX_CACHE'):
+    return pathlib.Path(os.environ['TACO_JAX_CACHE'])
+  base = os.environ.get('XDG_CACHE_HOME') or pathlib.Path.home() / '.cache'
+  return pathlib.Path(base) / 'taco_jax'
+
+
 def stdlib_corpus(cache_dir: str | os.PathLike, *, val_fraction: float,
                   max_bytes: int) -> Corpus:
   """The embedded corpus, built once and cached as .npy under `cache_dir`."""

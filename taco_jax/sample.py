@@ -1,8 +1,8 @@
 """Generate text from a trained workdir: `python -m taco_jax.sample --workdir=workdir/tiny`.
 
-Rebuilds the model from <workdir>/config.json, restores the latest checkpoint's params,
-and samples byte tokens one at a time (no KV cache: each step reruns the jitted model
-on the last `max_seq_len` tokens, right-padded to a fixed shape).
+Rebuilds the model from <workdir>/config.json, restores the latest checkpoint's params (of
+either trainer), and samples byte tokens one at a time (no KV cache: each step reruns the
+jitted model on the last `max_seq_len` tokens, right-padded to a fixed shape).
 """
 from __future__ import annotations
 
@@ -12,13 +12,16 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig
+from models.gpt import GPT
 from taco_jax import data
-from taco_jax.train import checkpoint, step as step_lib
+from taco_jax.parallel import mesh as mesh_lib, model as model_lib
+from taco_jax.train import checkpoint
+from taco_jax.train.config import parallel_reason
 
 
 def define_flags() -> None:
@@ -32,21 +35,63 @@ def define_flags() -> None:
 
 
 def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
-  """(model with the latest checkpoint's params, its step). Errors name what is missing."""
+  """(model with the latest checkpoint's params, its step), from a run of either trainer:
+  a 3D-parallel run's checkpoint (stacked layers, `taco_jax.parallel.model`) is restored
+  onto one device and unstacked into the single-device model. Errors say in one line what
+  is missing or cannot be read."""
   workdir = pathlib.Path(workdir)
   cfg_path = workdir / 'config.json'
   if not cfg_path.exists():
     raise FileNotFoundError(f'{cfg_path} not found: --workdir must be a training workdir')
-  cfg = GPTConfig.from_dict(json.loads(cfg_path.read_text())['model'])
+  config = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))
+  cfg = model_lib.model_config(config.model)
   ckpt = checkpoint.Checkpoints(workdir)
   step = ckpt.latest_step()
   if step is None:
     raise FileNotFoundError(f'no checkpoint in {ckpt.directory}')
-  model = step_lib.build_model(cfg, 0)
-  graphdef, params = nnx.split(model)
-  params, _, _ = ckpt.restore(step, params)
-  ckpt.close()
-  return nnx.merge(graphdef, params), step
+  model = model_lib.single_device_model(cfg)
+  params = nnx.state(model, nnx.Param)
+  stacked = bool(parallel_reason(config))  # the parallel trainer's layout
+  if stacked:
+    mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
+    target = model_lib.abstract_params(cfg, mesh)
+  else:
+    target = params
+  try:
+    _check_shapes(ckpt.stored_shapes(step), target)
+    restored, _, _ = ckpt.restore(step, target)
+  except Exception as e:  # noqa: BLE001 - orbax explains a mismatch in hundreds of lines
+    lines = str(e).strip().splitlines() or [type(e).__name__]
+    raise ValueError(f'cannot read checkpoint {ckpt.directory / str(step)} as the model of '
+                     f'{cfg_path}: {lines[0][:300]}') from e
+  finally:
+    ckpt.close()
+  if stacked:
+    nnx.replace_by_pure_dict(params, model_lib.from_parallel(restored))
+  else:
+    params = restored
+  nnx.update(model, params)
+  return model, step
+
+
+def _shapes_by_name(tree, is_leaf=None) -> dict:
+  """{'blocks/0/qkv/kernel': shape} of a params tree, however it nests (nnx.State keeps
+  each array under 'value'; a checkpoint's keys are strings)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf):
+    keys = [str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k)))) for k in path]
+    out['/'.join(k for k in keys if k != 'value')] = tuple(getattr(leaf, 'shape', leaf))
+  return out
+
+
+def _check_shapes(stored, target) -> None:
+  """Raises ValueError naming the first parameter whose stored shape is not the model's."""
+  want = _shapes_by_name(target)
+  have = _shapes_by_name(stored, is_leaf=lambda x: isinstance(x, tuple))
+  for name in sorted(set(want) | set(have)):
+    if want.get(name) != have.get(name):
+      raise ValueError(f'parameter {name} is {have.get(name)} in the checkpoint but '
+                       f'{want.get(name)} in the model')
 
 
 def generate(model: GPT, prompt_tokens, max_new_tokens: int, *, temperature: float = 0.8,

@@ -39,7 +39,7 @@ def test_model_sizes():
     ('train', 'steps', 0, 'train.steps=0 must be a positive integer'),
     ('train', 'eval_every', -5, 'train.eval_every=-5'),
     ('optim', 'lr', 0.0, 'optim.lr=0.0 must be a positive number'),
-    ('optim', 'warmup_steps', 100, 'optim.warmup_steps=100 must be in [0, train.steps=8]'),
+    ('optim', 'warmup_steps', -1, 'optim.warmup_steps=-1 must be an integer >= 0'),
     ('model', 'attention', 'cudnn', "model.attention=cudnn: cuDNN flash attention refuses q "
      "(1, 32, 2, 16) float32: no GPU (backend 'cpu'); use attention=auto or xla"),
 ])

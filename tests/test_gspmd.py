@@ -33,7 +33,7 @@ def _leaves(tree):
 def reference():
   model = model_lib.single_device_model(CFG, seed=0)
   (loss, _), grads = jax.value_and_grad(lambda m: loss_fn(m, _tokens()), has_aux=True)(model)
-  par = lambda s: model_lib.to_parallel(nnx.state(s, nnx.Param).to_pure_dict())
+  par = lambda s: model_lib.to_parallel(nnx.to_pure_dict(nnx.state(s, nnx.Param)))
   return float(loss), jax.device_get(par(grads))
 
 
@@ -54,7 +54,7 @@ def run(request):
 
 def test_params_are_the_single_device_ones(run):
   model = model_lib.single_device_model(CFG, seed=0)
-  ref = model_lib.to_parallel(nnx.state(model, nnx.Param).to_pure_dict())
+  ref = model_lib.to_parallel(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   for (p, a), (_, b) in zip(_leaves(run["params"]), _leaves(ref), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=p)  # jit vs eager init
   assert run["params"]["blocks"]["mlp_in"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(

@@ -50,7 +50,7 @@ def _tokens():
 
 
 def _parallel(state):
-  return model_lib.to_parallel(nnx.state(state, nnx.Param).to_pure_dict())
+  return model_lib.to_parallel(nnx.to_pure_dict(nnx.state(state, nnx.Param)))
 
 
 @pytest.fixture(scope="module")

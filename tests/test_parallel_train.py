@@ -13,7 +13,9 @@ from taco_jax.parallel.mesh import make_mesh
 from taco_jax.parallel.train import spec_from_config, train, validate
 from taco_jax.parallel import model as model_lib
 from taco_jax.parallel import train as parallel_train
-from taco_jax.train import cli, loop, metrics
+from taco_jax import data
+from taco_jax.train import checkpoint, cli, loop, metrics
+from taco_jax.train.loop import load_data
 
 
 def _config(cache_dir="", **parallel):
@@ -100,17 +102,31 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   assert not any(row["plain"] for row in sent.values()), sent
   losses = [r["loss"] for r in metrics.read_jsonl(tmp_path / "metrics.jsonl") if "loss" in r]
   assert len(losses) == 6 and max(losses[-2:]) < min(losses[:2])
-  # Restore the step-6 checkpoint on the same mesh and on (2, 2, 2), uncompressed: no steps
-  # run, both evaluate the same validation batch and must agree to fp32 rounding.
+  # The same run again: nothing to train, and it says so; with compression off: refused.
+  again = train(_config(cache, dp=2, pp=1, tp=4, microbatches=2), tmp_path)
+  assert again["status"] == "already_done" and again["step"] == 6
+  assert again["val_loss"] == s["val_loss"]  # its summary, kept
+  off = _config(cache, dp=2, pp=1, tp=4, microbatches=2)
+  off.compression.enabled = False
+  with pytest.raises(ValueError, match=r"different compression settings \(compression.enabled "
+                     r"True -> False\); give this run its own --workdir"):
+    train(off, tmp_path)
+  # The step-6 checkpoint restored on the same mesh and on (2, 2, 2), uncompressed: both
+  # evaluate the same validation batch and must agree to fp32 rounding.
   val = []
   for layout in (dict(dp=2, pp=1, tp=4), dict(dp=2, pp=2, tp=2)):
     c = _config(cache, microbatches=2, **layout)
     c.compression.enabled = False
-    r = train(c, tmp_path)
-    assert r["start_step"] == 6 and r["step"] == 6
-    val.append(r["val_loss"])
+    mesh, spec = make_mesh(**layout), spec_from_config(c)
+    ckpt = checkpoint.Checkpoints(tmp_path)
+    params, _, _ = ckpt.restore(6, model_lib.abstract_params(spec.cfg, mesh))
+    ckpt.close()
+    batch = data.batch_at(load_data(c).val, 0, seed=c.seed, stream=1,
+                          batch_size=c.data.batch_size, seq_len=c.data.seq_len)
+    val.append(float(jax.jit(step_lib.make_eval_step(spec, mesh))(
+        params, parallel_train.global_batch(batch, mesh))))
   assert val[0] == pytest.approx(val[1], rel=1e-5)
-  assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["pipeline"] == 2
+  assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["tensor"] == 4
 
 
 def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(

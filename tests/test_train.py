@@ -143,3 +143,32 @@ def test_decay_mask_spares_stacked_norms():
   assert after_one_step(model_lib.decay_mask) == decayed  # callable mask
   assert after_one_step(decayed) == decayed  # pytree of bools
   assert after_one_step()['blocks']['ln1']['scale']  # default (ndim >= 2) decays the stacked norm
+
+
+def test_stop_message_names_only_what_exists():
+  from taco_jax.train.runner import nonfinite_message
+  rec = {'loss': float('nan'), 'grad_norm': 1.0}
+  msg = nonfinite_message(rec, 3, None, '/w/checkpoints', 'float32')
+  assert 'No checkpoint was saved before it' in msg and 'step None' not in msg
+  assert 'float32' not in msg and 'then resume' not in msg
+  msg = nonfinite_message(rec, 3, 2, '/w/checkpoints', 'bfloat16')
+  assert 'checkpoint (step 2) in /w/checkpoints is kept' in msg
+  assert 'use model.dtype=float32 (now bfloat16), then resume' in msg
+
+
+def test_short_runs_clamp_the_warm_up_and_mfu_needs_a_known_peak():
+  from taco_jax.train import config as config_lib, metrics
+  c = tiny.get_config()
+  c.train.steps = 10  # warmup_steps = 50
+  config_lib.validate_config(c)
+  assert config_lib.notes(c) == ['optim.warmup_steps=50 > train.steps=10: the warm-up is '
+                                 'clamped to the run (10 steps)']
+  lr = optim.lr_schedule(c.optim, 10)
+  assert float(lr(5)) == pytest.approx(c.optim.lr / 2, rel=1e-6)  # fp32 schedule
+  assert float(lr(10)) == pytest.approx(c.optim.lr, rel=1e-6)
+  assert metrics.peak_flops('NVIDIA H100 PCIe') == 756e12
+  assert metrics.peak_flops('NVIDIA H200') == 989.4e12 and metrics.peak_flops('cpu') is None
+  assert metrics.configured_peak(c.train, 'cpu') is None
+  assert metrics.mfu(1e3, 1e6, None) is None
+  c.train.peak_flops = 1e12
+  assert metrics.mfu(1e3, 1e6, metrics.configured_peak(c.train, 'cpu')) == pytest.approx(1e-3)

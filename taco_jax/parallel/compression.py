@@ -72,6 +72,33 @@ class CompressionPlan:
     return any(self.compresses(f) for f in FAMILIES)
 
 
+def codec_label(cfg: CompressionConfig | None) -> str:
+  """'e4m3 G=64', plus what differs from the defaults that matters to a reader; 'off'."""
+  if cfg is None:
+    return "off"
+  out = [cfg.format, f"G={cfg.group_size}"] + (["Hadamard"] if cfg.hadamard else [])
+  if not cfg.dual_scale:
+    out.append("no pre-scale")
+  if cfg.link != "auto":
+    out.append(f"link={cfg.link}")
+  if cfg.min_bytes:
+    out.append(f"from {cfg.min_bytes} B")
+  return " ".join(out)
+
+
+def describe_plan(plan: CompressionPlan) -> str:
+  """One short line: 'tp_forward, tp_backward, pp: e4m3 G=64; dp: off' (+ overrides)."""
+  if not plan.any:
+    return "off"
+  by_label: dict[str, list[str]] = {}
+  for f in FAMILIES:
+    by_label.setdefault(codec_label(getattr(plan, f)), []).append(f)
+  out = "; ".join(f"{', '.join(fams)}: {label}" for label, fams in by_label.items())
+  if plan.sites:
+    out += f"; {len(plan.sites)} collective(s) with their own codec (compression.sites)"
+  return out + ("; errors logged" if plan.log_errors else "")
+
+
 def _codec(section, where: str) -> CompressionConfig | None:
   if section is None:
     return None

@@ -65,7 +65,7 @@ def init_params(cfg, mesh, seed: int = 0) -> dict:
   """Parameters of `model.single_device_model(cfg, seed)` in the stacked layout, sharded."""
   def init():
     m = model_lib.single_device_model(cfg, seed)
-    return model_lib.to_parallel(nnx.state(m, nnx.Param).to_pure_dict())
+    return model_lib.to_parallel(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
   return jax.jit(init, out_shardings=shardings(cfg, mesh))()
 
 
@@ -130,6 +130,6 @@ def make_train_step(cfg, mesh, tx: optax.GradientTransformation, *,
     grads = jax.lax.with_sharding_constraint(grads, shardings(cfg, mesh))
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
   return train_step

@@ -56,7 +56,7 @@ def _block_specs(cfg) -> dict:
   """PartitionSpec of every stacked block parameter (leading axis on "pipeline")."""
   gd, state = block_template(cfg, TPContext(tp=1))
   model = nnx.merge(gd, state)
-  specs = jax.tree.map(lambda _: P(PIPE), state.to_pure_dict())
+  specs = jax.tree.map(lambda _: P(PIPE), nnx.to_pure_dict(state))
   for path, mod in nnx.iter_modules(model):
     if isinstance(mod, (ColumnParallelLinear, RowParallelLinear)):
       node = specs
@@ -70,7 +70,7 @@ def _block_specs(cfg) -> dict:
 def param_specs(cfg) -> dict:
   """PartitionSpec of every parameter of the parallel layout (see the module docstring)."""
   specs = {"wte": P(TENSOR, None), "ln_f": jax.tree.map(
-      lambda _: P(), norm_template(cfg)[1].to_pure_dict()), "blocks": _block_specs(cfg)}
+      lambda _: P(), nnx.to_pure_dict(norm_template(cfg)[1])), "blocks": _block_specs(cfg)}
   if _kind(cfg) == "gpt":
     specs["wpe"] = P()
   return specs
@@ -110,7 +110,7 @@ def init_params(cfg, mesh, seed: int = 0) -> dict:
   for some parameters (by at most 1 ulp, tests/test_parallel_step.py)."""
   def init():
     m = single_device_model(cfg, seed)
-    return to_parallel(nnx.state(m, nnx.Param).to_pure_dict())
+    return to_parallel(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
   return jax.jit(init, out_shardings=shardings(cfg, mesh))()
 
 
@@ -122,7 +122,7 @@ def shard_params(cfg, params: dict, mesh) -> dict:
 def abstract_params(cfg, mesh) -> dict:
   """ShapeDtypeStructs with shardings: a restore target on `mesh`, nothing allocated."""
   shapes = jax.eval_shape(lambda: to_parallel(
-      nnx.state(single_device_model(cfg), nnx.Param).to_pure_dict()))
+      nnx.to_pure_dict(nnx.state(single_device_model(cfg), nnx.Param))))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       shapes, shardings(cfg, mesh))
 

@@ -300,7 +300,7 @@ def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, 
     loss, grads, errors = loss_and_grads(params, tokens_BT1)
     updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **errors}
+    return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **errors}
 
   return train_step
 

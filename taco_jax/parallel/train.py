@@ -11,23 +11,23 @@ it calls `jax.distributed.initialize()` first; each process feeds its own batch 
 """
 from __future__ import annotations
 
-import json
-import math
 import pathlib
 import time
 
 import jax
 import numpy as np
 import optax
+from tqdm import tqdm
 
 from models.gpt import flops_per_token
 from taco_jax import collectives, data
 from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step_lib
-from taco_jax.parallel.compression import plan_from_config
+from taco_jax.parallel.compression import describe_plan, plan_from_config
 from taco_jax.train import checkpoint, metrics, optim
 from taco_jax.train.config import validate_config
 from taco_jax.train.loop import load_data, store_config
-from taco_jax.train.runner import run_steps
+from taco_jax.train.runner import (corpus_line, finished_summary, run_header, run_steps,
+                                   start_message)
 
 
 def validate(config, n_devices: int | None = None) -> None:
@@ -90,17 +90,27 @@ def train(config, workdir) -> dict:
   workdir.mkdir(parents=True, exist_ok=True)
   d, t, lead = config.data, config.train, jax.process_index() == 0
   mesh, spec = mesh_lib.mesh_from_config(config), spec_from_config(config)
-  corpus = load_data(config, workdir)
+  corpus = load_data(config)
   ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
   start = ckpt.latest_step() or 0
   if lead:
     store_config(config, workdir, has_checkpoint=start > 0)
+  if start >= t.steps:
+    ckpt.close()
+    if lead:
+      tqdm.write(f"{config.name}: {start_message(workdir, start, t.steps)}")
+    return finished_summary(workdir, start)
   tx = make_optimizer(config.optim, t.steps)
   p_abs = model_lib.abstract_params(spec.cfg, mesh)
   o_abs = opt_state_target(tx, p_abs, mesh)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+  n_params = sum(x.size for x in jax.tree.leaves(p_abs))
+  if lead:
+    tqdm.write(run_header(config.name, n_params, workdir, dict(mesh.shape)))
   if start:
     params, opt_state, _ = ckpt.restore(start, p_abs, o_abs)
+    if lead:
+      tqdm.write(start_message(workdir, start, t.steps))
   else:
     params = model_lib.init_params(spec.cfg, mesh, config.seed)
     opt_state = jax.jit(tx.init, out_shardings=shardings(o_abs))(params)
@@ -112,34 +122,33 @@ def train(config, workdir) -> dict:
                        compiler_options=xla)
   eval_step = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
   t0 = time.perf_counter()
-  decisions = []
-  if start < t.steps:  # compile now, so that compile time stays out of the throughput
-    with collectives.recording_decisions() as decisions:
-      lowered = train_step.lower(params, opt_state, batch(start))
-    train_step = lowered.compile()
-  n_params = sum(x.size for x in jax.tree.leaves(params))
+  with collectives.recording_decisions() as decisions:  # compiled now: out of the throughput
+    lowered = train_step.lower(params, opt_state, batch(start))
+  train_step = lowered.compile()
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
   summary = dict(workdir=str(workdir), start_step=start, n_params=n_params, mesh=dict(
       mesh.shape), attention=spec.cfg.attention_backend(d.seq_len),
-                 compile_s=time.perf_counter() - t0, train_loss=math.nan, val_loss=math.nan,
-                 tokens_per_s=math.nan, mfu=math.nan,
+                 compile_s=time.perf_counter() - t0, train_loss=None, val_loss=None,
+                 tokens_per_s=None, mfu=None,
                  compressed_messages=collectives.decision_summary(decisions))
   if lead:
-    print(f"{config.name}: {n_params:,} params on mesh {dict(mesh.shape)}, "
-          f"{summary['attention']} attention, compression {spec.plan}, step compiled in "
-          f"{summary['compile_s']:.1f}s", flush=True)
+    tqdm.write(f"  {corpus_line(corpus)}, {summary['attention']} attention, compression "
+               f"{describe_plan(spec.plan)}; step compiled in {summary['compile_s']:.1f}s")
     _report_plain_messages(summary["compressed_messages"])
-  metrics.truncate_after(workdir / "metrics.jsonl", start)
-  writer = metrics.MetricsWriter(workdir) if lead else None
+  writer = metrics.MetricsWriter(workdir, start) if lead else None
+  pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
+              desc=config.name) if lead else None
+  peak = metrics.configured_peak(t, jax.devices()[0].device_kind)
   # A second Ctrl-C is not caught: a process of a multi-process run must not save alone.
   run_steps(params, opt_state, start=start, train_cfg=t, train_step=train_step,
             eval_step=eval_step, train_batch=batch, val_batch=lambda i: batch(i, 1, corpus.val),
             ckpt=ckpt, checkpoint_meta=lambda s: {"step": s, "mesh": dict(mesh.shape)},
             schedule=optim.lr_schedule(config.optim, t.steps), tokens_per_step=tok,
-            mfu=lambda tps: metrics.mfu(tps, fpt, t.peak_flops, mesh.size), summary=summary,
-            writer=writer, evaluate_when_interrupted=True, save_on_second_interrupt=False)
+            mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size), summary=summary,
+            writer=writer, pbar=pbar, model_dtype=config.model.dtype,
+            evaluate_when_interrupted=True, save_on_second_interrupt=False)
   if lead:
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+    metrics.write_summary(workdir / "summary.json", summary)
   return summary
 
 
@@ -149,11 +158,11 @@ def _report_plain_messages(by_collective: dict) -> None:
   configured compression that does nothing on this machine is not silent."""
   plain = {c: r for c, r in by_collective.items() if r["plain"]}
   if plain:
-    print("sent plain, below the size from which compression pays (compression.*.link / "
-          "min_bytes): " + "; ".join(
-              f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
-              f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)" for c, r in plain.items()),
-          flush=True)
+    tqdm.write("sent plain, below the size from which compression pays (compression.*.link / "
+               "min_bytes): " + "; ".join(
+                   f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
+                   f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)"
+                   for c, r in plain.items()))
 
 
 def main(argv=None):

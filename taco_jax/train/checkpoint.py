@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pathlib
 
+import jax
 import orbax.checkpoint as ocp
 
 
@@ -33,6 +34,12 @@ class Checkpoints:
     out = self._mngr.restore(step, args=ocp.args.Composite(**items))
     return out['params'], out.get('opt_state') if opt_state_target is not None else None, \
         out['meta']
+
+  def stored_shapes(self, step: int, item: str = 'params'):
+    """The shapes of checkpoint `step`'s `item`, as a pytree (read from its metadata)."""
+    from etils import epath
+    meta = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory / str(step) / item))
+    return jax.tree.map(lambda x: tuple(x.shape), dict(meta))
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()

@@ -14,16 +14,41 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from taco_jax.train.config import parallel_reason, resolve_config_path
+from taco_jax.train.config import notes, parallel_reason, resolve_config_path
 
 
 def define_flags() -> None:
   """Defines the flags (in run(), so importing this module defines none)."""
-  config_flags.DEFINE_config_file('config', None, 'Experiment config file.', lock_config=True)
+  config_flags.DEFINE_config_file('config', None, 'Experiment config file (configs/tiny.py, '
+                                  'or a name: tiny); override any field with '
+                                  '--config.<path>=<value>.', lock_config=True)
   flags.DEFINE_string('workdir', None, 'Checkpoints, metrics and config.json go here '
                       '(default ./workdir/<config.name>); resumes if it has checkpoints.')
   flags.DEFINE_integer('cpu_devices', 0, 'Run on this many fake CPU devices (e.g. 8 to try a '
                        '2x2x2 mesh on a laptop); 0 = the real devices.')
+  show_in_help('config', 'workdir', 'cpu_devices')
+
+
+def show_in_help(*names: str) -> None:
+  """Lists these flags under --help (absl lists only the main module's flags there; ours
+  are defined here, not in the `python -m` module)."""
+  for name in names:
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[name])
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a mistyped --config.<key> said in one line, not a traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except (KeyError, AttributeError) as e:  # ml_collections: no such field, "did you mean"
+    text = str(e.args[0] if e.args else e).encode().decode('unicode_escape')
+    field, *hint = [line.strip(' \'"') for line in text.splitlines()]
+    print(f"error: bad --config override: no field {field!r}. {' '.join(hint)}".strip(),
+          file=sys.stderr)
+    sys.exit(2)
+  except flags.Error as e:
+    print(f'error: {e}; pass --help to see the flags', file=sys.stderr)
+    sys.exit(2)
 
 
 def use_cpu_devices(n: int) -> None:
@@ -35,6 +60,8 @@ def use_cpu_devices(n: int) -> None:
 
 def train(config, workdir) -> dict:
   """Trains `config` in `workdir` on the trainer it needs (see the module docstring)."""
+  for note in notes(config):
+    print(f'note: {note}', file=sys.stderr)
   if parallel_reason(config):
     from taco_jax.parallel.train import train as run_trainer
   else:
@@ -69,6 +96,10 @@ def main(argv):
   if config is None:
     raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
   workdir = flags.FLAGS.workdir or f'./workdir/{config.name}'
+  if flags.FLAGS.cpu_devices > 1 and not parallel_reason(config):
+    print(f'warning: --cpu_devices={flags.FLAGS.cpu_devices}, but {config.name} runs on one '
+          'device (parallel.dp = pp = tp = 1); set --config.parallel.dp/pp/tp to use more',
+          file=sys.stderr)
   try:
     summary = train(config, workdir)
   except (ValueError, FileNotFoundError, PermissionError) as e:
@@ -91,4 +122,4 @@ def run(argv: list[str] | None = None):
     print(f'error: {e}', file=sys.stderr)
     sys.exit(2)
   define_flags()
-  app.run(main, argv=argv)
+  app.run(main, argv=argv, flags_parser=parse_flags)

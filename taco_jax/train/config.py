@@ -38,8 +38,8 @@ def _checks(c, mcfg) -> list[str]:
   need(d.bin_dtype in ('uint8', 'uint16'), f'data.bin_dtype={d.bin_dtype!r}: use uint8|uint16')
   need(math.isfinite(o.lr) and o.lr > 0, f'optim.lr={o.lr} must be a positive number')
   need(0 <= o.min_lr_ratio <= 1, f'optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]')
-  need(0 <= o.warmup_steps <= t.steps, f'optim.warmup_steps={o.warmup_steps} must be in '
-       f'[0, train.steps={t.steps}]')
+  need(isinstance(o.warmup_steps, int) and o.warmup_steps >= 0,
+       f'optim.warmup_steps={o.warmup_steps!r} must be an integer >= 0')
   need(o.weight_decay >= 0, f'optim.weight_decay={o.weight_decay} must be >= 0')
   need(0 <= o.b1 < 1 and 0 <= o.b2 < 1, f'optim.b1={o.b1}, optim.b2={o.b2} must be in [0, 1)')
   need(o.eps > 0, f'optim.eps={o.eps} must be > 0')
@@ -48,7 +48,7 @@ def _checks(c, mcfg) -> list[str]:
     need(isinstance(t[n], int) and t[n] >= 0, f'train.{n}={t[n]!r} must be an integer >= 0 '
          '(0 = only at the end)')
   need(t.keep_checkpoints >= 1, f'train.keep_checkpoints={t.keep_checkpoints} must be >= 1')
-  need(t.peak_flops > 0, f'train.peak_flops={t.peak_flops} must be > 0')
+  need(t.peak_flops >= 0, f'train.peak_flops={t.peak_flops} must be >= 0 (0 = from the device)')
   return errs
 
 
@@ -69,6 +69,16 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
       errs.append(str(e))
   if errs:
     raise ValueError('invalid config:\n  ' + '\n  '.join(errs))
+
+
+def notes(c: ml_collections.ConfigDict) -> list[str]:
+  """What the trainer changes of a valid config, to be said before it runs."""
+  o, t = c.optim, c.train
+  out = []
+  if o.warmup_steps > t.steps:
+    out.append(f'optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the warm-up is '
+               f'clamped to the run ({t.steps} steps)')
+  return out
 
 
 def parallel_reason(c: ml_collections.ConfigDict) -> str:

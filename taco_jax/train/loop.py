@@ -11,7 +11,6 @@ non-finite loss or grad norm raises `NonFiniteLossError` without saving the bad 
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import sys
 import time
@@ -25,12 +24,14 @@ from taco_jax import data
 from taco_jax.train import checkpoint, metrics, optim, step as step_lib
 from taco_jax.train.config import config_to_json, parallel_reason, validate_config
 # NonFiniteLossError is imported from here by the CLI and the tests.
-from taco_jax.train.runner import NonFiniteLossError, run_steps  # noqa: F401
+from taco_jax.train.runner import (NonFiniteLossError, corpus_line, finished_summary,  # noqa: F401
+                                   run_header, run_steps, start_message)
 
 
-def load_data(config, workdir) -> data.Corpus:
+def load_data(config) -> data.Corpus:
+  """The config's corpus, checked against its sequence length and vocabulary."""
   d = config.data
-  corpus = data.load_corpus(d.path, cache_dir=d.cache_dir or workdir,
+  corpus = data.load_corpus(d.path, cache_dir=d.cache_dir or data.default_cache_dir(),
                             val_fraction=d.val_fraction, max_corpus_bytes=d.max_corpus_bytes,
                             bin_dtype=d.bin_dtype, include=d.get('include', '*'))
   data.check_corpus(corpus, seq_len=d.seq_len, vocab_size=config.model.vocab_size)
@@ -38,8 +39,10 @@ def load_data(config, workdir) -> data.Corpus:
 
 
 # Sections whose change would make a resumed run differ from an uninterrupted one.
-RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim')
-_RESUME_IGNORED = {('data', 'cache_dir')}  # where the corpus cache lives changes nothing
+RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim', 'compression')
+# Fields that change nothing a run computes: where the corpus cache lives, whether the
+# compression error is also measured.
+_RESUME_IGNORED = {('data', 'cache_dir'), ('compression', 'log_errors')}
 # Fields added after runs were stored: a config.json without them had their default.
 _ADDED_LATER = {('data', 'include'): '*'}
 
@@ -53,10 +56,26 @@ def _resume_view(c: dict) -> dict:
   return view
 
 
+def _differences(before: dict, after: dict, sections) -> str:
+  """'optim.lr 0.002 -> 0.001, ...' for the fields of `sections` that differ (the first few)."""
+  def flat(d, p):
+    if not isinstance(d, dict):
+      return {p: d}
+    return {f: v for k, x in d.items() for f, v in flat(x, f'{p}.{k}').items()}
+
+  out = []
+  for k in sections:
+    b, a = flat(before[k], k), flat(after[k], k)
+    out += [f'{f} {b.get(f)!r} -> {a.get(f)!r}' for f in sorted(set(b) | set(a))
+            if b.get(f) != a.get(f)]
+  return ', '.join(out[:4]) + (f' and {len(out) - 4} more' if len(out) > 4 else '')
+
+
 def store_config(config, workdir: pathlib.Path, has_checkpoint: bool) -> None:
-  """Writes workdir/config.json. Resuming a checkpoint with a different model, seed, data or
-  optimizer is an error (the run would not continue as it began); a different
-  `train.steps` is allowed with a warning (the learning-rate schedule is reshaped)."""
+  """Writes workdir/config.json. Resuming a checkpoint with a different model, seed, data,
+  optimizer or compression is an error (the run would not continue as it began); a
+  different `train.steps` is allowed with a warning (the learning-rate schedule is
+  reshaped)."""
   path = workdir / 'config.json'
   if has_checkpoint and path.exists():
     old = json.loads(path.read_text())
@@ -65,8 +84,9 @@ def store_config(config, workdir: pathlib.Path, has_checkpoint: bool) -> None:
     changed = [k for k in RESUME_MUST_MATCH if before[k] != after[k]]
     if changed:
       raise ValueError(
-          f'{workdir} holds checkpoints of a run with different {", ".join(changed)} '
-          f'(was {[before[k] for k in changed]}); use a new --workdir or the same settings')
+          f'{workdir} holds checkpoints of {old.get("name", "a run")!r} with different '
+          f'{", ".join(changed)} settings ({_differences(before, after, changed)}); '
+          'give this run its own --workdir, or the same settings to resume that one')
     if old.get('train', {}).get('steps') != new['train']['steps']:
       print(f'warning: resuming with train.steps={new["train"]["steps"]} (was '
             f'{old.get("train", {}).get("steps")}): the learning-rate schedule changes',
@@ -91,18 +111,24 @@ def train(config, workdir: str | pathlib.Path) -> dict:
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   mcfg, d, t = GPTConfig.from_dict(config.model), config.data, config.train
-  corpus = load_data(config, workdir)
+  corpus = load_data(config)
   ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
   start = ckpt.latest_step() or 0
   store_config(config, workdir, has_checkpoint=start > 0)
+  if start >= t.steps:
+    ckpt.close()
+    tqdm.write(f'{config.name}: {start_message(workdir, start, t.steps)}')
+    return finished_summary(workdir, start)
   tx = optim.make_optimizer(config.optim, t.steps)
   if start:
     graphdef, p_abs, o_abs = step_lib.abstract_state(mcfg, tx)
     params, opt_state, _ = ckpt.restore(start, _on_device(p_abs), _on_device(o_abs))
-    tqdm.write(f'resumed from {ckpt.directory} at step {start}')
   else:
     graphdef, params, opt_state = step_lib.init_state(step_lib.build_model(mcfg, config.seed), tx)
   n_params = sum(x.size for x in jax.tree.leaves(params))
+  tqdm.write(run_header(config.name, n_params, workdir))
+  if start:
+    tqdm.write(start_message(workdir, start, t.steps))
   fpt = flops_per_token(mcfg, d.seq_len)
   attention = mcfg.attention_backend(d.seq_len)
   tokens_per_step = d.batch_size * d.seq_len
@@ -113,24 +139,23 @@ def train(config, workdir: str | pathlib.Path) -> dict:
       params, opt_state, batch(start)).compile()
   eval_step = jax.jit(step_lib.make_eval_step(graphdef))
   compile_s = time.perf_counter() - t0
-  tqdm.write(f'{config.name}: {n_params:,} params, {fpt:.3g} FLOPs/token; corpus {corpus.source} '
-             f'({len(corpus.train):,} train / {len(corpus.val):,} val tokens); {attention} '
-             f'attention; step compiled in {compile_s:.1f}s; workdir {workdir}')
-  metrics.truncate_after(workdir / 'metrics.jsonl', start)
-  writer = metrics.MetricsWriter(workdir)
+  tqdm.write(f'  {corpus_line(corpus)}, {fpt:.3g} FLOPs/token, {attention} attention; step '
+             f'compiled in {compile_s:.1f}s')
+  writer = metrics.MetricsWriter(workdir, start)
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
               desc=config.name)
   summary = {'workdir': str(workdir), 'start_step': start, 'n_params': n_params,
-             'attention': attention, 'compile_s': compile_s, 'train_loss': math.nan,
-             'val_loss': math.nan, 'tokens_per_s': math.nan, 'mfu': math.nan}
+             'attention': attention, 'compile_s': compile_s, 'train_loss': None,
+             'val_loss': None, 'tokens_per_s': None, 'mfu': None}
+  peak = metrics.configured_peak(t, jax.devices()[0].device_kind)
   t_start = time.perf_counter()
   run_steps(params, opt_state, start=start, train_cfg=t, train_step=train_step,
             eval_step=eval_step, train_batch=batch, val_batch=lambda i: batch(i, 1, corpus.val),
             ckpt=ckpt, checkpoint_meta=lambda s: {'step': s, 'seed': config.seed,
                                                   'data': d.to_dict()},
             schedule=optim.lr_schedule(config.optim, t.steps), tokens_per_step=tokens_per_step,
-            mfu=lambda tps: metrics.mfu(tps, fpt, t.peak_flops), summary=summary,
-            writer=writer, pbar=pbar)
+            mfu=lambda tps: metrics.mfu(tps, fpt, peak), summary=summary,
+            writer=writer, pbar=pbar, model_dtype=config.model.dtype)
   summary['wall_s'] = time.perf_counter() - t_start
-  (workdir / 'summary.json').write_text(json.dumps(summary, indent=2))
+  metrics.write_summary(workdir / 'summary.json', summary)
   return summary

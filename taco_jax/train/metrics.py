@@ -1,13 +1,40 @@
-"""Metrics sinks: JSON lines in <workdir>/metrics.jsonl, and TensorBoard if importable."""
+"""Metrics sinks: JSON lines in <workdir>/metrics.jsonl and TensorBoard event files in
+<workdir>/tb (tensorboardX); the MFU estimate and the summary.json writer."""
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 
+from tensorboardX import SummaryWriter
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float, n_devices: int = 1):
-  """Model FLOPs utilization: achieved training FLOP/s over the devices' peak."""
-  return tokens_per_s * flops_per_token / (peak_flops * n_devices)
+# Dense bf16 tensor-core peak FLOP/s (no sparsity) per GPU, from NVIDIA's data sheets, by a
+# substring of JAX's device_kind ("NVIDIA H100 80GB HBM3"); the first match wins, so more
+# specific names come first.
+PEAK_BF16_FLOPS = (
+    ('H100 PCIe', 756e12), ('H100', 989.4e12), ('H200', 989.4e12), ('H800', 989.4e12),
+    ('GB200', 2.5e15), ('B200', 2.25e15), ('A100', 312e12), ('L40S', 362e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+  """The dense bf16 peak of one device of `device_kind`, or None if it is not listed."""
+  return next((f for name, f in PEAK_BF16_FLOPS if name in device_kind), None)
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None,
+        n_devices: int = 1) -> float | None:
+  """Model FLOPs utilization: achieved training FLOP/s over the devices' peak (None if the
+  peak is unknown)."""
+  if not peak:
+    return None
+  return tokens_per_s * flops_per_token / (peak * n_devices)
+
+
+def configured_peak(train_cfg, device_kind: str) -> float | None:
+  """`train.peak_flops` if set (> 0), else the listed peak of `device_kind` (None on CPU
+  and unlisted devices: no MFU is shown rather than one against an invented peak)."""
+  return train_cfg.peak_flops or peak_flops(device_kind)
 
 
 def truncate_after(path: pathlib.Path, step: int) -> None:
@@ -23,27 +50,32 @@ def read_jsonl(path) -> list[dict]:
   return [json.loads(s) for s in pathlib.Path(path).read_text().splitlines() if s.strip()]
 
 
-class MetricsWriter:
-  """Appends one JSON object per record; mirrors scalars to TensorBoard when available."""
+def write_summary(path: pathlib.Path, summary: dict) -> None:
+  """Writes `summary` as JSON, with null for what was not measured (never NaN)."""
+  clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+           for k, v in summary.items()}
+  path.write_text(json.dumps(clean, indent=2))
 
-  def __init__(self, workdir: str | pathlib.Path):
+
+class MetricsWriter:
+  """Appends one JSON object per record to metrics.jsonl; the same scalars go to
+  TensorBoard event files under <workdir>/tb."""
+
+  def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
+    """`start_step`: the step a resumed run starts from; records a run wrote after it (after
+    its last checkpoint) are dropped from metrics.jsonl and from TensorBoard."""
     self.path = pathlib.Path(workdir) / 'metrics.jsonl'
+    truncate_after(self.path, start_step)
     self._file = open(self.path, 'a', buffering=1)
-    self._tb = None
-    try:
-      from tensorboardX import SummaryWriter  # optional; never a dependency
-      self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tb'))
-    except Exception:  # noqa: BLE001 - any import/setup problem just means no TensorBoard
-      pass
+    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tb'),
+                             purge_step=start_step + 1 if start_step else None)
 
   def write(self, step: int, **scalars) -> None:
     record = {'step': step, **{k: float(v) for k, v in scalars.items()}}
     self._file.write(json.dumps(record) + '\n')
-    if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(k, float(v), step)
+    for k, v in scalars.items():
+      self._tb.add_scalar(k, float(v), step)
 
   def close(self) -> None:
     self._file.close()
-    if self._tb is not None:
-      self._tb.close()
+    self._tb.close()

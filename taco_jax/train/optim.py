@@ -6,11 +6,13 @@ import optax
 
 
 def lr_schedule(optim_cfg, total_steps: int) -> optax.Schedule:
-  """0 -> lr over warmup_steps, then cosine to lr * min_lr_ratio at total_steps."""
+  """0 -> lr over warmup_steps (at most total_steps: a short run warms up for all of it),
+  then cosine to lr * min_lr_ratio at total_steps."""
   o = optim_cfg
+  warmup = min(o.warmup_steps, total_steps)
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=o.lr, warmup_steps=o.warmup_steps,
-      decay_steps=max(total_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+      init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+      decay_steps=max(total_steps, warmup + 1), end_value=o.lr * o.min_lr_ratio)
 
 
 def make_optimizer(optim_cfg, total_steps: int, decay_mask=None) -> optax.GradientTransformation:

@@ -11,7 +11,9 @@ without saving the bad state, so the last good checkpoint is the latest.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
+import pathlib
 import signal
 import threading
 import time
@@ -45,11 +47,57 @@ def sigint_as_flag():
     signal.signal(signal.SIGINT, old)
 
 
+def start_message(workdir, start: int, steps: int) -> str | None:
+  """What a trainer says before its first step: resumed, already done, or nothing new."""
+  if start >= steps:
+    return (f'{workdir} is already at step {start} (train.steps={steps}): nothing to train; '
+            'raise --config.train.steps to go on, or give another --workdir')
+  return f'resumed from step {start} in {workdir}' if start else None
+
+
+def run_header(name: str, n_params: int, workdir, mesh_shape: dict | None = None) -> str:
+  """The first line a run prints: its name, size, devices (and mesh) and workdir."""
+  devices = jax.devices()
+  n = math.prod(mesh_shape.values()) if mesh_shape else 1
+  where = f'{n} {devices[0].platform} device{"s" if n > 1 else ""}'
+  if mesh_shape:
+    where += ', mesh ' + ' x '.join(f'{k}={v}' for k, v in mesh_shape.items())
+  return f'{name}: {n_params:,} params on {where}; workdir {workdir}'
+
+
+def corpus_line(corpus) -> str:
+  """'python stdlib (30.7M train / 1.3M val tokens)'."""
+  return (f'{corpus.source.split(" (")[0]} ({len(corpus.train) / 1e6:.1f}M train / '
+          f'{len(corpus.val) / 1e6:.1f}M val tokens)')
+
+
+def finished_summary(workdir: pathlib.Path, step: int) -> dict:
+  """The summary of a run already at its last step: its stored summary.json (kept as it
+  is), marked with the step; nothing is trained, evaluated or written."""
+  path = workdir / 'summary.json'
+  old = json.loads(path.read_text()) if path.exists() else {}
+  return {**old, 'workdir': str(workdir), 'status': 'already_done', 'step': step,
+          'last_checkpoint': step}
+
+
+def nonfinite_message(rec: dict, step: int, last_checkpoint: int | None, directory,
+                      model_dtype: str) -> str:
+  """Why a run stopped on a non-finite loss, what is kept, and what to change."""
+  kept = (f'the last good checkpoint (step {last_checkpoint}) in {directory} is kept'
+          if last_checkpoint is not None else 'no checkpoint was saved before it')
+  advice = ['lower optim.lr', 'raise optim.warmup_steps']
+  if model_dtype != 'float32':
+    advice.append(f'use model.dtype=float32 (now {model_dtype})')
+  then = ', then resume' if last_checkpoint is not None else ''
+  return (f'loss={rec["loss"]} grad_norm={rec["grad_norm"]} at step {step}: stopping. '
+          f'{kept.capitalize()}; {", ".join(advice[:-1])} or {advice[-1]}{then}.')
+
+
 def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step,
               train_batch: Callable[[int], object], val_batch: Callable[[int], object], ckpt,
               checkpoint_meta: Callable[[int], dict], schedule, tokens_per_step: int,
-              mfu: Callable[[float], float], summary: dict, writer=None, pbar=None,
-              evaluate_when_interrupted: bool = False,
+              mfu: Callable[[float], float | None], summary: dict, writer=None, pbar=None,
+              model_dtype: str = 'float32', evaluate_when_interrupted: bool = False,
               save_on_second_interrupt: bool = True) -> tuple[int, str]:
   """Runs steps start+1 .. train_cfg.steps; returns (last step, 'completed' | 'interrupted').
 
@@ -61,11 +109,13 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
     train_batch, val_batch: batch index -> batch (train batch i is step i+1's).
     ckpt: a `checkpoint.Checkpoints`; saved with `checkpoint_meta(step)`; waited on and
       closed on the way out.
-    schedule: step -> learning rate, written as `lr`; mfu: tokens/s -> model FLOPs utilization.
+    schedule: step -> learning rate, written as `lr`; mfu: tokens/s -> model FLOPs utilization,
+      or None where the devices' peak is unknown (then no mfu is written).
     summary: updated in place with train_loss, val_loss, tokens_per_s, mfu, status, step,
       last_checkpoint.
     writer: a `metrics.MetricsWriter` (closed on the way out), or None to write nothing.
     pbar: a tqdm bar for progress and messages, or None to print nothing.
+    model_dtype: config.model.dtype, for the advice of a non-finite loss.
     evaluate_when_interrupted: evaluate before the Ctrl-C checkpoint too.
     save_on_second_interrupt: on a second Ctrl-C (KeyboardInterrupt), save if the state was
       not donated to an unfinished step, and return; otherwise the KeyboardInterrupt
@@ -74,26 +124,33 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
   t, pending, clock = train_cfg, [], [time.perf_counter()]
 
   def flush():
-    """Fetches pending step metrics, checks them, writes them."""
+    """Fetches pending step metrics, checks them, writes them; the window's throughput
+    goes on its last step's record only (it is one measurement, not one per step)."""
     if not pending:
       return
     host = jax.device_get([m for _, m in pending])
     tps = len(pending) * tokens_per_step / (time.perf_counter() - clock[0])
-    for (s, _), m in zip(pending, host):
+    window_mfu = mfu(tps)
+    for i, ((s, _), m) in enumerate(zip(pending, host)):
       rec = {k: float(v) for k, v in m.items()}
-      rec.update(lr=float(schedule(s - 1)), tokens_per_s=tps, mfu=mfu(tps))
+      rec['lr'] = float(schedule(s - 1))
+      if i == len(pending) - 1:
+        rec['tokens_per_s'] = tps
+        if window_mfu is not None:
+          rec['mfu'] = window_mfu
       if writer is not None:
         writer.write(s, **rec)
       if not (math.isfinite(rec['loss']) and math.isfinite(rec['grad_norm'])):
         pending.clear()
-        raise NonFiniteLossError(
-            f'loss={rec["loss"]} grad_norm={rec["grad_norm"]} at step {s}: stopping. The last '
-            f'good checkpoint (step {ckpt.latest_step()}) in {ckpt.directory} is kept; lower '
-            'optim.lr, raise optim.warmup_steps or use model.dtype=float32, then resume.')
-    summary.update(train_loss=rec['loss'], tokens_per_s=tps, mfu=rec['mfu'])
+        raise NonFiniteLossError(nonfinite_message(rec, s, ckpt.latest_step(), ckpt.directory,
+                                                   model_dtype))
+    summary.update(train_loss=rec['loss'], tokens_per_s=tps, mfu=window_mfu)
     if pbar is not None:
       pbar.update(len(pending))
-      pbar.set_postfix(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:.3g}', mfu=f'{rec["mfu"]:.2%}')
+      shown = dict(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:.3g}')
+      if window_mfu is not None:
+        shown['mfu'] = f'{window_mfu:.2%}'
+      pbar.set_postfix(shown)
     pending.clear()
     clock[0] = time.perf_counter()
 
@@ -128,7 +185,7 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
       if stop.is_set():
         status = 'interrupted'
         if pbar is not None:
-          pbar.write(f'interrupted at step {s}: saving a checkpoint')
+          pbar.write(f'interrupted at step {s}, saving a checkpoint')
       if status == 'completed' or evaluate_when_interrupted:
         flush()
         evaluate(s)
