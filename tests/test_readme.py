@@ -1,4 +1,4 @@
-"""The README's promises: its library example is examples/library.py and runs; its CPU
+"""The README's promises: its library example is docs/library_example.py and runs; its CPU
 commands (Quickstart, then the codec flow) run in order in a fresh directory, with small
 models and step counts, and do what it says: steps trained, files written, messages shown."""
 import json
@@ -39,9 +39,9 @@ def readme_block(heading: str) -> list[str]:
 
 
 def test_library_example_is_the_readme_snippet_and_runs():
-  source = (REPO / "examples" / "library.py").read_text()
+  source = (REPO / "docs" / "library_example.py").read_text()
   assert f"```python\n{source}```" in README
-  out = runpy.run_path(str(REPO / "examples" / "library.py"))  # 8 fake CPU devices here
+  out = runpy.run_path(str(REPO / "docs" / "library_example.py"))  # 8 fake CPU devices here
   assert out["n"] == 8 and 0 < out["layer_error"] < 0.06  # fp8 both ways, fp32 reference
   assert all(np.isfinite(np.asarray(g)).all() for g in out["grads"])
 

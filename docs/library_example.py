@@ -1,6 +1,6 @@
 """The README's library example, complete (tests/test_readme.py runs it).
 
-Run: JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python examples/library.py
+Run: JAX_NUM_CPU_DEVICES=8 JAX_PLATFORMS=cpu python docs/library_example.py
 """
 import jax
 import jax.numpy as jnp
