@@ -25,6 +25,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.flatten_util
 import jax.numpy as jnp
 
 from taco_jax import collectives
@@ -67,6 +68,48 @@ def _rebuild(layout, stored, p):
   tree, src = layout
   ps, kept = jax.tree.leaves(p), iter(stored)
   return jax.tree.unflatten(tree, [next(kept) if s is None else ps[s] for s in src])
+
+
+def _chunk_moves(pp: int, v: int) -> dict:
+  """{(r, k): ppermute pairs (q, s)}: stage q's stored chunk r is stage s's chunk k."""
+  moves = {}
+  for r in range(v):
+    for k in range(v):
+      pairs = [(q, q * v + r - k * pp) for q in range(pp) if 0 <= q * v + r - k * pp < pp]
+      if pairs:
+        moves[(r, k)] = pairs
+  return moves
+
+
+def _permute_chunks(tree, moves: dict):
+  """{(a, b): pairs}: chunk b of the result is chunk a of `tree` (leaves [v, ...]) sent
+  along `pairs`, summed over a (a stage receives one chunk per b); the chunks travel as one
+  flat fp32 vector each."""
+  v = jax.tree.leaves(tree)[0].shape[0]
+  unravel = jax.flatten_util.ravel_pytree(jax.tree.map(lambda x: x[0], tree))[1]
+  flat = [jax.flatten_util.ravel_pytree(jax.tree.map(lambda x: x[a], tree))[0]
+          for a in range(v)]
+  out = [jnp.zeros_like(flat[0]) for _ in range(v)]
+  for (a, b), pairs in moves.items():
+    out[b] = out[b] + collectives.ppermute(flat[a], PIPE, pairs)
+  return jax.tree.map(lambda *xs: jnp.stack(xs), *[unravel(x) for x in out])
+
+
+def to_chunks(blocks, pp: int, v: int):
+  """This stage's stored blocks [L / pp, ...] (model chunks s v .. s v + v - 1, the
+  parameter layout of every schedule) -> the chunks it runs [v, L / (v pp), ...] (model
+  chunks k pp + s). For v > 1 that moves (v - 1) / v of the blocks between stages (one
+  ppermute per (stored, run) chunk index pair)."""
+  local = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), blocks)
+  return local if v == 1 else _permute_chunks(local, _chunk_moves(pp, v))
+
+
+def from_chunks(grads, pp: int, v: int):
+  """Inverse of `to_chunks`: gradients of the run chunks back to the stored blocks."""
+  if v > 1:
+    grads = _permute_chunks(grads, {(k, r): [(b, a) for a, b in pairs]
+                                    for (r, k), pairs in _chunk_moves(pp, v).items()})
+  return jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), grads)
 
 
 def _add(acc, g):

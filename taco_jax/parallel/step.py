@@ -65,10 +65,6 @@ class ParallelSpec:
   pp: int                            # mesh axis "pipeline"
   tp: int                            # mesh axis "tensor"
   microbatches: int = 1              # pipeline micro-batches per step (per data rank)
-  # pipeline schedule (parallel.schedule): "gpipe" (jax.grad of a forward over the ticks),
-  # "1f1b" or "interleaved" (`taco_jax.parallel.schedules`: a backward as soon as it can)
-  schedule: str = "gpipe"
-  virtual_stages: int = 1            # chunks per stage of the interleaved schedule (v)
   plan: CompressionPlan = CompressionPlan()  # codec per collective
   # how the TP layers communicate (parallel.tp_overlap): "none", the collectives between
   # the matmuls; "ring", ring collective matmuls; "kernel", fused collective-matmul kernels
@@ -82,6 +78,10 @@ class ParallelSpec:
   # with model.remat: keep the outputs of the blocks' matmuls (the weight matmuls, not the
   # attention's batched ones) as well (parallel.save_dots; see `remat_policy`)
   save_dots: bool = False
+  # pipeline schedule (parallel.schedule): "gpipe" (jax.grad of a forward over the ticks),
+  # "1f1b" or "interleaved" (`taco_jax.parallel.schedules`: a backward as soon as it can)
+  schedule: str = "gpipe"
+  virtual_stages: int = 1            # chunks per stage of the interleaved schedule (v)
 
   def __post_init__(self):
     _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors())
@@ -246,34 +246,17 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
 
 def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
   """(loss, gradients) of this device by the 1F1B / interleaved schedule
-  (`taco_jax.parallel.one_f_one_b`); `params["blocks"]`: this stage's [v, 1, n, ...]
-  chunks (`_chunked`)."""
+  (`taco_jax.parallel.one_f_one_b`)."""
   parts = one_f_one_b.Parts(embed=lambda p, tok: _embed(spec, p, tok), chunk=_trunk(spec),
                             head=lambda p, h, tgt: _head_loss(spec, p, h, tgt),
                             dtype=spec.cfg.compute_dtype)
-  blocks = jax.tree.map(lambda x: x[:, 0], params["blocks"])
+  pp, v = spec.pp, spec.virtual_stages
+  blocks = one_f_one_b.to_chunks(params["blocks"], pp, v)
   inputs, targets = _microbatches(spec, tokens_BT1)
   loss, grads = one_f_one_b.loss_and_grads(
-      parts, dict(params, blocks=blocks), inputs, targets, pp=spec.pp,
-      v=spec.virtual_stages, fwd=spec.plan.codec("pp/fwd"), bwd=spec.plan.codec("pp/bwd"))
-  grads["blocks"] = jax.tree.map(lambda g: g[:, None], grads["blocks"])
-  return loss, grads
-
-
-def _chunked(spec: ParallelSpec, blocks):
-  """The stacked blocks [L, ...] as chunks [v, pp, L / (v pp), ...], chunk c = k pp + s
-  (stage s, virtual chunk k) at [k, s]: the layout the scheduled step takes (for v > 1,
-  the step moves (v - 1) / v of each stage's blocks to other stages, and their gradients
-  back)."""
-  v, pp = spec.virtual_stages, spec.pp
-  return jax.tree.map(lambda x: x.reshape(v, pp, x.shape[0] // (v * pp), *x.shape[1:]),
-                      blocks)
-
-
-def _chunked_specs(specs):
-  """PartitionSpecs of `_chunked` blocks: P("pipeline", ...) -> P(None, "pipeline", None, ...)."""
-  return jax.tree.map(lambda p: P(None, *p[:1], None, *p[1:]), specs,
-                      is_leaf=lambda x: isinstance(x, P))
+      parts, dict(params, blocks=blocks), inputs, targets, pp=pp, v=v,
+      fwd=spec.plan.codec("pp/fwd"), bwd=spec.plan.codec("pp/bwd"))
+  return loss, dict(grads, blocks=one_f_one_b.from_chunks(grads["blocks"], pp, v))
 
 
 def _fused_all_reduce(leaves, axis, compression, site: str = ""):
@@ -329,13 +312,11 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   if spec.schedule != "gpipe" and capture is not None:
     raise ValueError(f"parallel.schedule={spec.schedule!r}: calibration captures the "
                      "messages of the GPipe step; calibrate with parallel.schedule='gpipe'")
-  chunked = spec.schedule != "gpipe"
-  in_specs = dict(specs, blocks=_chunked_specs(specs["blocks"])) if chunked else specs
 
   def local(params, tokens_BT1):
-    if chunked:
+    if spec.schedule != "gpipe":
       loss, grads = _scheduled_loss_grads(spec, params, tokens_BT1)
-      return loss.reshape(1, 1), reduce_grads(spec, grads, in_specs)
+      return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
     loss_fn = lambda p: _local_loss(spec, p, tokens_BT1)
     if not log and capture is None:  # the plain program
       loss, grads = jax.value_and_grad(loss_fn)(params)
@@ -349,19 +330,13 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
     stats = jax.lax.psum(monitor.stats(probe_ct), (DATA, PIPE, TENSOR))
     return loss.reshape(1, 1), grads, stats
 
-  f = jax.shard_map(local, mesh=mesh, in_specs=(in_specs, P(DATA, None)),
-                    out_specs=(P(DATA, PIPE), in_specs) + ((P(),) if log else ()),
+  f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
+                    out_specs=(P(DATA, PIPE), specs) + ((P(),) if log else ()),
                     check_vma=False)
 
   def loss_and_grads(params, tokens_BT1):
     _check_batch(spec, tokens_BT1)
-    blocks = params["blocks"]
-    if chunked:
-      params = dict(params, blocks=_chunked(spec, blocks))
     loss_DP, grads, *stats = f(params, tokens_BT1)
-    if chunked:  # back to the stacked layout [L, ...]
-      grads = dict(grads, blocks=jax.tree.map(lambda g, b: g.reshape(b.shape),
-                                              grads["blocks"], blocks))
     metrics = quality.family_metrics(stats[0], logged_families(spec)) if log else {}
     # the last stage's loss, mean over data
     return jnp.mean(jnp.sum(loss_DP, axis=1)), grads, metrics
