@@ -27,6 +27,11 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _cm     (off / on only) the TP layers as fused collective-matmul kernels
           (`parallel.tp_overlap="kernel"`, `taco_jax.parallel.fused`): the transfers run
           inside the matmul kernels, plain (`off_cm`) or FP8-compressed (`on_cm`)
+  _1f1b   the 1F1B pipeline schedule (`parallel.schedule="1f1b"`: each stage keeps at most
+          2 (pp - 1) micro-batches' activations, not all m)
+  _vs2    the interleaved pipeline schedule with 2 chunks per stage
+          (`parallel.schedule="interleaved"`, `parallel.virtual_stages=2`: a bubble of
+          (pp - 1) / (2 m + pp - 1))
   _il2    each micro-batch split into 2 sub-batches whose blocks run side by side
           (`parallel.interleave=2`: one's TP collectives can overlap the other's matmuls),
           compiled with `step.INTERLEAVE_XLA_OPTIONS` (DotMerger and the all-gather /
@@ -49,9 +54,10 @@ Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON recor
 (`GPTConfig.attention_backend`) and, on one random batch of the run's attention shapes,
 cuDNN's error against XLA's (`benchmarks/attention_numerics.py`; on CPU: why cuDNN could
 not run). Memory per variant: the compiled step's peak and temporaries per device
-(`common.compiled_memory`: XLA's buffer assignment); per run the device's
-`peak_bytes_in_use` (process-wide: every variant's state is live at once, and the attention
-check ran before them).
+(`common.compiled_memory`: XLA's buffer assignment); the device's `peak_bytes_in_use`
+(`memory_stats()`) after each variant's first step (`device_peak_bytes`; the process-wide
+peak so far: every variant's state is live at once, and the attention check ran before,
+so it is the variant's own peak only with one variant per run), and after the run.
 
 Derived per layout: comm_ms = off - ideal (exposed TP communication), comm_share =
 comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that communication
@@ -90,7 +96,8 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "il2", "save", "dots", "noremat", "pgle")  # in this order: off_cm_save_pgle
+MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "noremat",
+             "pgle")  # in this order: off_cm_1f1b_save_pgle
 GSPMD_MODIFIERS = ("noremat", "pgle")
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 PGLE_RUNS = 2  # profiled steps per *_pgle variant (after one warm-up step)
@@ -107,6 +114,8 @@ class Variant:
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
+  schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
+  virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -131,14 +140,16 @@ def parse_variant(name: str) -> Variant:
   if base is None or -1 in order or order != sorted(set(order)) or (
       base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
       "noremat" in mods and set(mods) & set(REMAT_SAVES)) or (
-      "cm" in mods and base not in ("off", "on")):
+      "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on)")
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on; _1f1b or _vs2)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
-                 remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods)
+                 remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
+                 schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
+                 "gpipe", virtual_stages=2 if "vs2" in mods else 1)
 
 
 def parse_args(argv=None):
@@ -284,6 +295,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
                                           tp_overlap=variant.tp_overlap,
                                           interleave=variant.interleave,
+                                          schedule=variant.schedule,
+                                          virtual_stages=variant.virtual_stages,
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots)
     ctx = (noop_tensor_collectives() if variant.base == "ideal" else
@@ -342,7 +355,9 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     remat=cfg.remat and r["variant"].remat,
                     save_tp_outputs=r["variant"].save_tp_outputs,
                     save_dots=r["variant"].save_dots, **r["memory"],
-                    pgle_profiled=r["pgle_profiled"],
+                    pgle_profiled=r["pgle_profiled"], schedule=r["variant"].schedule,
+                    virtual_stages=r["variant"].virtual_stages,
+                    device_peak_bytes=r["device_peak_bytes"],
                     **timing_record(r, args)))
     del r["exe"], r["state"]
   return out, failed
@@ -480,12 +495,16 @@ def main(argv=None) -> pathlib.Path:
         f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE')}")
   print(f"mfu: against the spec peak ({common.peak_tflops(env['device_kind'])} "
         f"TFLOP/s); mfu_of_measured: against the bf16 matmul ceiling measured above; "
-        f"peak_gib, temp_gib: the compiled step's peak memory and temporaries per device")
+        f"peak_gib, temp_gib: the compiled step's peak memory and temporaries per device; "
+        f"dev_peak_gib: the device's peak bytes in use (memory_stats) after the variant's "
+        f"first step, process-wide")
   gib = lambda b: None if b is None else b / 2**30  # noqa: E731
   print(common.table([dict(r, peak_gib=gib(r["memory_peak_bytes"]),
-                           temp_gib=gib(r["memory_temp_bytes"])) for r in rows],
+                           temp_gib=gib(r["memory_temp_bytes"]),
+                           dev_peak_gib=gib(r["device_peak_bytes"])) for r in rows],
                      ["layout", "variant", "steps", "compile_s", "step_ms", "tokens_per_s",
-                      "mfu", "mfu_of_measured", "peak_gib", "temp_gib", "final_loss"]))
+                      "mfu", "mfu_of_measured", "peak_gib", "temp_gib", "dev_peak_gib",
+                      "final_loss"]))
   print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",
                                "comm_share", "recovered", "speedup_on_vs_off",
                                "off_vs_gspmd"]))

@@ -181,6 +181,7 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> None:
   A run holds `exe` (compiled step), `state` (params, opt_state) and `batch` (tokens ->
   the program's input)."""
   import jax
+  from benchmarks import common
   names = list(runs)
   for r in runs.values():
     r["times"], r["losses"] = [], []
@@ -194,6 +195,8 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> None:
       loss = float(jax.block_until_ready(met["loss"]))
       r["times"].append(time.perf_counter() - t0)
       r["losses"].append(loss)
+      if i == 0:  # memory_stats: the process's peak so far (None on CPU)
+        r["device_peak_bytes"] = common.device_peak_bytes()
       r["state"] = (params, opt_state)
     if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
       break

@@ -61,6 +61,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.dp = 1                       # data-parallel degree (mesh axis "data")
   p.pp = 1                       # pipeline-parallel degree (mesh axis "pipeline")
   p.tp = 1                       # tensor-parallel degree (mesh axis "tensor")
+  p.schedule = 'gpipe'           # pipeline schedule: 'gpipe' | '1f1b' (each stage keeps at most
+  #                                2 (pp - 1) micro-batches' activations, not m) | 'interleaved'
+  #                                (virtual_stages chunks per stage: a bubble v times smaller)
+  p.virtual_stages = 1           # chunks of layers per stage ('interleaved' only, >= 2)
   p.tp_overlap = "none"           # how TP layers communicate: "none" (collectives between the
   #                                matmuls), "ring" (ring collective matmuls,
   #                                taco_jax.parallel.overlap) or "kernel" (fused collective-

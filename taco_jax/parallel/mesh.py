@@ -17,6 +17,7 @@ from models.qwen import QwenConfig
 
 AXES = ("data", "pipeline", "tensor")
 TP_OVERLAP = ("none", "ring", "kernel")  # parallel.tp_overlap
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # parallel.schedule (taco_jax.parallel.schedules)
 DATA, PIPE, TENSOR = AXES
 
 
@@ -30,7 +31,8 @@ def _model_sizes(m) -> dict:
 
 
 def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_outputs=False,
-                  save_dots=False, tp_overlap="none",
+                  save_dots=False, tp_overlap="none", schedule="gpipe", virtual_stages=1,
+                  log_errors=False,
                   batch_size: int | None = None, seq_len: int | None = None,
                   n_devices: int | None = None, n_local_devices: int | None = None
                   ) -> list[str]:
@@ -44,7 +46,8 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
   """
   mb, il = microbatches, interleave
   errs = []
-  for n, v in (("dp", dp), ("pp", pp), ("tp", tp), ("microbatches", mb), ("interleave", il)):
+  for n, v in (("dp", dp), ("pp", pp), ("tp", tp), ("microbatches", mb), ("interleave", il),
+               ("virtual_stages", virtual_stages)):
     if not (isinstance(v, int) and v > 0):
       errs.append(f"parallel.{n}={v!r} must be a positive integer")
   if errs:
@@ -72,6 +75,7 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
   if s["n_layers"] % pp:
     errs.append(f"model.n_layers={s['n_layers']} is not divisible by parallel.pp={pp} "
                 "(pipeline stages hold equal numbers of layers); change pp or n_layers")
+  errs += _schedule_errors(schedule, virtual_stages, pp, s["n_layers"], log_errors)
   if seq_len is not None and seq_len % tp:
     errs.append(f"data.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence "
                 f"parallelism shards it); use a multiple of {tp}")
@@ -86,6 +90,32 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
                 f"parallel.microbatches * parallel.interleave = {dp}*{mb}*{il} = "
                 f"{dp * mb * il} (each micro-batch splits into {il} sub-batches); use a "
                 f"multiple of {dp * mb * il} or a smaller parallel.interleave")
+  return errs
+
+
+def _schedule_errors(schedule, v, pp, n_layers, log_errors) -> list[str]:
+  if schedule not in SCHEDULES:
+    return [f"parallel.schedule={schedule!r} must be one of {SCHEDULES}"]
+  errs = []
+  if schedule != "interleaved" and v != 1:
+    errs.append(f"parallel.virtual_stages={v} needs parallel.schedule='interleaved' (the "
+                f"{schedule!r} schedule runs one chunk per stage); set it to 1 or change "
+                "the schedule")
+  if schedule == "interleaved":
+    if v < 2:
+      errs.append(f"parallel.schedule='interleaved' needs parallel.virtual_stages >= 2 "
+                  f"chunks per stage, got {v} (with 1 it is parallel.schedule='1f1b')")
+    if pp < 2:
+      errs.append(f"parallel.schedule='interleaved' needs parallel.pp >= 2, got {pp}")
+    if v >= 2 and n_layers % pp == 0 and n_layers % (pp * v):  # (n_layers % pp: said above)
+      errs.append(f"model.n_layers={n_layers} is not divisible by parallel.pp * "
+                  f"parallel.virtual_stages = {pp}*{v} = {pp * v} (the interleaved schedule "
+                  f"cuts the model into {pp * v} equal chunks); change virtual_stages or "
+                  "n_layers")
+  if schedule != "gpipe" and log_errors:
+    errs.append(f"compression.log_errors=True measures the messages of the GPipe step; "
+                f"parallel.schedule={schedule!r} does not report them: use "
+                "parallel.schedule='gpipe' or turn log_errors off")
   return errs
 
 
@@ -106,6 +136,9 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
   return errs + layout_errors(
       c.model, dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=overlap,
       microbatches=p.get("microbatches", 1), interleave=p.get("interleave", 1),
+      schedule=p.get("schedule", "gpipe"), virtual_stages=p.get("virtual_stages", 1),
+      log_errors=bool(c.get("compression", {}).get("enabled", False)
+                      and c.get("compression", {}).get("log_errors", False)),
       save_tp_outputs=p.get("save_tp_outputs", False), save_dots=p.get("save_dots", False),
       batch_size=c.data.batch_size, seq_len=c.data.seq_len, n_devices=n_devices,
       n_local_devices=n_local_devices)

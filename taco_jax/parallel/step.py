@@ -4,10 +4,13 @@ Per device (data rank d, stage s, tensor rank r), for its B/dp sequences split i
 micro-batches:
 
     embed:  vocab-parallel lookup -> reduce-scatter over sequence (+ positions of shard r)
-    trunk:  GPipe over "pipeline" of this stage's L/pp blocks (TP + SP linears), each
-            block on `interleave` sub-batches of the micro-batch side by side
-    loss:   final norm -> vocab-parallel cross-entropy; counted on the last stage only
-    grads:  jax.grad of the above, then summed over every mesh axis a parameter is
+    trunk:  the pipeline over "pipeline" of this stage's L/pp blocks (TP + SP linears),
+            each block on `interleave` sub-batches of the micro-batch side by side
+    loss:   final norm -> vocab-parallel cross-entropy, on the last stage only (the
+            embedding runs on the first stage only)
+    grads:  jax.grad of the above (GPipe), or accumulated tick by tick by the 1F1B and
+            interleaved schedules (`one_f_one_b`), then summed over every mesh axis a
+            parameter is
             replicated on: "tensor" (norms / biases / positions see only their sequence
             shard), "pipeline" (embedding, final norm: used by the first and last stage),
             and averaged over "data" (compressible by `compression.dp`).
@@ -29,7 +32,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives, mappings, quality
-from taco_jax.parallel import layers, model as model_lib, pipeline
+from taco_jax.parallel import layers, model as model_lib, one_f_one_b, pipeline
 from taco_jax.parallel.compression import CompressionPlan
 from taco_jax.parallel.mesh import DATA, PIPE, TENSOR, layout_errors
 
@@ -61,13 +64,13 @@ class ParallelSpec:
   dp: int                            # mesh axis "data"
   pp: int                            # mesh axis "pipeline"
   tp: int                            # mesh axis "tensor"
-  microbatches: int = 1              # GPipe micro-batches per step (per data rank)
+  microbatches: int = 1              # pipeline micro-batches per step (per data rank)
   plan: CompressionPlan = CompressionPlan()  # codec per collective
   # how the TP layers communicate (parallel.tp_overlap): "none", the collectives between
   # the matmuls; "ring", ring collective matmuls; "kernel", fused collective-matmul kernels
   tp_overlap: str = "none"
   # sub-batches per micro-batch whose blocks run side by side, so that one's TP collectives
-  # can overlap another's matmuls (parallel.interleave; see `_local_loss`)
+  # can overlap another's matmuls (parallel.interleave; see `_trunk`)
   interleave: int = 1
   # with model.remat: keep the TP collectives' outputs for the backward pass, so recomputing
   # a block does not communicate again (parallel.save_tp_outputs; see `remat_policy`)
@@ -75,6 +78,10 @@ class ParallelSpec:
   # with model.remat: keep the outputs of the blocks' matmuls (the weight matmuls, not the
   # attention's batched ones) as well (parallel.save_dots; see `remat_policy`)
   save_dots: bool = False
+  # pipeline schedule (parallel.schedule): "gpipe" (jax.grad of a forward over the ticks),
+  # "1f1b" or "interleaved" (`taco_jax.parallel.schedules`: a backward as soon as it can)
+  schedule: str = "gpipe"
+  virtual_stages: int = 1            # chunks per stage of the interleaved schedule (v)
 
   def __post_init__(self):
     _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors())
@@ -87,6 +94,8 @@ class ParallelSpec:
       batch = dict(batch_size=tokens_BT1.shape[0], seq_len=tokens_BT1.shape[1] - 1)
     return layout_errors(self.cfg, dp=self.dp, pp=self.pp, tp=self.tp,
                          microbatches=self.microbatches, interleave=self.interleave,
+                         schedule=self.schedule, virtual_stages=self.virtual_stages,
+                         log_errors=self.plan.log_errors,
                          save_tp_outputs=self.save_tp_outputs,
                          save_dots=self.save_dots, tp_overlap=self.tp_overlap, **batch)
 
@@ -152,31 +161,31 @@ def remat_policy(spec: ParallelSpec):
   return names or dots
 
 
-def _local_loss(spec: ParallelSpec, params, tokens_BT1):
-  """Mean token loss of this device's batch on the last stage, 0 on the others.
+def _embed(spec: ParallelSpec, params, tokens_BT):
+  """Token (+ position) embedding of [b, T] token ids: this rank's sequence shard h_BSD."""
+  ctx = spec.ctx
+  h_BSD = layers.vocab_parallel_embed(params["wte"], tokens_BT, ctx)
+  if "wpe" in params:
+    s = h_BSD.shape[1]
+    pos_SD = jax.lax.dynamic_slice_in_dim(params["wpe"], jax.lax.axis_index(TENSOR) * s, s)
+    h_BSD = h_BSD + pos_SD.astype(ctx.dtype)
+  return h_BSD
+
+
+def _trunk(spec: ParallelSpec):
+  """(stacked blocks [n, ...], h_BSD) -> h_BSD: the n blocks in order (a scan).
 
   With `spec.interleave` = k > 1 each micro-batch is split into k sub-batches and every
   layer of the scan runs its block on each of them: k independent chains in one loop body,
   so the TP all-gather / reduce-scatter of one sub-batch has no data dependence on the
   other sub-batches' matmuls and XLA's latency-hiding scheduler may run them side by side
   (forward and, through jax.grad of the scan, backward). Per sequence the math is that of
-  k = 1; only the sums over the batch in the weight gradients change order. The stage's
-  output is the concatenated micro-batch again, so the pipeline and the loss head see
-  what they see without interleaving.
+  k = 1; only the sums over the batch in the weight gradients change order. The output is
+  the concatenated micro-batch again, so the pipeline and the loss head see what they see
+  without interleaving.
   """
-  cfg, ctx, m, k = spec.cfg, spec.ctx, spec.microbatches, spec.interleave
-  block_gd, _ = model_lib.block_template(cfg, ctx)
-  norm_gd, _ = model_lib.norm_template(cfg)
-  b, t1 = tokens_BT1.shape
-  inputs = tokens_BT1[:, :-1].reshape(m, b // m, t1 - 1)
-  targets = tokens_BT1[:, 1:].reshape(m, b // m, t1 - 1)
-
-  h_BSD = layers.vocab_parallel_embed(params["wte"], inputs.reshape(b, t1 - 1), ctx)
-  if "wpe" in params:
-    s = h_BSD.shape[1]
-    pos_SD = jax.lax.dynamic_slice_in_dim(params["wpe"], jax.lax.axis_index(TENSOR) * s, s)
-    h_BSD = h_BSD + pos_SD.astype(ctx.dtype)
-  h_MBSD = h_BSD.reshape(m, b // m, *h_BSD.shape[1:])
+  cfg, k = spec.cfg, spec.interleave
+  block_gd, _ = model_lib.block_template(cfg, spec.ctx)
 
   def layer(hs, p):  # one block on each sub-batch: k chains with no data between them
     block = nnx.merge(block_gd, p)
@@ -185,21 +194,69 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
   if cfg.remat:
     layer = jax.checkpoint(layer, policy=remat_policy(spec))
 
-  def stage(h_BSD):
+  def trunk(blocks, h_BSD):
     hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)
-    hs = jax.lax.scan(layer, hs, params["blocks"])[0]
+    hs = jax.lax.scan(layer, hs, blocks)[0]
     return jnp.concatenate(hs) if k > 1 else hs[0]
 
-  out_MBSD = pipeline.gpipe(stage, h_MBSD, pp=spec.pp, fwd=spec.plan.codec("pp/fwd"),
-                            bwd=spec.plan.codec("pp/bwd"))
+  return trunk
 
-  @jax.checkpoint  # do not keep the [b, T, V/tp] logits for the backward pass
-  def head(h_BSD, tgt_BT):
-    h_BSD = nnx.merge(norm_gd, params["ln_f"])(h_BSD)
-    return jnp.mean(layers.vocab_parallel_xent(h_BSD, params["wte"], tgt_BT, ctx))
 
-  loss = jnp.mean(jax.lax.map(lambda a: head(*a), (out_MBSD, targets)))
-  return jnp.where(jax.lax.axis_index(PIPE) == spec.pp - 1, loss, 0.0)
+def _head_loss(spec: ParallelSpec, params, h_BSD, tgt_BT):
+  """Mean token loss of a micro-batch: final norm, then the vocab-parallel cross-entropy."""
+  norm_gd, _ = model_lib.norm_template(spec.cfg)
+  h_BSD = nnx.merge(norm_gd, params["ln_f"])(h_BSD)
+  return jnp.mean(layers.vocab_parallel_xent(h_BSD, params["wte"], tgt_BT, spec.ctx))
+
+
+def _microbatches(spec: ParallelSpec, tokens_BT1):
+  """(inputs, targets): [m, b/m, T] token ids each."""
+  m, (b, t1) = spec.microbatches, tokens_BT1.shape
+  return (tokens_BT1[:, :-1].reshape(m, b // m, t1 - 1),
+          tokens_BT1[:, 1:].reshape(m, b // m, t1 - 1))
+
+
+def _on_stage(spec: ParallelSpec, stage: int, f, zeros):
+  """f() on pipeline stage `stage`, `zeros` elsewhere: a branch that a stage's whole
+  tensor group takes or skips together, so its TP collectives stay matched."""
+  if spec.pp == 1:
+    return f()
+  return jax.lax.cond(jax.lax.axis_index(PIPE) == stage, f, lambda: zeros)
+
+
+def _local_loss(spec: ParallelSpec, params, tokens_BT1):
+  """Mean token loss of this device's batch on the last stage, 0 on the others (GPipe).
+
+  The embedding runs on the first stage only and the head and loss on the last only
+  (`_on_stage`); the stages between run their blocks only."""
+  m = spec.microbatches
+  inputs, targets = _microbatches(spec, tokens_BT1)
+  b, t = inputs.shape[1:]
+  h_shape = jax.eval_shape(lambda: _embed(spec, params, inputs[0]))
+  zeros = jnp.zeros((m, *h_shape.shape), h_shape.dtype)
+  h_MBSD = _on_stage(spec, 0, lambda: _embed(spec, params, inputs.reshape(m * b, t)).reshape(
+      zeros.shape), zeros)
+  out_MBSD = pipeline.gpipe(lambda h: _trunk(spec)(params["blocks"], h), h_MBSD, pp=spec.pp,
+                            fwd=spec.plan.codec("pp/fwd"), bwd=spec.plan.codec("pp/bwd"))
+  head = jax.checkpoint(lambda h, tgt: _head_loss(spec, params, h, tgt))  # no [b, T, V/tp]
+  #                                                    logits kept for the backward pass
+  return _on_stage(spec, spec.pp - 1, lambda: jnp.mean(jax.lax.map(
+      lambda a: head(*a), (out_MBSD, targets))), jnp.zeros((), jnp.float32))
+
+
+def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
+  """(loss, gradients) of this device by the 1F1B / interleaved schedule
+  (`taco_jax.parallel.one_f_one_b`)."""
+  parts = one_f_one_b.Parts(embed=lambda p, tok: _embed(spec, p, tok), chunk=_trunk(spec),
+                            head=lambda p, h, tgt: _head_loss(spec, p, h, tgt),
+                            dtype=spec.cfg.compute_dtype)
+  pp, v = spec.pp, spec.virtual_stages
+  blocks = one_f_one_b.to_chunks(params["blocks"], pp, v)
+  inputs, targets = _microbatches(spec, tokens_BT1)
+  loss, grads = one_f_one_b.loss_and_grads(
+      parts, dict(params, blocks=blocks), inputs, targets, pp=pp, v=v,
+      fwd=spec.plan.codec("pp/fwd"), bwd=spec.plan.codec("pp/bwd"))
+  return loss, dict(grads, blocks=one_f_one_b.from_chunks(grads["blocks"], pp, v))
 
 
 def _fused_all_reduce(leaves, axis, compression, site: str = ""):
@@ -252,7 +309,14 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
                      "compression errors (compression.log_errors) or to calibrate")
   log = spec.plan.log_errors and capture is None
 
+  if spec.schedule != "gpipe" and capture is not None:
+    raise ValueError(f"parallel.schedule={spec.schedule!r}: calibration captures the "
+                     "messages of the GPipe step; calibrate with parallel.schedule='gpipe'")
+
   def local(params, tokens_BT1):
+    if spec.schedule != "gpipe":
+      loss, grads = _scheduled_loss_grads(spec, params, tokens_BT1)
+      return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
     loss_fn = lambda p: _local_loss(spec, p, tokens_BT1)
     if not log and capture is None:  # the plain program
       loss, grads = jax.value_and_grad(loss_fn)(params)

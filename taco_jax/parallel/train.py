@@ -54,6 +54,8 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
   p = config.parallel
   return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
                                p.get("microbatches", 1), plan_from_config(config.compression),
+                               schedule=p.get("schedule", "gpipe"),
+                               virtual_stages=p.get("virtual_stages", 1),
                                tp_overlap=p.get("tp_overlap", "none"),
                                interleave=p.get("interleave", 1),
                                save_tp_outputs=bool(p.get("save_tp_outputs", False)),
