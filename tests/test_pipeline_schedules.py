@@ -211,5 +211,9 @@ def test_schedule_errors():
           "2*3 = 6") in errs(schedule="interleaved", virtual_stages=3)
   assert "compression.log_errors=True measures the messages of the GPipe step" in errs(
       schedule="1f1b", log_errors=True)
+  for overlap in ("ring", "kernel"):  # their permutes / barriers would hang in a branch
+    assert f"where parallel.tp_overlap={overlap!r} cannot run" in errs(
+        schedule="1f1b", tp_overlap=overlap)
+  assert errs(schedule="gpipe", tp_overlap="ring") == ""
   with pytest.raises(ValueError, match=r"parallel.virtual_stages=2 needs parallel.schedule"):
     step_lib.ParallelSpec(CFG, 1, 2, 1, 2, virtual_stages=2)

@@ -76,6 +76,12 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
     errs.append(f"model.n_layers={s['n_layers']} is not divisible by parallel.pp={pp} "
                 "(pipeline stages hold equal numbers of layers); change pp or n_layers")
   errs += _schedule_errors(schedule, virtual_stages, pp, s["n_layers"], log_errors)
+  if schedule != "gpipe" and pp > 1 and tp_overlap != "none":
+    errs.append(f"parallel.schedule={schedule!r} runs each stage's TP layers inside "
+                f"per-stage branches, where parallel.tp_overlap={tp_overlap!r} cannot run "
+                "(its ring permutes and its kernels' cross-GPU barrier involve every device, "
+                "so the stages would wait on each other): use tp_overlap='none' or "
+                "schedule='gpipe'")
   if seq_len is not None and seq_len % tp:
     errs.append(f"data.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence "
                 f"parallelism shards it); use a multiple of {tp}")

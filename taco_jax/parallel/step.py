@@ -218,10 +218,16 @@ def _microbatches(spec: ParallelSpec, tokens_BT1):
 
 def _on_stage(spec: ParallelSpec, stage: int, f, zeros):
   """f() on pipeline stage `stage`, `zeros` elsewhere: a branch that a stage's whole
-  tensor group takes or skips together, so its TP collectives stay matched."""
+  tensor group takes or skips together, so its TP collectives stay matched. With
+  `tp_overlap` ring or kernel every stage computes f() and keeps it or not: a
+  collective-permute or a Mosaic kernel's cross-GPU barrier waits for every device, so
+  inside a branch that only some stages take it would hang (it did, on CPU)."""
   if spec.pp == 1:
     return f()
-  return jax.lax.cond(jax.lax.axis_index(PIPE) == stage, f, lambda: zeros)
+  on_stage = jax.lax.axis_index(PIPE) == stage
+  if spec.tp_overlap != "none":
+    return jnp.where(on_stage, f(), zeros)
+  return jax.lax.cond(on_stage, f, lambda: zeros)
 
 
 def _local_loss(spec: ParallelSpec, params, tokens_BT1):
