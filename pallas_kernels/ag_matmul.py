@@ -166,7 +166,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     mine, (w_ref,), src, (y_ref,), xg, sent = gemm.split_refs(
         refs, n_arrays, 1, extra, 1, n_arrays, extra)
     src = src or xg  # the peers write the gathered arrays themselves
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, max(n - 1, 1))
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, n - 1)
     prev = lax.rem(r + n - 1, n)
     peer = sent if sems is None else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
 

@@ -116,6 +116,12 @@ def _add(acc, g):
   return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
 
 
+def _add_chunk(grads, k, dp):
+  """`grads` with chunk k's parameter gradients `dp` added to its blocks."""
+  return dict(grads, blocks=jax.tree.map(lambda a, g: a.at[k].add(g.astype(a.dtype)),
+                                         grads["blocks"], dp))
+
+
 def loss_and_grads(parts: Parts, params, inputs_MBT, targets_MBT, *, pp: int, v: int,
                    fwd: CompressionConfig | None = None,
                    bwd: CompressionConfig | None = None):
@@ -150,8 +156,7 @@ def loss_and_grads(parts: Parts, params, inputs_MBT, targets_MBT, *, pp: int, v:
 
     def run(grads):
       dp, dx = _rebuild(layout["vjp"], stored, chunk_params(k))(recv)
-      grads = dict(grads, blocks=jax.tree.map(
-          lambda a, g: a.at[k].add(g.astype(a.dtype)), grads["blocks"], dp))
+      grads = _add_chunk(grads, k, dp)
       first = (s == 0) & (k == 0)  # the first chunk: the embedding's backward too
       hg = jax.lax.cond(first, lambda: embed_grads(inputs_MBT[i], dx),
                         lambda: jax.tree.map(jnp.zeros_like, head_params))
@@ -181,8 +186,7 @@ def loss_and_grads(parts: Parts, params, inputs_MBT, targets_MBT, *, pp: int, v:
       dp, dx = vjp(dy)
       if pp == 1:  # the last chunk is also the first
         hg = _add(hg, embed_grads(inputs_MBT[i], dx))
-      grads = dict(grads, **_add({n: grads[n] for n in head_params}, hg), blocks=jax.tree.map(
-          lambda a, g: a.at[k].add(g.astype(a.dtype)), grads["blocks"], dp))
+      grads = _add_chunk(dict(grads, **_add({n: grads[n] for n in head_params}, hg)), k, dp)
       return jnp.zeros(h.shape, h.dtype), zeros_kept, dx, grads, loss + li / m
 
     branches = [idle, store, fused] if pp > 1 else [idle, idle, fused]  # pp = 1 never stores

@@ -22,11 +22,6 @@ from taco_jax.codec import CompressionConfig
 from taco_jax.parallel.mesh import PIPE
 
 
-def bubble_fraction(pp: int, microbatches: int) -> float:
-  """Idle share of a GPipe schedule: (pp - 1) / (m + pp - 1)."""
-  return (pp - 1) / (microbatches + pp - 1)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
 def shift_to_next_stage(x, pp: int, fwd: CompressionConfig | None = None,
                         bwd: CompressionConfig | None = None):
