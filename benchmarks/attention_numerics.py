@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.gpt import attention_implementation, causal_attention
+from taco_jax.models.gpt import attention_implementation, causal_attention
 
 OUTPUTS = ("out", "dq", "dk", "dv")
 

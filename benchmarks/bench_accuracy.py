@@ -1,7 +1,7 @@
 """Accuracy cost of TACO compression, and codec ablations on tensors from a trained model.
 
 1. Train one config (`--config`, default configs/gpt_125m_tp4.py: GPT-2 small, TP=4) with
-   the trainer users run (`taco_jax.parallel.train.train`) three times from the same seed
+   the trainer users run (`taco_jax.train.trainer.train`) three times from the same seed
    on the same batches: compression off, on (the config's codec; `compression.log_errors`
    on, so each family's relative error of what it sent is a metric of the run), and with
    the codec the calibration below chose. Validation loss every `eval_every` steps on a
@@ -11,7 +11,7 @@
    `--capture-steps` steps from the *trained* off model (its last checkpoint), then
    - ablations: each codec setting of `ABLATIONS` applied to each site's tensors
      (relative L2 and max error), and
-   - `taco_jax.calibrate`: the data-driven choice per family over format x group size x
+   - `taco_jax.apps.calibrate`: the data-driven choice per family over format x group size x
      Hadamard, written as a config file, which the third run trains with.
 
 Corpus (`--corpus`): "python" = every *.py under the site-packages directory that holds
@@ -125,8 +125,8 @@ def curves(workdir: pathlib.Path) -> dict:
 
 def ablate(cap) -> dict:
   """{site: [{name, setting, rel_l2, max_abs, max_abs_over_absmax, share_off_by_8th,
-  bits_per_element}]} (`taco_jax.calibrate.measure_all`)."""
-  from taco_jax import calibrate
+  bits_per_element}]} (`taco_jax.apps.calibrate.measure_all`)."""
+  from taco_jax.apps import calibrate
   settings = [dict(TACO, **change) for change in ABLATIONS.values()]
   results = calibrate.measure_all(cap, settings)
   return {site: [dict(name=name, **r) for name, r in zip(ABLATIONS, rows)]
@@ -140,8 +140,9 @@ def main(argv=None) -> pathlib.Path:
     use_cpu_devices(8)
   import jax
   from benchmarks import common
-  from taco_jax import calibrate, data
-  from taco_jax.parallel.train import train
+  from taco_jax import data
+  from taco_jax.apps import calibrate
+  from taco_jax.train.trainer import train
 
   t_start = time.perf_counter()
   root = pathlib.Path(args.workdir or tempfile.mkdtemp(prefix="taco_accuracy_"))

@@ -28,12 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import common
-from pallas_kernels.common import FP8_DTYPES, FP8_MAX
+from taco_jax.pallas_kernels.common import FP8_DTYPES, FP8_MAX
 
-import pallas_kernels  # noqa: F401  (registers the modules below)
+from taco_jax import pallas_kernels  # noqa: F401  (registers the modules below)
 
-enc = sys.modules["pallas_kernels.encode"]
-dec = sys.modules["pallas_kernels.decode"]
+enc = sys.modules["taco_jax.pallas_kernels.encode"]
+dec = sys.modules["taco_jax.pallas_kernels.decode"]
 
 
 @dataclasses.dataclass(frozen=True)

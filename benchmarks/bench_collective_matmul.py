@@ -78,7 +78,7 @@ def layer_shapes(model: str, tp: int, batch: int, seq: int) -> dict:
 
 
 def _tiling(base, spec: str):
-  from pallas_kernels import gemm
+  from taco_jax.pallas_kernels import gemm
   if spec == "default":
     return base
   kw = dict(kv.split("=") for kv in spec.split("+"))
@@ -118,8 +118,8 @@ def run(args) -> dict:
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from pallas_kernels import ag_matmul, gemm, matmul_rs
-  from pallas_kernels.encode import encode
+  from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
+  from taco_jax.pallas_kernels.encode import encode
 
   on_gpu = jax.default_backend() == "gpu"
   devs = jax.devices()
@@ -226,7 +226,7 @@ def _one_rank_fp8_reference(kind, smap, one):
   reduce-scatter's, and the reference came out uncompressed)."""
   import jax
   from jax.sharding import PartitionSpec as P
-  from pallas_kernels import ag_matmul, matmul_rs
+  from taco_jax.pallas_kernels import ag_matmul, matmul_rs
   if kind == "ag":
     f = lambda x, w: ag_matmul.all_gather_matmul_reference(x, w, "tensor", fp8=FP8)[0]
   else:
@@ -248,7 +248,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
               encode):
   """name -> (function of (a, w), runs on the one-GPU mesh)."""
   from jax.sharding import PartitionSpec as P
-  from pallas_kernels import gemm
+  from taco_jax.pallas_kernels import gemm
   t = "tensor"
   out = {}
   if kind == "ag":

@@ -3,7 +3,7 @@
 Per (dp, pp, tp) layout, the --variants programs train the same GPT from the same
 parameters on the same batches, their steps interleaved (the order rotates every step):
 
-  off     our 3D-parallel shard_map step (`taco_jax.parallel.step`), bf16 collectives
+  off     our 3D-parallel shard_map step (`taco_jax.tp.step`), bf16 collectives
   on      the same with TACO compression (`--compress` families)
   ideal   `off` with every collective over "tensor" replaced, while tracing, by a local
           stand-in of the same shapes (all-gather -> broadcast of the local shard,
@@ -16,7 +16,7 @@ parameters on the same batches, their steps interleaved (the order rotates every
           (`parallel.tp_overlap="ring"`: each chunk's transfer in flight during another's
           matmul)
   gspmd   the same model under plain `jax.jit` with Megatron NamedSharding annotations
-          (`taco_jax.parallel.gspmd`) on a (dp * pp, tp) ("data", "tensor") mesh (no
+          (`benchmarks.gspmd`) on a (dp * pp, tp) ("data", "tensor") mesh (no
           pipeline: for a pp > 1 layout this is the GSPMD run on the same devices with the
           pipeline folded into data parallelism), with XLA's collective-overlap flags
           (`gspmd.XLA_OVERLAP_FLAGS`, set in XLA_FLAGS for the whole process, so `off` and
@@ -25,7 +25,7 @@ parameters on the same batches, their steps interleaved (the order rotates every
 Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_pgle`):
 
   _cm     (off / on only) the TP layers as fused collective-matmul kernels
-          (`parallel.tp_overlap="kernel"`, `taco_jax.parallel.fused`): the transfers run
+          (`parallel.tp_overlap="kernel"`, `taco_jax.tp.fused`): the transfers run
           inside the matmul kernels, plain (`off_cm`) or FP8-compressed (`on_cm`)
   _1f1b   the 1F1B pipeline schedule (`parallel.schedule="1f1b"`: each stage keeps at most
           2 (pp - 1) micro-batches' activations, not all m)
@@ -45,7 +45,7 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _pgle   (GSPMD too) compiled twice: the second time with the instruction times
-          measured in two profiled steps of the first (`taco_jax.parallel.pgle`: XLA's
+          measured in two profiled steps of the first (`benchmarks.pgle`: XLA's
           profile-guided latency estimation), so the scheduler overlaps collectives by
           measured costs rather than its guesses. The profiled steps run on a throwaway
           state; timing starts from the same parameters as the other variants.
@@ -196,7 +196,7 @@ def noop_tensor_collectives():
   import jax
   import jax.numpy as jnp
   from taco_jax import collectives
-  from taco_jax.parallel.mesh import TENSOR
+  from taco_jax.tp.mesh import TENSOR
 
   orig = {k: getattr(collectives, k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
   is_tp = lambda a: a == TENSOR or (isinstance(a, (tuple, list)) and tuple(a) == (TENSOR,))
@@ -238,7 +238,7 @@ def noop_tensor_collectives():
 def xla_options(variant: Variant, args) -> dict:
   """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`),
   unless --no-interleave-options."""
-  from taco_jax.parallel.step import compiler_options
+  from taco_jax.tp.step import compiler_options
   return {} if args.no_interleave_options else compiler_options(variant.interleave)
 
 
@@ -252,7 +252,7 @@ def build(variant: Variant, layout, args, cfg, tx):
   if not variant.pgle:
     return lowered.compile(options), state, batch, mesh, plan, False
   import jax
-  from taco_jax.parallel import pgle
+  from benchmarks import pgle
   scratch = {"state": state}
   tokens = batch(args._tokens0)
 
@@ -270,9 +270,9 @@ def _program(variant: Variant, layout, args, cfg, tx):
   """(jitted step, (params, opt_state), batch_fn, mesh, plan, tracing context) of
   `variant` (its first compile); parameters from seed 0."""
   import jax
-  from taco_jax.parallel import gspmd
-  from taco_jax.parallel.compression import CompressionPlan
-  from taco_jax.parallel.train import opt_state_target
+  from benchmarks import gspmd
+  from taco_jax.plan import CompressionPlan
+  from taco_jax.train.trainer import opt_state_target
 
   dp, pp, tp = layout
   cfg = variant_config(variant, cfg)
@@ -319,7 +319,7 @@ def _relabel(summary: dict, mesh) -> dict:
 def run_layout(layout, args, cfg, tx, corpus, until):
   from benchmarks import common
   from taco_jax import data
-  from taco_jax.parallel import hlo
+  from taco_jax.testing import hlo
 
   runs, failed = {}, []
   dp, pp, tp = layout
@@ -424,7 +424,7 @@ def summarize(rows) -> list[dict]:
 def add_overlap_flags(args) -> None:
   """XLA's collective-overlap flags into XLA_FLAGS (before the backend starts), unless
   --no-overlap-flags; a flag already set there is kept as it is."""
-  from taco_jax.parallel.gspmd import XLA_OVERLAP_FLAGS  # imports jax; no backend yet
+  from benchmarks.gspmd import XLA_OVERLAP_FLAGS  # imports jax; no backend yet
   if not args.no_overlap_flags:
     flags = os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = " ".join([flags, *(f for f in XLA_OVERLAP_FLAGS
@@ -439,7 +439,7 @@ def main(argv=None) -> pathlib.Path:
   add_overlap_flags(args)
   import jax
   from benchmarks import attention_numerics, common
-  from models.gpt import flops_per_token
+  from taco_jax.models.gpt import flops_per_token
   from taco_jax import data
 
   cfg, tx = model_and_optimizer(args, remat=not args.no_remat)
@@ -479,7 +479,7 @@ def main(argv=None) -> pathlib.Path:
                   ideal="off with collectives over 'tensor' replaced by local stand-ins of "
                         "the same shapes (bench_train.noop_tensor_collectives); its loss is "
                         "meaningless",
-                  gspmd="plain jax.jit + NamedSharding (taco_jax.parallel.gspmd) on a "
+                  gspmd="plain jax.jit + NamedSharding (benchmarks.gspmd) on a "
                         "(dp*pp, tp) data x tensor mesh; activation=" + args.gspmd_activation,
                   env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
                                                       "NCCL_NVLS_ENABLE", "XLA_FLAGS")},

@@ -74,7 +74,7 @@ def measure(args) -> list[dict]:
   from jax.sharding import PartitionSpec as P
 
   from benchmarks import common
-  from pallas_kernels import wire
+  from taco_jax.pallas_kernels import wire
 
   n = jax.device_count()
   mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))

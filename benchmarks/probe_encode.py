@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import common
-import pallas_kernels  # noqa: F401
+from taco_jax import pallas_kernels  # noqa: F401
 
-enc = sys.modules["pallas_kernels.encode"]
+enc = sys.modules["taco_jax.pallas_kernels.encode"]
 
 
 def main():

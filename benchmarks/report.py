@@ -349,7 +349,7 @@ BENCH_TRAIN_WORDS = (
     "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
     "`CompressionConfig(link=\"nvlink\")` measured to pay; `*_pgle` variants are "
     "compiled again with the instruction times profiled in two steps "
-    "(`taco_jax.parallel.pgle`).")
+    "(`benchmarks.pgle`).")
 
 
 def bench_train_section() -> str:
@@ -422,7 +422,7 @@ def accuracy_section() -> str:
           f"{d0['config']['steps']} steps, {d0['num_devices']}x {d0['device']})\n\n"
           "Validation loss after the same steps from the same seed and batches; `cost %` = "
           "(val on - val off) / val off. `calibrated` trains with the codec "
-          "`taco_jax.calibrate` chose from tensors of the trained `off` model. Curves: "
+          "`taco_jax.apps.calibrate` chose from tensors of the trained `off` model. Curves: "
           "`docs/accuracy_loss.png` (`python -m benchmarks.plot_accuracy`).\n\n"
           + _table(["run", "seed", "variant", "codec (TP)", "val loss", "cost %"], rows)
           + "\n")

@@ -102,8 +102,8 @@ def model_and_optimizer(args, *, remat: bool):
   """The GPT config of `--model` and the AdamW schedule over `--steps` that every variant
   of the end-to-end benchmarks trains with."""
   import ml_collections
-  from taco_jax.parallel.model import model_config
-  from taco_jax.parallel.train import make_optimizer
+  from taco_jax.tp.layout import model_config
+  from taco_jax.train.trainer import make_optimizer
   n_layers, d, h, f = SIZES[args.model]
   cfg = model_config(dict(vocab_size=args.vocab, n_layers=n_layers, d_model=d, n_heads=h,
                           d_ff=f, max_seq_len=args.seq, dtype=args.dtype, remat=remat,
@@ -118,7 +118,7 @@ def compression_plan(args, link=None):
   --group-size, --hadamard, --min-bytes, --implementation; `link` None: every message from
   --min-bytes on)."""
   from taco_jax.codec import CompressionConfig
-  from taco_jax.parallel.compression import CompressionPlan
+  from taco_jax.plan import CompressionPlan
   codec = CompressionConfig(format=args.format, group_size=args.group_size,
                             hadamard=args.hadamard, min_bytes=args.min_bytes, link=link,
                             implementation=args.implementation)
@@ -131,18 +131,18 @@ def build_step(layout, args, cfg, tx, plan, **spec_fields):
   seed 0, so every variant of a layout starts from the same ones. `spec_fields`: further
   `ParallelSpec` fields (tp_overlap, interleave). Shared with bench_train."""
   import jax
-  from taco_jax.parallel import model as model_lib, step as step_lib
-  from taco_jax.parallel.mesh import make_mesh
-  from taco_jax.parallel.train import global_batch, opt_state_target
+  from taco_jax.tp import layout as layout_lib, step as step_lib
+  from taco_jax.tp.mesh import make_mesh
+  from taco_jax.train.trainer import global_batch, opt_state_target
 
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp)
   m = args.microbatches if pp > 1 else 1
   spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, **spec_fields)
-  p_abs = model_lib.abstract_params(cfg, mesh)
+  p_abs = layout_lib.abstract_params(cfg, mesh)
   p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
   o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
-  params = model_lib.init_params(cfg, mesh, seed=0)
+  params = layout_lib.init_params(cfg, mesh, seed=0)
   opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                  out_shardings=(p_sh, o_sh, None))
@@ -153,8 +153,8 @@ def run_layout(layout, args, cfg, tx, corpus, step_until):
   """Compiles both variants, then steps them interleaved until `args.steps` or the time
   `step_until(compile_s)` returns (an absolute perf_counter deadline)."""
   from taco_jax import data
-  from taco_jax.parallel import hlo
-  from taco_jax.parallel.compression import CompressionPlan
+  from taco_jax.testing import hlo
+  from taco_jax.plan import CompressionPlan
 
   dp, pp, tp = layout
   tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
@@ -247,7 +247,7 @@ def main(argv=None) -> pathlib.Path:
     use_cpu_devices(8)
   import jax
   from benchmarks import common
-  from models.gpt import flops_per_token
+  from taco_jax.models.gpt import flops_per_token
 
   cfg, tx = model_and_optimizer(args, remat=args.remat)
   t0 = time.perf_counter()

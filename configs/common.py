@@ -67,8 +67,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.virtual_stages = 1           # chunks of layers per stage ('interleaved' only, >= 2)
   p.tp_overlap = "none"           # how TP layers communicate: "none" (collectives between the
   #                                matmuls), "ring" (ring collective matmuls,
-  #                                taco_jax.parallel.overlap) or "kernel" (fused collective-
-  #                                matmul kernels on Hopper GPUs, taco_jax.parallel.fused)
+  #                                taco_jax.tp.overlap) or "kernel" (fused collective-
+  #                                matmul kernels on Hopper GPUs, taco_jax.tp.fused)
   p.interleave = 1               # sub-batches per micro-batch whose blocks run side by side, so
   #                                one's TP collectives can overlap another's matmuls; 1 = off
   p.save_tp_outputs = False      # with model.remat: keep the TP collectives' outputs, so the

@@ -1,5 +1,5 @@
 """GPT-2 small (~125M with a 50k vocab; ~86M with the byte vocab): 12 x 768, 12 heads, 1024."""
-from configs.common import base_config
+from taco_jax.configs.common import base_config
 
 
 def get_config():

@@ -5,8 +5,8 @@ model of the accuracy benchmark (`benchmarks/bench_accuracy.py`).
   python -m taco_jax.train --config=configs/gpt_125m_tp4.py
 Off: --config.compression.enabled=False. On CPU (slow): --cpu_devices=4.
 """
-from configs.common import base_config
-from configs.parallel_tiny import add_parallel_sections
+from taco_jax.configs.common import base_config
+from taco_jax.configs.parallel_tiny import add_parallel_sections
 
 
 def get_config():

@@ -1,5 +1,5 @@
 """GPT-3 XL / GPT-2 XL-like (~1.3B): 24 x 2048, 16 heads, context 2048, remat on."""
-from configs.common import base_config
+from taco_jax.configs.common import base_config
 
 
 def get_config():

@@ -5,8 +5,8 @@
 Switch compression off with --config.compression.enabled=False; change the layout with
 --config.parallel.dp/pp/tp (e.g. pp=2 tp=2 --config.parallel.microbatches=8).
 """
-from configs.common import base_config
-from configs.parallel_tiny import add_parallel_sections
+from taco_jax.configs.common import base_config
+from taco_jax.configs.parallel_tiny import add_parallel_sections
 
 
 def get_config():

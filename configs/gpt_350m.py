@@ -1,5 +1,5 @@
 """GPT-2 medium (~350M with a 50k vocab): 24 x 1024, 16 heads, context 1024."""
-from configs.common import base_config
+from taco_jax.configs.common import base_config
 
 
 def get_config():

@@ -3,8 +3,8 @@
 
   python -m taco_jax.train --config=configs/gpt_350m_3d.py
 """
-from configs.common import base_config
-from configs.parallel_tiny import add_parallel_sections
+from taco_jax.configs.common import base_config
+from taco_jax.configs.parallel_tiny import add_parallel_sections
 
 
 def get_config():

@@ -4,7 +4,7 @@ On CPU: `python -m taco_jax.train --config=configs/parallel_tiny.py --cpu_device
 """
 import ml_collections
 
-from configs.common import base_config
+from taco_jax.configs.common import base_config
 
 
 def codec(**kw) -> ml_collections.ConfigDict:

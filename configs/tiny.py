@@ -1,5 +1,5 @@
 """Tiny GPT for CPU: trains on the embedded stdlib corpus in a few minutes on 2 cores."""
-from configs.common import base_config
+from taco_jax.configs.common import base_config
 
 
 def get_config():

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import partitioning
 
-from models.layers import DenseFactory, Embedding, LinearFactory, layer_norm, normal_init
+from taco_jax.models.layers import DenseFactory, Embedding, LinearFactory, layer_norm, normal_init
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
 ATTENTION = ('auto', 'cudnn', 'xla')  # GPTConfig.attention
@@ -81,7 +81,7 @@ class GPTConfig:
     """Every invalid field, named as in a config's model section, with what to change; with
     `seq_len`, also whether the model takes sequences that long. What
     `taco_jax.train.config.validate_config` reports for the model section and what
-    `taco_jax.parallel.step.ParallelSpec` checks (a config is not validated when built, so
+    `taco_jax.tp.step.ParallelSpec` checks (a config is not validated when built, so
     that a config file's mistakes are all listed at once)."""
     sizes = ('vocab_size', 'n_layers', 'd_model', 'n_heads', 'd_ff', 'max_seq_len')
     errs = [f'model.{n}={getattr(self, n)!r} must be a positive integer' for n in sizes

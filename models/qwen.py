@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig, causal_attention
-from models.layers import DenseFactory, Embedding, LinearFactory
+from taco_jax.models.gpt import GPT, GPTConfig, causal_attention
+from taco_jax.models.layers import DenseFactory, Embedding, LinearFactory
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,9 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import gemm
-from pallas_kernels.decode import decode_reference, group_multiplier
-from pallas_kernels.encode import encode_reference
+from taco_jax.pallas_kernels import gemm
+from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
+from taco_jax.pallas_kernels.encode import encode_reference
 
 FP8_TILING = gemm.Tiling(split="m")  # warpgroups split the rows: each decodes its own half
 

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import wire
-from pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadamard_iota,
+from taco_jax.pallas_kernels import wire
+from taco_jax.pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadamard_iota,
                                    hadamard_matrix, pallas_call, row_mask)
 
 

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import wire
-from pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
+from taco_jax.pallas_kernels import wire
+from taco_jax.pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
                                    SCALE_MIN, check_2d, choose_blocks, hadamard_dot,
                                    hadamard_iota, hadamard_matrix, needs_two_terms,
                                    pallas_call, pow2_floor_f32, row_mask, sum_of_squares)

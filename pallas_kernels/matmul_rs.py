@@ -36,11 +36,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import gemm
-from pallas_kernels.common import FP8_DTYPES
-from pallas_kernels.ag_matmul import decode_tile
-from pallas_kernels.decode import decode_reference, group_multiplier
-from pallas_kernels.encode import encode_groups, encode_reference
+from taco_jax.pallas_kernels import gemm
+from taco_jax.pallas_kernels.common import FP8_DTYPES
+from taco_jax.pallas_kernels.ag_matmul import decode_tile
+from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
+from taco_jax.pallas_kernels.encode import encode_groups, encode_reference
 
 
 def matmul_reduce_scatter_reference(y_BTF, w_FD, axis_name, *, fp8=None, out_dtype=None):

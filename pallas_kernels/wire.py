@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import FP8_DTYPES, row_mask
+from taco_jax.pallas_kernels.common import FP8_DTYPES, row_mask
 
 SCALE_BYTES = 8  # alpha and scale, fp32 each, per group
 

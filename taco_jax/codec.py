@@ -17,7 +17,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-import pallas_kernels
+from taco_jax import pallas_kernels
 from taco_jax import _measured
 
 Format = Literal["e4m3", "e5m2"]

@@ -137,7 +137,7 @@ def roundtrip(x, cfg: CompressionConfig, dtype=jnp.float32):
   """What a receiver decodes from x sent with ``cfg``, computed on the sender: encode ->
   u8 wire format -> decode, with an optimization barrier on the wire arrays so that XLA
   cannot fold the fp32 -> fp8 -> fp32 round trip away (it may under excess precision).
-  Not a collective: for measuring the error of what is sent (``taco_jax.quality``)."""
+  Not a collective: for measuring the error of what is sent (``taco_jax.monitor``)."""
   w = jax.lax.optimization_barrier(to_wire(x, cfg))
   return from_wire(w, cfg, x.shape[-1], dtype)
 

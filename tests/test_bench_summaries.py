@@ -62,7 +62,7 @@ def test_bench_train_summary_of_a_modified_pair():
 
 
 def test_bench_train_variants_and_their_compile_options():
-  from taco_jax.parallel.step import INTERLEAVE_XLA_OPTIONS
+  from taco_jax.tp.step import INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "off,off_il2,on_il2"])
   v = bench_train.parse_variant
   assert [v(n).interleave for n in ("off", "off_il2", "on_il2", "on_il2_pgle", "off_pgle")] == [
@@ -214,8 +214,8 @@ def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypat
   import jax.numpy as jnp
 
   from benchmarks import attention_numerics
-  from models import gpt
-  from models.qwen import QwenConfig
+  from taco_jax.models import gpt
+  from taco_jax.models.qwen import QwenConfig
   cfg = QwenConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=16)
   off_gpu = attention_numerics.compare(cfg, batch=2, seq=16)
   assert off_gpu["cudnn"] == "unavailable" and "no GPU" in off_gpu["reason"]

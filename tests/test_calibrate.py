@@ -1,4 +1,4 @@
-"""`taco_jax.calibrate`: capture at every compressed site, measure a grid, choose by the
+"""`taco_jax.apps.calibrate`: capture at every compressed site, measure a grid, choose by the
 stated rule, write a config the trainer runs (with `compression.log_errors` on, so the
 metrics reach metrics.jsonl through the training loop)."""
 import importlib.util
@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from configs import parallel_tiny
-from taco_jax import calibrate, collectives, quality
+from taco_jax.configs import parallel_tiny
+from taco_jax import collectives, monitor
+from taco_jax.apps import calibrate
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import train as parallel_train
-from taco_jax.parallel.compression import plan_from_config
+from taco_jax.train import trainer as parallel_train
+from taco_jax.plan import plan_from_config
 from taco_jax.train import metrics
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -59,7 +60,7 @@ def test_captures_every_site_with_its_shape(run):
   (dp_shape,) = rep["shapes"]["dp"]
   assert dp_shape[1] == 2048  # the fused gradient buffer [rows, _BUCKET]
   assert set(rep["shapes"]) == set(want) | {"dp"}
-  assert {quality.SITES[s] for s in rep["shapes"]} == set(quality.FAMILIES)
+  assert {monitor.SITES[s] for s in rep["shapes"]} == set(monitor.FAMILIES)
 
 
 def test_choice_follows_the_rule(run):
@@ -68,7 +69,7 @@ def test_choice_follows_the_rule(run):
   for fam, choice in rep["choices"].items():
     base = choice["base_setting"]
     assert base == {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS}
-    sites = [s for s in rep["results"] if quality.SITES[s] == fam]
+    sites = [s for s in rep["results"] if monitor.SITES[s] == fam]
     scores, bits = {}, {}
     for r in rep["results"][sites[0]]:
       key = calibrate._key(r)
@@ -131,18 +132,18 @@ def test_trainer_runs_the_written_config(run):
   assert summary["status"] == "completed"
   recs = [r for r in metrics.read_jsonl(tmp / "run" / "metrics.jsonl") if "loss" in r]
   assert len(recs) == 2
-  for fam in quality.FAMILIES:
+  for fam in monitor.FAMILIES:
     assert all(0 < r[f"compression_error/{fam}"] < 0.2 for r in recs), fam
 
 
-@pytest.mark.parametrize("base", ["configs.parallel_tiny", None])
+@pytest.mark.parametrize("base", ["taco_jax.configs.parallel_tiny", None])
 def test_config_source_round_trips(tmp_path, base):
   """With an importable base: base + overrides + sections; without: a literal."""
   config = _config(tmp_path)
   section = dict(enabled=True, format="e5m2", group_size=128, hadamard=False,
                  dual_scale=True, min_bytes=0)
   src = calibrate.config_source(config, {"tp_backward": section}, base, "header")
-  assert ("from configs.parallel_tiny import" in src) == (base is not None)
+  assert ("from taco_jax.configs.parallel_tiny import" in src) == (base is not None)
   namespace = {}
   exec(compile(src, "calibrated.py", "exec"), namespace)
   want = config.to_dict()
@@ -158,7 +159,7 @@ def test_measure_all_against_numpy_and_the_hadamard_spread():
   rng = np.random.default_rng(3)
   rows = rng.normal(size=(64, 128)).astype(np.float32) * np.exp(rng.normal(size=(64, 1)))
   rows[:, ::64] *= 300.0  # one outlier channel per group of 64
-  cap = quality.Capture()
+  cap = monitor.Capture()
   cap.add("gather_from_sp/fwd", rows)
   plain, spread = (dict(format="e4m3", group_size=64, hadamard=h) for h in (False, True))
   res = calibrate.measure_all(cap, [plain, spread])["gather_from_sp/fwd"]

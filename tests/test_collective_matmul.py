@@ -1,5 +1,5 @@
 """Fused collective-matmul kernels (`pallas_kernels.ag_matmul`, `matmul_rs`) and the layers'
-custom VJPs over them (`taco_jax.parallel.fused`).
+custom VJPs over them (`taco_jax.tp.fused`).
 
 On CPU the kernels run in jax's Mosaic GPU interpret mode, one rank at a time in local mode
 (the interpreter simulates no peer copies): what a rank computes and what it sends where,
@@ -18,12 +18,12 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels import ag_matmul, gemm, matmul_rs
-from pallas_kernels.decode import decode_reference, group_multiplier
-from pallas_kernels.encode import encode_reference
+from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
+from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
+from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import mappings, testing
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import fused
+from taco_jax.tp import fused
 
 # small tiles the interpreter runs quickly; a chunk is one row tile
 TILING = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32)
@@ -299,8 +299,8 @@ def test_no_gpu_falls_back_to_the_collectives_and_says_so(caplog):
 def test_tp_overlap_config_errors():
   """`parallel.tp_overlap`: unknown values, the old `parallel.overlap` boolean and
   compression logging with collective matmuls are one-line errors naming the fields."""
-  from configs import tiny
-  from taco_jax.parallel import mesh as mesh_lib, step as step_lib
+  from taco_jax.configs import tiny
+  from taco_jax.tp import mesh as mesh_lib, step as step_lib
   c = tiny.get_micro_config()
   c.parallel.update(tp=2, dp=1, pp=1)
   assert mesh_lib.parallel_errors(c, 2) == []
@@ -314,5 +314,5 @@ def test_tp_overlap_config_errors():
   c.parallel.overlap = True
   assert "was replaced by parallel.tp_overlap" in mesh_lib.parallel_errors(c, 1)[0]
   with pytest.raises(ValueError, match="tp_overlap='yes' must be one of"):
-    step_lib.ParallelSpec(step_lib.model_lib.model_config(tiny.get_micro_config().model),
+    step_lib.ParallelSpec(step_lib.layout_lib.model_config(tiny.get_micro_config().model),
                           1, 1, 1, tp_overlap="yes")

@@ -3,8 +3,8 @@ import pathlib
 
 import pytest
 
-from configs import gpt_1_3b, gpt_125m, gpt_350m, tiny
-from models.gpt import GPTConfig, num_params
+from taco_jax.configs import gpt_1_3b, gpt_125m, gpt_350m, tiny
+from taco_jax.models.gpt import GPTConfig, num_params
 from taco_jax.train import cli, step as step_lib
 from taco_jax.train.config import parallel_reason, resolve_config_path, validate_config
 from taco_jax.train.loop import train

@@ -1,4 +1,4 @@
-"""The GSPMD baseline step (taco_jax.parallel.gspmd) against the single-device model, and
+"""The GSPMD baseline step (benchmarks.gspmd) against the single-device model, and
 smoke runs of the benchmarks that use it (bench_train, profile_step)."""
 import gzip
 
@@ -9,11 +9,13 @@ import optax
 import pytest
 from flax import nnx
 
-from models.gpt import loss_fn
+from taco_jax.models.gpt import loss_fn
 from taco_jax import testing
-from taco_jax.parallel import gspmd, hlo, model as model_lib
+from taco_jax.tp import layout as layout_lib
+from benchmarks import gspmd
+from taco_jax.testing import hlo
 
-CFG = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=8,
+CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=8,
                                   d_ff=128, max_seq_len=32, dtype="float32"))
 BATCH, SEQ = 8, 32
 F32_TOL = 64 * testing.unit_roundoff(jnp.float32)
@@ -31,9 +33,9 @@ def _leaves(tree):
 
 @pytest.fixture(scope="module")
 def reference():
-  model = model_lib.single_device_model(CFG, seed=0)
+  model = layout_lib.single_device_model(CFG, seed=0)
   (loss, _), grads = jax.value_and_grad(lambda m: loss_fn(m, _tokens()), has_aux=True)(model)
-  par = lambda s: model_lib.to_parallel(nnx.to_pure_dict(nnx.state(s, nnx.Param)))
+  par = lambda s: layout_lib.to_parallel(nnx.to_pure_dict(nnx.state(s, nnx.Param)))
   return float(loss), jax.device_get(par(grads))
 
 
@@ -53,8 +55,8 @@ def run(request):
 
 
 def test_params_are_the_single_device_ones(run):
-  model = model_lib.single_device_model(CFG, seed=0)
-  ref = model_lib.to_parallel(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+  model = layout_lib.single_device_model(CFG, seed=0)
+  ref = layout_lib.to_parallel(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
   for (p, a), (_, b) in zip(_leaves(run["params"]), _leaves(ref), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=p)  # jit vs eager init
   assert run["params"]["blocks"]["mlp_in"]["kernel"].sharding.spec == jax.sharding.PartitionSpec(

@@ -12,12 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import pallas_kernels  # noqa: F401  (registers the modules below)
+from taco_jax import pallas_kernels  # noqa: F401  (registers the modules below)
 
-from pallas_kernels import wire
+from taco_jax.pallas_kernels import wire
 
-enc = sys.modules["pallas_kernels.encode"]
-dec = sys.modules["pallas_kernels.decode"]
+enc = sys.modules["taco_jax.pallas_kernels.encode"]
+dec = sys.modules["taco_jax.pallas_kernels.decode"]
 
 # Small tiles so that a few thousand elements still make several programs.
 TILES = dict(block_rows=8, block_groups=2)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gpt import (GPT, Block, GPTConfig, attention_implementation, causal_attention,
+from taco_jax.models.gpt import (GPT, Block, GPTConfig, attention_implementation, causal_attention,
                         count_params, flops_per_token, loss_fn, num_params)
-from models.layers import DenseFactory, Linear
+from taco_jax.models.layers import DenseFactory, Linear
 from taco_jax import testing
 
 CFG = GPTConfig(vocab_size=256, n_layers=2, d_model=32, n_heads=4, d_ff=64, max_seq_len=16,
@@ -88,7 +88,7 @@ def test_block_linear_injection_local_heads():
 
 def test_qwen_param_count_and_flops():
   """MFU of the Qwen block counts its own matmuls: GQA projections, SwiGLU, no wpe."""
-  from models.qwen import Qwen, QwenConfig
+  from taco_jax.models.qwen import Qwen, QwenConfig
   cfg = QwenConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=16,
                    dtype='float32')
   assert count_params(Qwen(cfg, rngs=nnx.Rngs(0))) == num_params(cfg)
@@ -123,7 +123,7 @@ def test_attention_on_cpu_is_the_xla_path(n_kv):
 def test_attention_choice_errors():
   """`cudnn` where cuDNN cannot run is an error that says why; unknown names are errors, in
   the config (GPT and Qwen) as in the function."""
-  from models.qwen import QwenConfig
+  from taco_jax.models.qwen import QwenConfig
   q = jax.ShapeDtypeStruct((1, 16, 4, 8), jnp.bfloat16)
   with pytest.raises(ValueError, match=r"model.attention=cudnn: cuDNN flash attention refuses "
                      r"q \(1, 16, 4, 8\) bfloat16: no GPU \(backend 'cpu'\); use attention=auto "

@@ -1,4 +1,4 @@
-"""Collective matmuls (`taco_jax.parallel.overlap`) against the regions they replace
+"""Collective matmuls (`taco_jax.tp.overlap`) against the regions they replace
 (`mappings.gather_from_sp` + matmul, matmul + `mappings.reduce_scatter_to_sp`): values and
 gradients, plain and with an FP8 codec, on axes of 2 and 4 devices."""
 import functools
@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax import mappings, testing
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import overlap
+from taco_jax.tp import overlap
 
 B, S, D, F = 2, 4, 64, 32  # per device: batch, sequence shard, model width, local width
 FP8 = CompressionConfig(group_size=32)

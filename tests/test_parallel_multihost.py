@@ -13,7 +13,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _config(cache_dir):
-  from configs import parallel_tiny
+  from taco_jax.configs import parallel_tiny
   c = parallel_tiny.get_config()
   c.model.update(n_layers=2, d_model=64, n_heads=8, d_ff=128, max_seq_len=32)
   c.data.update(seq_len=32, batch_size=8, max_corpus_bytes=2_000_000, cache_dir=cache_dir)
@@ -26,9 +26,9 @@ def _config(cache_dir):
 def test_two_processes_train_as_one_mesh(tmp_path):
   import jax
   import numpy as np
-  from models.gpt import loss_fn
+  from taco_jax.models.gpt import loss_fn
   from taco_jax import data
-  from taco_jax.parallel import model as model_lib
+  from taco_jax.tp import layout as layout_lib
   from taco_jax.train.metrics import read_jsonl
 
   with socket.socket() as s:
@@ -53,7 +53,7 @@ def test_two_processes_train_as_one_mesh(tmp_path):
   corpus = data.load_corpus("", cache_dir=c.data.cache_dir,
                             max_corpus_bytes=c.data.max_corpus_bytes)
   tokens = data.batch_at(corpus.train, 0, seed=c.seed, batch_size=8, seq_len=32)
-  model = model_lib.single_device_model(model_lib.model_config(c.model), c.seed)
+  model = layout_lib.single_device_model(layout_lib.model_config(c.model), c.seed)
   ref = float(loss_fn(model, jax.numpy.asarray(tokens))[0])
   first = read_jsonl(tmp_path / "metrics.jsonl")[0]
   np.testing.assert_allclose(first["loss"], ref, rtol=1e-5)
@@ -64,8 +64,8 @@ def _worker(workdir):
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", 4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  from taco_jax.parallel.mesh import mesh_from_config
-  from taco_jax.parallel.train import train
+  from taco_jax.tp.mesh import mesh_from_config
+  from taco_jax.train.trainer import train
   c = _config(str(pathlib.Path(workdir) / "cache"))
   s = train(c, workdir)
   mesh = mesh_from_config(c)

@@ -15,17 +15,18 @@ import optax
 import pytest
 from flax import nnx
 
-from models.gpt import loss_fn
-from pallas_kernels import wire
+from taco_jax.models.gpt import loss_fn
+from taco_jax.pallas_kernels import wire
 from taco_jax import testing
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import hlo, model as model_lib, step as step_lib
-from taco_jax.parallel.compression import CompressionPlan
-from taco_jax.parallel.mesh import make_mesh
+from taco_jax.tp import layout as layout_lib, step as step_lib
+from taco_jax.testing import hlo
+from taco_jax.plan import CompressionPlan
+from taco_jax.tp.mesh import make_mesh
 
 MESHES = [(1, 1, 8), (2, 2, 2), (1, 2, 4), (8, 1, 1), (2, 1, 4)]  # (dp, pp, tp)
 INTERLEAVED = [(2, 2, 2)]  # meshes whose run also compiles interleave=2 ("off_il2", "on_il2")
-CFG = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=128, n_heads=8,
+CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=128, n_heads=8,
                                   d_ff=256, max_seq_len=32, dtype="float32"))
 BATCH, SEQ, MICRO = 16, 32, 2
 CODEC = CompressionConfig(format="e4m3", group_size=32)
@@ -50,13 +51,13 @@ def _tokens():
 
 
 def _parallel(state):
-  return model_lib.to_parallel(nnx.to_pure_dict(nnx.state(state, nnx.Param)))
+  return layout_lib.to_parallel(nnx.to_pure_dict(nnx.state(state, nnx.Param)))
 
 
 @pytest.fixture(scope="module")
 def reference():
   """(params, loss, grads) of the single-device model, params/grads in the parallel layout."""
-  model = model_lib.single_device_model(CFG, seed=0)
+  model = layout_lib.single_device_model(CFG, seed=0)
   (loss, _), grads = jax.value_and_grad(lambda m: loss_fn(m, _tokens()), has_aux=True)(model)
   return _parallel(model), float(loss), jax.device_get(_parallel(grads))
 
@@ -65,7 +66,7 @@ def reference():
 def run(request, reference):
   dp, pp, tp = request.param
   mesh = make_mesh(dp, pp, tp)
-  params = model_lib.shard_params(CFG, reference[0], mesh)
+  params = layout_lib.shard_params(CFG, reference[0], mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   out = {"mesh": mesh, "layout": request.param,
          "shard_elems": BATCH // dp // MICRO * SEQ // tp * CFG.d_model}
@@ -140,16 +141,16 @@ def test_hlo_uncompressed_moves_no_fp8(run):
 
 def test_qwen_block_matches_single_device():
   """The Qwen-style block (RMSNorm, SwiGLU, rotary, GQA with 4 KV heads) on (1, 2, 4)."""
-  cfg = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=8,
+  cfg = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=8,
                                     n_kv_heads=4, d_ff=128, max_seq_len=32, dtype="float32",
                                     block="qwen"))
-  model = model_lib.single_device_model(cfg, seed=0)
+  model = layout_lib.single_device_model(cfg, seed=0)
   tokens = _tokens()
   (ref_loss, _), ref = jax.value_and_grad(lambda m: loss_fn(m, tokens), has_aux=True)(model)
   mesh = make_mesh(1, 2, 4)
   spec = step_lib.ParallelSpec(cfg, 1, 2, 4, MICRO)
   loss, grads = jax.jit(step_lib.loss_and_grads_fn(spec, mesh))(
-      model_lib.shard_params(cfg, _parallel(model), mesh),
+      layout_lib.shard_params(cfg, _parallel(model), mesh),
       jax.device_put(tokens, step_lib.batch_sharding(mesh)))
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=F32_TOL)
   for (path, g), (_, r) in zip(_leaves(jax.device_get(grads)), _leaves(_parallel(ref)),
@@ -161,7 +162,7 @@ def test_model_attention_reaches_the_blocks_of_both_parallel_steps():
   """`model.attention` is the blocks' own, inside the shard_map step and under GSPMD: the
   meshes above run it as `auto` (XLA on CPU) and equal the single-device model; asked for
   `cudnn`, tracing either step on CPU is the error that says cuDNN cannot run here."""
-  from taco_jax.parallel import gspmd
+  from benchmarks import gspmd
   cfg = dataclasses.replace(CFG, attention="cudnn")
   tokens = lambda mesh: jax.ShapeDtypeStruct(  # noqa: E731
       (BATCH, SEQ + 1), jnp.int32, sharding=step_lib.batch_sharding(mesh))
@@ -169,7 +170,7 @@ def test_model_attention_reaches_the_blocks_of_both_parallel_steps():
   spec = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO)
   with pytest.raises(ValueError, match=r"model.attention=cudnn: .* no GPU"):
     jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(
-        model_lib.abstract_params(cfg, mesh), tokens(mesh))
+        layout_lib.abstract_params(cfg, mesh), tokens(mesh))
   mesh = gspmd.make_mesh(1, 4, devices=jax.devices()[:4])
   params = jax.eval_shape(lambda: gspmd.init_params(cfg, mesh))
   with pytest.raises(ValueError, match=r"model.attention=cudnn: .* no GPU"):
@@ -184,7 +185,7 @@ def test_overlap_matches_single_device(layout, reference):
   ref_params, ref_loss, ref_grads = reference
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp)
-  params = model_lib.shard_params(CFG, ref_params, mesh)
+  params = layout_lib.shard_params(CFG, ref_params, mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   for plan in (CompressionPlan(), ON):
     spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, plan, tp_overlap="ring")
@@ -208,12 +209,12 @@ def test_overlap_matches_single_device(layout, reference):
 @pytest.mark.parametrize("layout", [(1, 1, 8), (2, 1, 4), (2, 2, 2)],
                          ids=lambda m: "dp%d-pp%d-tp%d" % m)
 def test_kernel_layers_match_single_device(layout, reference):
-  """`parallel.tp_overlap="kernel"`: the layers' custom VJPs (`taco_jax.parallel.fused`, on
+  """`parallel.tp_overlap="kernel"`: the layers' custom VJPs (`taco_jax.tp.fused`, on
   CPU their XLA path) give the single-device loss and gradients, uncompressed."""
   ref_params, ref_loss, ref_grads = reference
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp)
-  params = model_lib.shard_params(CFG, ref_params, mesh)
+  params = layout_lib.shard_params(CFG, ref_params, mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   spec = step_lib.ParallelSpec(CFG, dp, pp, tp, MICRO, tp_overlap="kernel")
   fn = step_lib.loss_and_grads_fn(spec, mesh)
@@ -229,9 +230,9 @@ def test_site_overrides_reach_every_collective(reference):
   """`CompressionPlan.sites`: with every site set to plain, a fully compressed plan compiles
   to the uncompressed program's collectives and computes its loss and gradients exactly;
   with every family off, one site override alone compresses that one collective."""
-  from taco_jax import quality
+  from taco_jax import monitor
   mesh = make_mesh(2, 2, 2)
-  params = model_lib.shard_params(CFG, reference[0], mesh)
+  params = layout_lib.shard_params(CFG, reference[0], mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
 
   def compiled(plan):
@@ -242,7 +243,7 @@ def test_site_overrides_reach_every_collective(reference):
 
   (loss_off, grads_off), colls_off = compiled(CompressionPlan())
   all_plain = CompressionPlan(tp_forward=CODEC, tp_backward=CODEC, pp=CODEC, dp=CODEC,
-                              sites=tuple((s, None) for s in quality.SITES))
+                              sites=tuple((s, None) for s in monitor.SITES))
   (loss, grads), colls = compiled(all_plain)
   assert not [c.line for c in colls if c.fp8]
   assert float(loss) == float(loss_off)
@@ -279,8 +280,8 @@ def test_interleave_matches_one_chain_and_doubles_the_block_collectives():
   head collectives: nothing merged the two chains back (the GPU's DotMerger and combiners,
   which could, are not in the CPU pipeline; `step.INTERLEAVE_XLA_OPTIONS`)."""
   mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
-  model = model_lib.single_device_model(CFG, seed=0)
-  params = model_lib.shard_params(CFG, _parallel(model), mesh)
+  model = layout_lib.single_device_model(CFG, seed=0)
+  params = layout_lib.shard_params(CFG, _parallel(model), mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   (loss1, grads1, colls1), (loss2, grads2, colls2) = (
       _loss_grads_collectives(step_lib.ParallelSpec(CFG, 1, 1, 4, MICRO, interleave=k),
@@ -319,7 +320,7 @@ def test_interleave_errors():
     step_lib.ParallelSpec(CFG, 1, 1, 8, interleave=2.0)
   mesh = make_mesh(1, 1, 8)
   spec = step_lib.ParallelSpec(CFG, 1, 1, 8, MICRO, interleave=3)
-  params = model_lib.abstract_params(CFG, mesh)
+  params = layout_lib.abstract_params(CFG, mesh)
   tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
                                 sharding=step_lib.batch_sharding(mesh))
   with pytest.raises(ValueError, match=r"data.batch_size=16 is not divisible by parallel.dp \* "
@@ -353,7 +354,7 @@ def test_python_api_runs_the_config_checks():
       make(spec, make_mesh(1, 1, 8))
 
   mesh = make_mesh(1, 2, 4)
-  params = model_lib.abstract_params(CFG, mesh)
+  params = layout_lib.abstract_params(CFG, mesh)
   opt_state = jax.eval_shape(tx.init, params)
   calls = {"loss_and_grads_fn": lambda t: step_lib.loss_and_grads_fn(spec, mesh)(params, t),
            "make_eval_step": lambda t: step_lib.make_eval_step(spec, mesh)(params, t),
@@ -374,8 +375,8 @@ def test_python_api_runs_the_config_checks():
 def test_init_params_are_the_single_device_ones_to_rounding():
   """What `model.init_params` promises: the single-device model's parameters to 1 ulp
   (jitted vs op-by-op initialization)."""
-  ref = _parallel(model_lib.single_device_model(CFG, seed=3))
-  got = jax.device_get(model_lib.init_params(CFG, make_mesh(2, 2, 2), seed=3))
+  ref = _parallel(layout_lib.single_device_model(CFG, seed=3))
+  got = jax.device_get(layout_lib.init_params(CFG, make_mesh(2, 2, 2), seed=3))
   for (path, x), (_, r) in zip(_leaves(got), _leaves(ref), strict=True):
     np.testing.assert_array_max_ulp(x.astype(np.float32), r.astype(np.float32), maxulp=1)
 
@@ -387,7 +388,7 @@ def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   loss and gradients (compressed too: the saved messages are the ones the forward sent)."""
   cfg = dataclasses.replace(CFG, remat=True)
   mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
-  params = model_lib.shard_params(CFG, _parallel(model_lib.single_device_model(CFG, seed=0)),
+  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
                                   mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   rows = BATCH // MICRO
@@ -442,7 +443,7 @@ def test_save_dots_keeps_the_recomputation_from_redoing_the_matmuls(tp):
   `save_tp_outputs`, on a TP and a data-parallel mesh. The attention's batched matmuls are
   still recomputed (2 more than without remat)."""
   mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
-  params = model_lib.abstract_params(CFG, mesh)
+  params = layout_lib.abstract_params(CFG, mesh)
   tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
                                 sharding=step_lib.batch_sharding(mesh))
   cfg = dataclasses.replace(CFG, remat=True)

@@ -5,14 +5,14 @@ import json
 import jax
 import pytest
 
-from configs import parallel_tiny
+from taco_jax.configs import parallel_tiny
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import step as step_lib
-from taco_jax.parallel.compression import CompressionPlan, plan_from_config
-from taco_jax.parallel.mesh import make_mesh
-from taco_jax.parallel.train import spec_from_config, train, validate
-from taco_jax.parallel import model as model_lib
-from taco_jax.parallel import train as parallel_train
+from taco_jax.tp import step as step_lib
+from taco_jax.plan import CompressionPlan, plan_from_config
+from taco_jax.tp.mesh import make_mesh
+from taco_jax.train.trainer import spec_from_config, train, validate
+from taco_jax.tp import layout as layout_lib
+from taco_jax.train import trainer as parallel_train
 from taco_jax import data
 from taco_jax.train import checkpoint, cli, loop, metrics
 from taco_jax.train.loop import load_data
@@ -84,7 +84,7 @@ def test_disabled_compression_compiles_to_the_plain_program():
   c.compression.enabled = False
   mesh = make_mesh(1, 2, 4)
   plain = step_lib.ParallelSpec(spec_from_config(c).cfg, 1, 2, 4, 2)
-  params = model_lib.abstract_params(plain.cfg, mesh)
+  params = layout_lib.abstract_params(plain.cfg, mesh)
   tokens = jax.ShapeDtypeStruct((8, 33), jax.numpy.int32, sharding=step_lib.batch_sharding(mesh))
   texts = [jax.jit(step_lib.loss_and_grads_fn(s, mesh)).lower(params, tokens).compile().as_text()
            for s in (spec_from_config(c), plain)]
@@ -119,7 +119,7 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
     c.compression.enabled = False
     mesh, spec = make_mesh(**layout), spec_from_config(c)
     ckpt = checkpoint.Checkpoints(tmp_path)
-    params, _, _ = ckpt.restore(6, model_lib.abstract_params(spec.cfg, mesh))
+    params, _, _ = ckpt.restore(6, layout_lib.abstract_params(spec.cfg, mesh))
     ckpt.close()
     batch = data.batch_at(load_data(c).val, 0, seed=c.seed, stream=1,
                           batch_size=c.data.batch_size, seq_len=c.data.seq_len)

@@ -1,10 +1,10 @@
-"""taco_jax.parallel.pgle: the compile -> profile -> compile loop (its GPU effect is measured
+"""benchmarks.pgle: the compile -> profile -> compile loop (its GPU effect is measured
 by `benchmarks/bench_train.py` *_pgle variants, not here)."""
 import jax
 import jax.numpy as jnp
 import pytest
 
-from taco_jax.parallel import pgle
+from benchmarks import pgle
 
 
 def test_off_gpu_the_profile_is_empty_and_the_first_executable_is_kept():

@@ -17,15 +17,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models.gpt import loss_fn
+from taco_jax.models.gpt import loss_fn
 from taco_jax import testing
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import hlo, mesh as mesh_lib, model as model_lib, schedules
-from taco_jax.parallel import step as step_lib
-from taco_jax.parallel.compression import CompressionPlan
-from taco_jax.parallel.mesh import make_mesh
+from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, schedules
+from taco_jax.testing import hlo
+from taco_jax.tp import step as step_lib
+from taco_jax.plan import CompressionPlan
+from taco_jax.tp.mesh import make_mesh
 
-CFG = model_lib.model_config(dict(vocab_size=64, n_layers=16, d_model=32, n_heads=4, d_ff=64,
+CFG = layout_lib.model_config(dict(vocab_size=64, n_layers=16, d_model=32, n_heads=4, d_ff=64,
                                   max_seq_len=16, dtype="float32"))
 SEQ, BATCH = 16, 48  # BATCH: divisible by dp * m for every case below
 MESHES = [(1, 2, 4), (2, 2, 2), (1, 4, 2), (1, 8, 1)]  # (dp, pp, tp)
@@ -50,13 +51,13 @@ def _leaves(tree):
 
 
 def _parallel(state):
-  return model_lib.to_parallel(nnx.state(state, nnx.Param).to_pure_dict())
+  return layout_lib.to_parallel(nnx.state(state, nnx.Param).to_pure_dict())
 
 
 @pytest.fixture(scope="module")
 def reference():
   """(params, loss, grads) of the single-device model, params/grads in the parallel layout."""
-  model = model_lib.single_device_model(CFG, seed=0)
+  model = layout_lib.single_device_model(CFG, seed=0)
   gd, state = nnx.split(model)
 
   @jax.jit
@@ -73,7 +74,7 @@ def _check(reference, layout, schedule, v, m):
   dp, pp, tp = layout
   tokens = _tokens()
   mesh = make_mesh(dp, pp, tp)
-  params = model_lib.shard_params(CFG, ref_params, mesh)
+  params = layout_lib.shard_params(CFG, ref_params, mesh)
   spec = step_lib.ParallelSpec(CFG, dp, pp, tp, m, schedule=schedule, virtual_stages=v)
   tokens = jax.device_put(tokens, step_lib.batch_sharding(mesh))
   exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
@@ -122,7 +123,7 @@ PER_MICROBATCH = 2  # sequences per micro-batch of the compiled-program tests
 def _compiled(schedule, m, plan=CompressionPlan(), v=1):
   """(compiled step, its collectives) on (1, 2, 1), m micro-batches of PER_MICROBATCH."""
   mesh = make_mesh(1, 2, 1, devices=jax.devices()[:2])
-  params = model_lib.abstract_params(CFG, mesh)
+  params = layout_lib.abstract_params(CFG, mesh)
   tokens = jax.ShapeDtypeStruct((m * PER_MICROBATCH, SEQ + 1), jnp.int32,
                                 sharding=step_lib.batch_sharding(mesh))
   spec = step_lib.ParallelSpec(CFG, 1, 2, 1, m, plan, schedule=schedule, virtual_stages=v)

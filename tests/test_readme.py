@@ -50,13 +50,13 @@ def _run(cmd: str, cwd, env) -> subprocess.CompletedProcess:
   args = shlex.split(cmd.replace("/tmp/run", str(cwd / "run")))
   module = args[2]
   config = next((a.split("=", 1)[1] for a in args if a.startswith("--config=")), "")
-  if module in ("taco_jax.train", "taco_jax.calibrate") and "--help" not in args:
+  if module in ("taco_jax.train", "taco_jax.apps.calibrate") and "--help" not in args:
     size = "tiny" if config.endswith("/tiny.py") else "parallel_tiny"
     if "calibrated" not in config:  # a calibrated config keeps the overrides it was made with
       args += SMALL_DATA + SMALL[size]
-  if module == "taco_jax.calibrate":
+  if module == "taco_jax.apps.calibrate":
     args.append("--group_sizes=32,64")  # half the grid
-  if module == "taco_jax.sample":
+  if module == "taco_jax.apps.sample":
     args.append("--max_new_tokens=8")
   t0 = time.perf_counter()
   proc = subprocess.run([sys.executable, *args[1:]], cwd=cwd, env=env, capture_output=True,

@@ -13,9 +13,10 @@ import numpy as np
 import optax
 import pytest
 
-from configs import tiny
-from taco_jax import data, sample
-from taco_jax.parallel import model as model_lib
+from taco_jax.configs import tiny
+from taco_jax import data
+from taco_jax.apps import sample
+from taco_jax.tp import layout as layout_lib
 from taco_jax.train import checkpoint, optim
 from taco_jax.train.loop import NonFiniteLossError, train
 from taco_jax.train.metrics import read_jsonl
@@ -140,7 +141,7 @@ def test_decay_mask_spares_stacked_norms():
     return jax.tree.map(lambda x: bool(jnp.all(x < 1)), optax.apply_updates(params, upd))
 
   decayed = {'blocks': {'ln1': {'scale': False}, 'w': True}, 'wte': True}
-  assert after_one_step(model_lib.decay_mask) == decayed  # callable mask
+  assert after_one_step(layout_lib.decay_mask) == decayed  # callable mask
   assert after_one_step(decayed) == decayed  # pytree of bools
   assert after_one_step()['blocks']['ln1']['scale']  # default (ndim >= 2) decays the stacked norm
 

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-import pallas_kernels
-from pallas_kernels.decode import decode_pallas, decode_sum_pallas
-from pallas_kernels.encode import encode_pallas
+from taco_jax import pallas_kernels
+from taco_jax.pallas_kernels.decode import decode_pallas, decode_sum_pallas
+from taco_jax.pallas_kernels.encode import encode_pallas
 from jax._src.pallas.triton import pallas_call_registration
 
 HOPPER = types.SimpleNamespace(compute_capability=90)

@@ -3,7 +3,7 @@
 
 A thin wrapper over `train`, which runs a config on the trainer it needs: the single-device
 loop (`taco_jax.train.loop`) for dp = pp = tp = 1 and the plain GPT block, the 3D-parallel
-trainer (`taco_jax.parallel.train`) otherwise. `--config` may name a file relative to the
+trainer (`taco_jax.train.trainer`) otherwise. `--config` may name a file relative to the
 current directory or one of the installed configs (`configs/tiny.py`, `tiny`).
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ def train(config, workdir) -> dict:
   for note in notes(config):
     print(f'note: {note}', file=sys.stderr)
   if parallel_reason(config):
-    from taco_jax.parallel.train import train as run_trainer
+    from taco_jax.train.trainer import train as run_trainer
   else:
     from taco_jax.train.loop import train as run_trainer
   return run_trainer(config, workdir)

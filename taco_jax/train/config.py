@@ -13,7 +13,7 @@ import pathlib
 
 import ml_collections
 
-from models.qwen import model_config
+from taco_jax.models.qwen import model_config
 
 
 def _checks(c, mcfg) -> list[str]:
@@ -103,7 +103,7 @@ def resolve_config_path(path: str, cwd: str | os.PathLike | None = None) -> str:
   p = pathlib.Path(file).expanduser()
   if (p if p.is_absolute() else base / p).is_file():
     return path
-  import configs  # the installed package
+  from taco_jax import configs  # the installed package
   pkg = pathlib.Path(configs.__file__).parent
   name = p.name if p.suffix == '.py' else p.name + '.py'
   if (pkg / name).is_file() and (len(p.parts) == 1 or p.parent.name == 'configs'):

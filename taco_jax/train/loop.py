@@ -19,7 +19,7 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models.gpt import GPTConfig, flops_per_token
+from taco_jax.models.gpt import GPTConfig, flops_per_token
 from taco_jax import data
 from taco_jax.train import checkpoint, metrics, optim, step as step_lib
 from taco_jax.train.config import config_to_json, parallel_reason, validate_config

@@ -1,5 +1,5 @@
 """The step loop both trainers run (`taco_jax.train.loop` on one device,
-`taco_jax.parallel.train` on a mesh): `run_steps(...) -> (step, status)`.
+`taco_jax.train.trainer` on a mesh): `run_steps(...) -> (step, status)`.
 
 The trainers differ in how they build the state, batches and steps, and in what a checkpoint's
 metadata holds; they pass those in. The loop itself is shared: metrics are fetched from the

@@ -13,8 +13,8 @@ import jax
 import optax
 from flax import nnx
 
-from models.gpt import GPT, GPTConfig, loss_fn
-from models.layers import LinearFactory
+from taco_jax.models.gpt import GPT, GPTConfig, loss_fn
+from taco_jax.models.layers import LinearFactory
 
 
 def build_model(cfg: GPTConfig, seed: int, linear: LinearFactory | None = None) -> GPT:

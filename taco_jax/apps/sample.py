@@ -1,4 +1,4 @@
-"""Generate text from a trained workdir: `python -m taco_jax.sample --workdir=workdir/tiny`.
+"""Generate text from a trained workdir: `python -m taco_jax.apps.sample --workdir=workdir/tiny`.
 
 Rebuilds the model from <workdir>/config.json, restores the latest checkpoint's params (of
 either trainer), and samples byte tokens one at a time (no KV cache: each step reruns the
@@ -17,9 +17,9 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from models.gpt import GPT
+from taco_jax.models.gpt import GPT
 from taco_jax import data
-from taco_jax.parallel import mesh as mesh_lib, model as model_lib
+from taco_jax.tp import mesh as mesh_lib, layout as layout_lib
 from taco_jax.train import checkpoint
 from taco_jax.train.config import parallel_reason
 
@@ -36,7 +36,7 @@ def define_flags() -> None:
 
 def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
   """(model with the latest checkpoint's params, its step), from a run of either trainer:
-  a 3D-parallel run's checkpoint (stacked layers, `taco_jax.parallel.model`) is restored
+  a 3D-parallel run's checkpoint (stacked layers, `taco_jax.tp.layout`) is restored
   onto one device and unstacked into the single-device model. Errors say in one line what
   is missing or cannot be read."""
   workdir = pathlib.Path(workdir)
@@ -44,17 +44,17 @@ def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
   if not cfg_path.exists():
     raise FileNotFoundError(f'{cfg_path} not found: --workdir must be a training workdir')
   config = ml_collections.ConfigDict(json.loads(cfg_path.read_text()))
-  cfg = model_lib.model_config(config.model)
+  cfg = layout_lib.model_config(config.model)
   ckpt = checkpoint.Checkpoints(workdir)
   step = ckpt.latest_step()
   if step is None:
     raise FileNotFoundError(f'no checkpoint in {ckpt.directory}')
-  model = model_lib.single_device_model(cfg)
+  model = layout_lib.single_device_model(cfg)
   params = nnx.state(model, nnx.Param)
   stacked = bool(parallel_reason(config))  # the parallel trainer's layout
   if stacked:
     mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
-    target = model_lib.abstract_params(cfg, mesh)
+    target = layout_lib.abstract_params(cfg, mesh)
   else:
     target = params
   try:
@@ -67,7 +67,7 @@ def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
   finally:
     ckpt.close()
   if stacked:
-    nnx.replace_by_pure_dict(params, model_lib.from_parallel(restored))
+    nnx.replace_by_pure_dict(params, layout_lib.from_parallel(restored))
   else:
     params = restored
   nnx.update(model, params)

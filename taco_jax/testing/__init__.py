@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import hlo
+from taco_jax.testing import hlo
 
 _MANTISSA_BITS = {"e4m3": 3, "e5m2": 2}
 _MIN_SUBNORMAL = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}
@@ -109,7 +109,7 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
   """The collective instructions of an HLO module's text (lowered or compiled), one dict
   each: ``op`` (e.g. "all-gather"), ``dtypes`` (set of result element types) and ``bytes``
   (the result's size; a tuple result, as CPU all-to-alls have, is summed). A view of
-  ``taco_jax.parallel.hlo.collectives``, which parses them."""
+  ``taco_jax.testing.hlo.collectives``, which parses them."""
   ops = {}
   for c in hlo.collectives(hlo_text):
     op = ops.setdefault(c.line, dict(op=c.kind, dtypes=set(), bytes=0))

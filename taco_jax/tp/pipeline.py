@@ -17,9 +17,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from taco_jax import collectives, quality
+from taco_jax import collectives, monitor
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel.mesh import PIPE
+from taco_jax.tp.mesh import PIPE
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
@@ -60,7 +60,7 @@ def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
   xs = jnp.concatenate([x_MBSD, pad])  # stage 0's input at each of the m + pp - 1 ticks
 
   def tick(prev_out, x_in):
-    recv = quality.region(lambda x: shift_to_next_stage(x, pp, fwd, bwd), prev_out,
+    recv = monitor.region(lambda x: shift_to_next_stage(x, pp, fwd, bwd), prev_out,
                           fwd=fwd, bwd=bwd, fwd_site="pp/fwd",
                           bwd_site="pp/bwd", axis_name=PIPE)
     out = stage_fn(jnp.where(first, x_in, recv))

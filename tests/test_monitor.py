@@ -15,13 +15,13 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import mappings, quality, testing
+from taco_jax import mappings, monitor, testing
 from taco_jax.codec import CompressionConfig, compress, decompress
-from taco_jax.parallel import model as model_lib, step as step_lib
-from taco_jax.parallel.compression import CompressionPlan, plan_from_config
-from taco_jax.parallel.mesh import make_mesh
+from taco_jax.tp import layout as layout_lib, step as step_lib
+from taco_jax.plan import CompressionPlan, plan_from_config
+from taco_jax.tp.mesh import make_mesh
 
-CFG = model_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=4,
+CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=4,
                                   d_ff=128, max_seq_len=32, dtype="float32"))
 CODEC = CompressionConfig(group_size=32, hadamard=True)
 ON = CompressionPlan(CODEC, CODEC, CODEC, CODEC)
@@ -39,7 +39,7 @@ def rel_bound(cfg: CompressionConfig) -> float:
 @pytest.fixture(scope="module")
 def setup():
   mesh = make_mesh(2, 2, 2)
-  params = model_lib.init_params(CFG, mesh, 0)
+  params = layout_lib.init_params(CFG, mesh, 0)
   tokens = jax.device_put(jax.random.randint(jax.random.key(0), (8, 33), 0, CFG.vocab_size),
                           step_lib.batch_sharding(mesh))
   tx = optax.adam(1e-3)
@@ -55,8 +55,8 @@ def _step_text(spec, setup):
 def test_without_flag_the_program_is_unchanged(plan, setup, monkeypatch):
   spec = step_lib.ParallelSpec(CFG, 2, 2, 2, 2, plan)
   with_hooks = _step_text(spec, setup)
-  monkeypatch.setattr(quality, "region", lambda f, x, **_: f(x))
-  monkeypatch.setattr(quality, "sent", lambda *a: None)
+  monkeypatch.setattr(monitor, "region", lambda f, x, **_: f(x))
+  monkeypatch.setattr(monitor, "sent", lambda *a: None)
   assert with_hooks == _step_text(spec, setup)
   if plan.any:  # and the flag does change it
     logged = step_lib.ParallelSpec(CFG, 2, 2, 2, 2, dataclasses.replace(ON, log_errors=True))
@@ -94,13 +94,13 @@ def test_probe_carries_each_messages_error(fwd_min_bytes):
   def body(x, w):
     f = lambda x: jnp.sum(w * mappings.gather_from_sp(x, "x", fwd_compression=fwd,
                                                       bwd_compression=bwd))
-    _, _, probe_ct = quality.value_and_grad(f, x, quality.ErrorLog())
+    _, _, probe_ct = monitor.value_and_grad(f, x, monitor.ErrorLog())
     return probe_ct[None]
 
   shard = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P("x")))
   got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                                          check_vma=False))(shard(x), shard(w)))
-  rows = {s: i for i, s in enumerate(quality.SITES)}
+  rows = {s: i for i, s in enumerate(monitor.SITES)}
   for r in range(n):
     xr, wr = x[2 * r:2 * r + 2], w[2 * r:2 * r + 2]
     want = [_host_rel_err(xr, fwd), 1] if not fwd_min_bytes else [0, 0]
@@ -115,12 +115,12 @@ def test_step_metrics_per_family(setup):
   mesh, params, opt, tokens, tx = setup
   plan = CompressionPlan(CODEC, CODEC, CODEC, CODEC, log_errors=True)
   spec = step_lib.ParallelSpec(CFG, 2, 2, 2, 2, plan)
-  assert step_lib.logged_families(spec) == quality.FAMILIES
+  assert step_lib.logged_families(spec) == monitor.FAMILIES
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx)).lower(params, opt, tokens).compile(
       compiler_options=FAST_COMPILE)
   _, _, metrics = step(params, opt, tokens)
   bound = rel_bound(CODEC)
-  for fam in quality.FAMILIES:
+  for fam in monitor.FAMILIES:
     v = float(metrics[f"compression_error/{fam}"])
     assert np.isfinite(v) and 0 < v <= bound, (fam, v, bound)
   assert np.isfinite(float(metrics["loss"]))

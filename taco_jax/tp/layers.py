@@ -14,12 +14,12 @@ mesh axis "tensor"). Every byte that crosses devices goes through `taco_jax.mapp
 
 `TPContext.overlap` (``parallel.tp_overlap``) picks how the column / row layers
 communicate: ``"none"``, the regions above; ``"ring"``, ring collective matmuls
-(`taco_jax.parallel.overlap`); ``"kernel"``, fused collective-matmul kernels
-(`taco_jax.parallel.fused`; the head keeps its region there).
+(`taco_jax.tp.overlap`); ``"kernel"``, fused collective-matmul kernels
+(`taco_jax.tp.fused`; the head keeps its region there).
 
 The factory (`TensorParallelFactory`) keeps the `models.layers.LinearFactory` contract, so
 the single-device `Block` runs unchanged on local heads. Each layer records how its
-parameters shard (`SPECS`), which `taco_jax.parallel.model` turns into PartitionSpecs.
+parameters shard (`SPECS`), which `taco_jax.tp.layout` turns into PartitionSpecs.
 """
 from __future__ import annotations
 
@@ -30,14 +30,14 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from models.layers import normal_init
+from taco_jax.models.layers import normal_init
 from taco_jax import collectives, mappings
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import fused, overlap
-from taco_jax.parallel.compression import CompressionPlan
-from taco_jax.parallel.mesh import TENSOR, TP_OVERLAP
+from taco_jax.tp import fused, overlap
+from taco_jax.plan import CompressionPlan
+from taco_jax.tp.mesh import TENSOR, TP_OVERLAP
 from taco_jax.mappings import TP_OUTPUT
-from taco_jax.parallel.overlap import SEQ  # the sequence axis of [B, T, D] activations
+from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activations
 
 
 

@@ -1,7 +1,7 @@
 """The GSPMD baseline: what a JAX user would otherwise write for tensor parallelism.
 
 The single-device GPT (its `Block`, dense linears, stacked on a leading layer axis exactly
-as in `taco_jax.parallel.model`) under plain `jax.jit` on a ("data", "tensor") mesh, with
+as in `taco_jax.tp.layout`) under plain `jax.jit` on a ("data", "tensor") mesh, with
 Megatron-style NamedSharding annotations and nothing manual: parameters enter with
 `in_shardings` (QKV / MLP-in column-parallel on "tensor", out-projections row-parallel,
 vocab-parallel embedding; the same PartitionSpecs as `model.param_specs` without the
@@ -28,9 +28,9 @@ from flax import nnx
 from flax.linen import partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from taco_jax.parallel import model as model_lib
-from taco_jax.parallel import mesh as mesh_lib
-from taco_jax.parallel.mesh import DATA, PIPE, TENSOR
+from taco_jax.tp import layout as layout_lib
+from taco_jax.tp import mesh as mesh_lib
+from taco_jax.tp.mesh import DATA, PIPE, TENSOR
 
 AXES = (DATA, TENSOR)
 # models.gpt.HEAD_AXES -> mesh axes: attention's batch on "data", its heads on "tensor".
@@ -53,7 +53,7 @@ def make_mesh(dp: int, tp: int, devices=None) -> jax.sharding.Mesh:
 def param_specs(cfg) -> dict:
   """`model.param_specs` without the pipeline axis (the stacked layer axis unsharded)."""
   drop = lambda s: P(*(None if a == PIPE else a for a in s))
-  return jax.tree.map(drop, model_lib.param_specs(cfg), is_leaf=lambda x: isinstance(x, P))
+  return jax.tree.map(drop, layout_lib.param_specs(cfg), is_leaf=lambda x: isinstance(x, P))
 
 
 def shardings(cfg, mesh) -> dict:
@@ -64,8 +64,8 @@ def shardings(cfg, mesh) -> dict:
 def init_params(cfg, mesh, seed: int = 0) -> dict:
   """Parameters of `model.single_device_model(cfg, seed)` in the stacked layout, sharded."""
   def init():
-    m = model_lib.single_device_model(cfg, seed)
-    return model_lib.to_parallel(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
+    m = layout_lib.single_device_model(cfg, seed)
+    return layout_lib.to_parallel(nnx.to_pure_dict(nnx.state(m, nnx.Param)))
   return jax.jit(init, out_shardings=shardings(cfg, mesh))()
 
 
@@ -74,10 +74,10 @@ def batch_sharding(mesh):
 
 
 def _templates(cfg):
-  kind = model_lib._kind(cfg)
-  make_block = lambda: model_lib.BLOCKS[kind][2](cfg, rngs=nnx.Rngs(0))  # dense linears
+  kind = layout_lib._kind(cfg)
+  make_block = lambda: layout_lib.BLOCKS[kind][2](cfg, rngs=nnx.Rngs(0))  # dense linears
   block_gd, _ = nnx.split(nnx.eval_shape(make_block))
-  norm_gd, _ = model_lib.norm_template(cfg)
+  norm_gd, _ = layout_lib.norm_template(cfg)
   return block_gd, norm_gd
 
 

@@ -1,12 +1,12 @@
-"""Data-driven codec choice: `python -m taco_jax.calibrate --config=<file> --workdir=<run>
+"""Data-driven codec choice: `python -m taco_jax.apps.calibrate --config=<file> --workdir=<run>
 --steps=N [--out=<py>]`.
 
 1. Capture: run N training steps of the config (from the latest checkpoint of the trained
    run in --workdir, read only; without it from init, which the run warns about: an
-   untrained model's tensors are not the ones that matter) with a `quality.Capture`
+   untrained model's tensors are not the ones that matter) with a `monitor.Capture`
    watching: every message a compressed collective sends (forward activations and, in the
    backward pass, their gradients; the pipeline shift; the DP gradient buffer) is copied to
-   the host per site (`quality.SITES`).
+   the host per site (`monitor.SITES`).
 2. Measure: every codec setting of the grid (format x group size x Hadamard on/off) is
    applied to each site's tensors (encode -> u8 wire -> decode); per site: relative L2 error
    ||x_hat - x|| / ||x|| over all its tensors (rel_l2), max |x_hat - x|, that max / max |x|,
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax import collectives, data, quality
+from taco_jax import collectives, data, monitor
 from taco_jax.codec import CompressionConfig
 
 SETTING_FIELDS = ("format", "group_size", "hadamard")  # what the grid varies
@@ -74,10 +74,10 @@ def bits_per_element(setting: dict, width: int) -> float:
 
 
 def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
-            compiler_options=None) -> quality.Capture:
+            compiler_options=None) -> monitor.Capture:
   """Runs `steps` training steps of `config` and returns what each compressed site sent."""
-  from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step_lib
-  from taco_jax.parallel import train as ptrain
+  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
+  from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
   from taco_jax.train.loop import load_data
 
@@ -96,14 +96,14 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
       ckpt.close()
       raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: --workdir must be a "
                               "trained run of this config")
-    params, _, _ = ckpt.restore(start, model_lib.abstract_params(spec.cfg, mesh))
+    params, _, _ = ckpt.restore(start, layout_lib.abstract_params(spec.cfg, mesh))
     ckpt.close()
   else:
     print("warning: no --workdir: capturing from an untrained model, whose tensors differ "
           "from a trained one's; pass the workdir of a finished run", file=sys.stderr)
-    params = model_lib.init_params(spec.cfg, mesh, config.seed)
+    params = layout_lib.init_params(spec.cfg, mesh, config.seed)
   opt_state = jax.jit(tx.init)(params)
-  cap = quality.Capture(rows_per_call)
+  cap = monitor.Capture(rows_per_call)
   batch = lambda i: ptrain.global_batch(data.batch_at(
       corpus.train, i, seed=config.seed, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx, capture=cap)).lower(
@@ -138,7 +138,7 @@ def _errors(x, seg, settings, n_seg):
   return jnp.stack(out)  # [settings, 6, n_seg]
 
 
-def measure_all(cap: quality.Capture, settings: list[dict], max_rows: int = 1 << 16) -> dict:
+def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 << 16) -> dict:
   """{site: [setting + errors, ...]} for every captured site: rel_l2 = ||x_hat - x|| / ||x||
   over all its captured rows (at most `max_rows`, evenly spaced), max_abs = max |x_hat - x|,
   max_abs_over_absmax = max_abs / max |x|, share_off_by_8th = the share of non-zero
@@ -197,9 +197,9 @@ def choose(results: dict, plan) -> dict:
   measured sites: `score` is the mean over the family's sites of `score()`, `error` and
   `share` the means of its two parts; see the module docstring."""
   out = {}
-  for fam in quality.FAMILIES:
+  for fam in monitor.FAMILIES:
     cfg = getattr(plan, fam)
-    sites = [s for s in results if quality.SITES[s] == fam]
+    sites = [s for s in results if monitor.SITES[s] == fam]
     if cfg is None or not sites:
       continue
     base = {k: getattr(cfg, k) for k in SETTING_FIELDS}
@@ -255,7 +255,7 @@ def calibrated_sections(plan, choices: dict) -> dict:
 def site_sections(plan, choices: dict) -> dict:
   """{site_key: codec section} for each collective whose own best setting differs from
   its family's choice (`compression.sites`; the others follow their family)."""
-  from taco_jax.parallel.compression import site_key
+  from taco_jax.plan import site_key
   return {site_key(site): _section(plan.codec(site), c["setting"])
           for fam, choice in choices.items() for site, c in choice["sites"].items()
           if c["setting"] != choice["setting"]}
@@ -285,7 +285,7 @@ def config_source(config, sections: dict, base_module: str | None, header: str,
     body = ["  c = ml_collections.ConfigDict(" + pprint.pformat(config.to_dict()) + ")"]
   if name is not None:
     body.append(f"  c.name = {name!r}  # trains in its own workdir, ./workdir/{name}")
-  body.append("  # calibrated codec per collective family (taco_jax.calibrate)")
+  body.append("  # calibrated codec per collective family (taco_jax.apps.calibrate)")
   for fam, sec in sections.items():
     body.append(f"  c.compression.{fam} = ml_collections.ConfigDict({sec!r})")
   if sites or "sites" in config.compression:
@@ -299,25 +299,26 @@ def config_source(config, sections: dict, base_module: str | None, header: str,
 
 
 def base_module_of(config_path: str | None) -> str | None:
-  """`configs.<name>` for a file configs/<name>.py of this repository, else None."""
+  """`taco_jax.configs.<name>` for a file configs/<name>.py of this package, else None."""
+  from taco_jax import configs
   if not config_path or ":" in config_path:
     return None
   p = pathlib.Path(config_path).resolve()
-  repo = pathlib.Path(__file__).resolve().parent.parent
-  if p.parent == repo / "configs" and p.suffix == ".py" and p.stem.isidentifier():
-    return f"configs.{p.stem}"
+  if (p.parent == pathlib.Path(configs.__file__).resolve().parent and p.suffix == ".py"
+      and p.stem.isidentifier()):
+    return f"taco_jax.configs.{p.stem}"
   return None
 
 
 def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
               config_path: str | None = None, workdir=None, rows_per_call: int = 1024,
-              report=None, compiler_options=None, cap: quality.Capture | None = None) -> dict:
+              report=None, compiler_options=None, cap: monitor.Capture | None = None) -> dict:
   """Steps 1-4 (module docstring); returns the report (also written to `report`, default
   <out>.json). `cap`: tensors already captured from this config (step 1 is skipped)."""
-  from taco_jax.parallel.compression import plan_from_config
+  from taco_jax.plan import plan_from_config
   plan = plan_from_config(config.compression)
   settings = list(settings or grid())
-  for fam in quality.FAMILIES:  # the config's own settings are always candidates
+  for fam in monitor.FAMILIES:  # the config's own settings are always candidates
     cfg = getattr(plan, fam)
     if cfg is not None and (s := {k: getattr(cfg, k) for k in SETTING_FIELDS}) not in settings:
       settings.append(s)
@@ -329,7 +330,7 @@ def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
   table = "\n".join(f"  {fam}: {describe(c)}" for fam, c in choices.items())
   source = f"the trained run {workdir}" if workdir else "an untrained model"
   header = textwrap.fill(
-      f"{out.stem}: {config.name} calibrated by `python -m taco_jax.calibrate` on {steps} "
+      f"{out.stem}: {config.name} calibrated by `python -m taco_jax.apps.calibrate` on {steps} "
       f"steps of {source} ({datetime.date.today()}); report: {out.with_suffix('.json').name}."
       " Chosen per family: the lowest mean score (rel_l2 + share of elements off by > 1/8)"
       " at <= the config's wire bytes:", 90) + f"\n{table}"

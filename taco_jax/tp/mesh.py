@@ -13,11 +13,11 @@ import os
 import jax
 import numpy as np
 
-from models.qwen import QwenConfig
+from taco_jax.models.qwen import QwenConfig
 
 AXES = ("data", "pipeline", "tensor")
 TP_OVERLAP = ("none", "ring", "kernel")  # parallel.tp_overlap
-SCHEDULES = ("gpipe", "1f1b", "interleaved")  # parallel.schedule (taco_jax.parallel.schedules)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")  # parallel.schedule (taco_jax.tp.schedules)
 DATA, PIPE, TENSOR = AXES
 
 
@@ -42,7 +42,7 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
   The batch (``batch_size`` sequences of ``seq_len`` tokens) and the devices are checked
   when given. Messages name the config fields (``parallel.*``, ``model.*``, ``data.*``),
   which ``ParallelSpec``'s fields and the model config's mirror: the config path
-  (``parallel_errors``) and the Python API (``taco_jax.parallel.step``) run these same checks.
+  (``parallel_errors``) and the Python API (``taco_jax.tp.step``) run these same checks.
   """
   mb, il = microbatches, interleave
   errs = []

@@ -1,7 +1,7 @@
 """The tensor-parallel layers' collectives inside their matmul kernels
 (``parallel.tp_overlap = "kernel"``): ``pallas_kernels.ag_matmul`` and ``matmul_rs``.
 
-Same math and custom VJPs as the ring version (`taco_jax.parallel.overlap`), each direction
+Same math and custom VJPs as the ring version (`taco_jax.tp.overlap`), each direction
 one fused kernel:
 
   gather_matmul(x_BSD, w_DF)   forward: all-gather + matmul, which also returns the
@@ -32,11 +32,11 @@ import jax.numpy as jnp
 from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels import ag_matmul, gemm, matmul_rs
-from pallas_kernels.encode import encode
+from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
+from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
-from taco_jax.parallel.overlap import SEQ, codec_if_pays
+from taco_jax.tp.overlap import SEQ, codec_if_pays
 from taco_jax.codec import CompressionConfig
 
 _said: set[str] = set()

@@ -21,11 +21,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from models.gpt import GPT, Block, GPTConfig
-from models.qwen import Qwen, QwenBlock, QwenConfig, model_config  # noqa: F401 (re-exported)
-from taco_jax.parallel.layers import (ColumnParallelLinear, RowParallelLinear, TPContext,
+from taco_jax.models.gpt import GPT, Block, GPTConfig
+from taco_jax.models.qwen import Qwen, QwenBlock, QwenConfig, model_config  # noqa: F401 (re-exported)
+from taco_jax.tp.layers import (ColumnParallelLinear, RowParallelLinear, TPContext,
                                       TensorParallelFactory)
-from taco_jax.parallel.mesh import PIPE, TENSOR
+from taco_jax.tp.mesh import PIPE, TENSOR
 
 BLOCKS = {"gpt": (GPTConfig, GPT, Block), "qwen": (QwenConfig, Qwen, QwenBlock)}
 

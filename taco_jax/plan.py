@@ -6,12 +6,12 @@
     compression.pp            pipeline ppermute of activations (forward and backward)
     compression.dp            data-parallel gradient all-reduce
     compression.sites         optional per-collective overrides: `sites.<site>` (a
-                              `site_key` of a `quality.SITES` name, e.g. gather_from_sp_fwd)
+                              `site_key` of a `monitor.SITES` name, e.g. gather_from_sp_fwd)
                               is a codec section (or enabled=False) that replaces its
-                              family's codec for that one collective; `taco_jax.calibrate`
+                              family's codec for that one collective; `taco_jax.apps.calibrate`
                               writes them where a collective's own best setting differs
     compression.log_errors    also report the relative error of what each family sent as
-                              step metrics "compression_error/<family>" (taco_jax.quality);
+                              step metrics "compression_error/<family>" (taco_jax.monitor);
                               off (absent or False) compiles to exactly the plain program
 
 Each family section is a codec section (format, group_size, hadamard, dual_scale, min_bytes,
@@ -23,19 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from taco_jax import quality
+from taco_jax import monitor
 from taco_jax.codec import CompressionConfig
 
-FAMILIES = quality.FAMILIES
+FAMILIES = monitor.FAMILIES
 _CODEC_FIELDS = {f.name for f in dataclasses.fields(CompressionConfig)}
 
 
 def site_key(site: str) -> str:
-  """The config key of a `quality.SITES` name: "gather_from_sp/fwd" -> "gather_from_sp_fwd"."""
+  """The config key of a `monitor.SITES` name: "gather_from_sp/fwd" -> "gather_from_sp_fwd"."""
   return site.replace("/", "_")
 
 
-_SITE_OF_KEY = {site_key(s): s for s in quality.SITES}
+_SITE_OF_KEY = {site_key(s): s for s in monitor.SITES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,21 +51,21 @@ class CompressionPlan:
   sites: tuple[tuple[str, CompressionConfig | None], ...] = ()
 
   def __post_init__(self):
-    unknown = sorted(s for s, _ in self.sites if s not in quality.SITES)
+    unknown = sorted(s for s, _ in self.sites if s not in monitor.SITES)
     if unknown:
       raise ValueError(f"CompressionPlan.sites: unknown site(s) {unknown}; known: "
-                       f"{list(quality.SITES)}")
+                       f"{list(monitor.SITES)}")
 
   def codec(self, site: str) -> CompressionConfig | None:
-    """The codec of one collective (`quality.SITES` name): its override, else its family's."""
+    """The codec of one collective (`monitor.SITES` name): its override, else its family's."""
     for s, cfg in self.sites:
       if s == site:
         return cfg
-    return getattr(self, quality.SITES[site])
+    return getattr(self, monitor.SITES[site])
 
   def compresses(self, family: str) -> bool:
     """Whether any collective of `family` is compressed."""
-    return any(self.codec(s) is not None for s, f in quality.SITES.items() if f == family)
+    return any(self.codec(s) is not None for s, f in monitor.SITES.items() if f == family)
 
   @property
   def any(self) -> bool:

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from taco_jax import collectives
 from taco_jax.codec import CompressionConfig
-from taco_jax.parallel import schedules
-from taco_jax.parallel.mesh import PIPE
+from taco_jax.tp import schedules
+from taco_jax.tp.mesh import PIPE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ active every hook below returns its input untouched, so the normal program is un
   through encode -> u8 wire -> decode on its sender (one extra decode; the encode is the
   same one XLA may share with the collective), and the relative L2 error
   ||x_hat - x|| / ||x|| of x, for every site, comes out of the step as a metric.
-* `Capture` (`python -m taco_jax.calibrate`): the messages themselves are copied to the host
+* `Capture` (`python -m taco_jax.apps.calibrate`): the messages themselves are copied to the host
   (`jax.debug.callback`) per site, for measuring codec settings on real tensors.
 
 How values leave a backward pass without threading them through the model: the sites'

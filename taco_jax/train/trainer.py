@@ -1,9 +1,9 @@
 """3D-parallel trainer, run by `python -m taco_jax.train --config=configs/parallel_tiny.py`
-(`python -m taco_jax.parallel.train` is an alias) for every config that needs it.
+(`python -m taco_jax.train.trainer` is an alias) for every config that needs it.
 
 Same data, optimizer schedule, metrics, checkpoints and step loop
 (`taco_jax.train.runner.run_steps`) as the single-device trainer (`taco_jax.train`, imported,
-not copied); the step is `taco_jax.parallel.step`. Params and optimizer state are global
+not copied); the step is `taco_jax.tp.step`. Params and optimizer state are global
 jax.Arrays with NamedShardings, so a checkpoint written on one mesh resumes on another (orbax
 reshards on restore). Started as one of several processes
 (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or parallel.distributed),
@@ -19,10 +19,10 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from models.gpt import flops_per_token
+from taco_jax.models.gpt import flops_per_token
 from taco_jax import collectives, data
-from taco_jax.parallel import mesh as mesh_lib, model as model_lib, step as step_lib
-from taco_jax.parallel.compression import describe_plan, plan_from_config
+from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
+from taco_jax.plan import describe_plan, plan_from_config
 from taco_jax.train import checkpoint, metrics, optim
 from taco_jax.train.config import validate_config
 from taco_jax.train.loop import load_data, store_config
@@ -52,7 +52,7 @@ def validate(config, n_devices: int | None = None) -> None:
 
 def spec_from_config(config) -> step_lib.ParallelSpec:
   p = config.parallel
-  return step_lib.ParallelSpec(model_lib.model_config(config.model), p.dp, p.pp, p.tp,
+  return step_lib.ParallelSpec(layout_lib.model_config(config.model), p.dp, p.pp, p.tp,
                                p.get("microbatches", 1), plan_from_config(config.compression),
                                schedule=p.get("schedule", "gpipe"),
                                virtual_stages=p.get("virtual_stages", 1),
@@ -64,7 +64,7 @@ def spec_from_config(config) -> step_lib.ParallelSpec:
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
   """`taco_jax.train.optim`'s AdamW, with a decay mask that knows stacked layer params."""
-  return optim.make_optimizer(optim_cfg, total_steps, decay_mask=model_lib.decay_mask)
+  return optim.make_optimizer(optim_cfg, total_steps, decay_mask=layout_lib.decay_mask)
 
 
 def opt_state_target(tx, params_target, mesh):
@@ -103,7 +103,7 @@ def train(config, workdir) -> dict:
       tqdm.write(f"{config.name}: {start_message(workdir, start, t.steps)}")
     return finished_summary(workdir, start)
   tx = make_optimizer(config.optim, t.steps)
-  p_abs = model_lib.abstract_params(spec.cfg, mesh)
+  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
   o_abs = opt_state_target(tx, p_abs, mesh)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   n_params = sum(x.size for x in jax.tree.leaves(p_abs))
@@ -114,7 +114,7 @@ def train(config, workdir) -> dict:
     if lead:
       tqdm.write(start_message(workdir, start, t.steps))
   else:
-    params = model_lib.init_params(spec.cfg, mesh, config.seed)
+    params = layout_lib.init_params(spec.cfg, mesh, config.seed)
     opt_state = jax.jit(tx.init, out_shardings=shardings(o_abs))(params)
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)

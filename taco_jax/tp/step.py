@@ -17,7 +17,7 @@ micro-batches:
 
 The optimizer update runs on the global arrays outside the shard_map, in the same jit.
 With `compression.log_errors` the step's metrics also hold "compression_error/<family>"
-(`taco_jax.quality`: mean relative error of the family's compressed messages, over sites,
+(`taco_jax.monitor`: mean relative error of the family's compressed messages, over sites,
 layers, micro-batches and devices); without it the program is exactly the plain one.
 """
 from __future__ import annotations
@@ -31,10 +31,10 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import collectives, mappings, quality
-from taco_jax.parallel import layers, model as model_lib, one_f_one_b, pipeline
-from taco_jax.parallel.compression import CompressionPlan
-from taco_jax.parallel.mesh import DATA, PIPE, TENSOR, layout_errors
+from taco_jax import collectives, mappings, monitor
+from taco_jax.tp import layers, layout as layout_lib, one_f_one_b, pipeline
+from taco_jax.plan import CompressionPlan
+from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors
 
 _BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
@@ -56,7 +56,7 @@ INTERLEAVE_XLA_OPTIONS = {
 class ParallelSpec:
   """Everything static about one parallel layout of one model.
 
-  Checked when built, as a config is (`taco_jax.parallel.train.validate`): the model config
+  Checked when built, as a config is (`taco_jax.train.trainer.validate`): the model config
   (`GPTConfig.errors`) and the layout against it (`mesh.layout_errors`); the functions
   below check the mesh they are given, and the batch when they are called.
   """
@@ -79,7 +79,7 @@ class ParallelSpec:
   # attention's batched ones) as well (parallel.save_dots; see `remat_policy`)
   save_dots: bool = False
   # pipeline schedule (parallel.schedule): "gpipe" (jax.grad of a forward over the ticks),
-  # "1f1b" or "interleaved" (`taco_jax.parallel.schedules`: a backward as soon as it can)
+  # "1f1b" or "interleaved" (`taco_jax.tp.schedules`: a backward as soon as it can)
   schedule: str = "gpipe"
   virtual_stages: int = 1            # chunks per stage of the interleaved schedule (v)
 
@@ -116,7 +116,7 @@ def _check_mesh(spec: ParallelSpec, mesh) -> None:
   if dict(mesh.shape) != want:
     raise ValueError(f"the mesh {dict(mesh.shape)} does not match the layout "
                      f"dp={spec.dp}, pp={spec.pp}, tp={spec.tp}: build it with "
-                     f"taco_jax.parallel.mesh.make_mesh({spec.dp}, {spec.pp}, {spec.tp})")
+                     f"taco_jax.tp.mesh.make_mesh({spec.dp}, {spec.pp}, {spec.tp})")
 
 
 def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
@@ -185,7 +185,7 @@ def _trunk(spec: ParallelSpec):
   without interleaving.
   """
   cfg, k = spec.cfg, spec.interleave
-  block_gd, _ = model_lib.block_template(cfg, spec.ctx)
+  block_gd, _ = layout_lib.block_template(cfg, spec.ctx)
 
   def layer(hs, p):  # one block on each sub-batch: k chains with no data between them
     block = nnx.merge(block_gd, p)
@@ -204,7 +204,7 @@ def _trunk(spec: ParallelSpec):
 
 def _head_loss(spec: ParallelSpec, params, h_BSD, tgt_BT):
   """Mean token loss of a micro-batch: final norm, then the vocab-parallel cross-entropy."""
-  norm_gd, _ = model_lib.norm_template(spec.cfg)
+  norm_gd, _ = layout_lib.norm_template(spec.cfg)
   h_BSD = nnx.merge(norm_gd, params["ln_f"])(h_BSD)
   return jnp.mean(layers.vocab_parallel_xent(h_BSD, params["wte"], tgt_BT, spec.ctx))
 
@@ -252,7 +252,7 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
 
 def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
   """(loss, gradients) of this device by the 1F1B / interleaved schedule
-  (`taco_jax.parallel.one_f_one_b`)."""
+  (`taco_jax.tp.one_f_one_b`)."""
   parts = one_f_one_b.Parts(embed=lambda p, tok: _embed(spec, p, tok), chunk=_trunk(spec),
                             head=lambda p, h, tgt: _head_loss(spec, p, h, tgt),
                             dtype=spec.cfg.compute_dtype)
@@ -272,7 +272,7 @@ def _fused_all_reduce(leaves, axis, compression, site: str = ""):
   flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
   n = flat.shape[0]
   flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
-  quality.sent(flat, compression, site, axis)  # no-op unless watched (and compressed)
+  monitor.sent(flat, compression, site, axis)  # no-op unless watched (and compressed)
   flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
   out, i = [], 0
   for x in leaves:
@@ -299,15 +299,15 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
   size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp}
-  return tuple(f for f in quality.FAMILIES if spec.plan.compresses(f) and size[f] > 1)
+  return tuple(f for f in monitor.FAMILIES if spec.plan.compresses(f) and size[f] > 1)
 
 
 def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   """(params, tokens_BT1) -> (loss, grads, metrics): metrics are the compression errors
-  (empty unless `spec.plan.log_errors`); `capture` (a `quality.Capture`) records what each
+  (empty unless `spec.plan.log_errors`); `capture` (a `monitor.Capture`) records what each
   compressed collective sends instead."""
   _check_mesh(spec, mesh)
-  specs = model_lib.param_specs(spec.cfg)
+  specs = layout_lib.param_specs(spec.cfg)
   if spec.tp_overlap != "none" and spec.tp > 1 and (spec.plan.log_errors
                                                     or capture is not None):
     raise ValueError(f"parallel.tp_overlap={spec.tp_overlap!r}: the collective matmuls do not "
@@ -327,13 +327,13 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
     if not log and capture is None:  # the plain program
       loss, grads = jax.value_and_grad(loss_fn)(params)
       return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
-    monitor = quality.ErrorLog() if log else capture
-    loss, grads, probe_ct = quality.value_and_grad(loss_fn, params, monitor)
-    with quality.watching(monitor):
+    watcher = monitor.ErrorLog() if log else capture
+    loss, grads, probe_ct = monitor.value_and_grad(loss_fn, params, watcher)
+    with monitor.watching(watcher):
       grads = reduce_grads(spec, grads, specs)
     if not log:
       return loss.reshape(1, 1), grads
-    stats = jax.lax.psum(monitor.stats(probe_ct), (DATA, PIPE, TENSOR))
+    stats = jax.lax.psum(watcher.stats(probe_ct), (DATA, PIPE, TENSOR))
     return loss.reshape(1, 1), grads, stats
 
   f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
@@ -343,7 +343,7 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   def loss_and_grads(params, tokens_BT1):
     _check_batch(spec, tokens_BT1)
     loss_DP, grads, *stats = f(params, tokens_BT1)
-    metrics = quality.family_metrics(stats[0], logged_families(spec)) if log else {}
+    metrics = monitor.family_metrics(stats[0], logged_families(spec)) if log else {}
     # the last stage's loss, mean over data
     return jnp.mean(jnp.sum(loss_DP, axis=1)), grads, metrics
 
@@ -363,7 +363,7 @@ def loss_and_grads_fn(spec: ParallelSpec, mesh) -> Callable:
 def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, *,
                     capture=None) -> Callable:
   """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics); jit it with donation.
-  `capture`: a `quality.Capture` that records what the compressed collectives send."""
+  `capture`: a `monitor.Capture` that records what the compressed collectives send."""
   loss_and_grads = _loss_grads_metrics(spec, mesh, capture)
 
   def train_step(params, opt_state, tokens_BT1):
@@ -378,7 +378,7 @@ def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, 
 def make_eval_step(spec: ParallelSpec, mesh) -> Callable:
   """(params, tokens_BT1) -> mean loss (no gradients; same layout and collectives)."""
   _check_mesh(spec, mesh)
-  specs = model_lib.param_specs(spec.cfg)
+  specs = layout_lib.param_specs(spec.cfg)
 
   def local(params, tokens_BT1):
     return _local_loss(spec, params, tokens_BT1).reshape(1, 1)

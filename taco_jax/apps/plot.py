@@ -1,4 +1,4 @@
-"""Loss curves of one or more runs: `python -m taco_jax.plot --workdir=A [--workdir=B ...]
+"""Loss curves of one or more runs: `python -m taco_jax.apps.plot --workdir=A [--workdir=B ...]
 [--out=loss.png]`.
 
 Reads each workdir's metrics.jsonl and writes one PNG: train loss (lines) and validation
