@@ -23,6 +23,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   m.remat = False                # recompute blocks in the backward pass to save memory
   m.attention = 'auto'           # auto (cuDNN flash attention where it takes the shapes, else
   #                                XLA) | cudnn (an error where it cannot) | xla
+  m.block = 'gpt'                # decoder block: 'gpt' (models.gpt) | 'qwen' (models.qwen)
 
   c.data = d = ml_collections.ConfigDict()
   d.path = ''                    # '' = embedded corpus (this interpreter's stdlib *.py); or a
@@ -61,6 +62,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.dp = 1                       # data-parallel degree (mesh axis "data")
   p.pp = 1                       # pipeline-parallel degree (mesh axis "pipeline")
   p.tp = 1                       # tensor-parallel degree (mesh axis "tensor")
+  p.microbatches = 1             # pipeline micro-batches per step (per data rank)
+  p.distributed = False          # True: jax.distributed.initialize() first (multi-host)
   p.schedule = 'gpipe'           # pipeline schedule: 'gpipe' | '1f1b' (each stage keeps at most
   #                                2 (pp - 1) micro-batches' activations, not m) | 'interleaved'
   #                                (virtual_stages chunks per stage: a bubble v times smaller)
@@ -75,6 +78,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                backward pass's recomputation does not communicate again
   p.save_dots = False            # with model.remat: keep the blocks' matmul outputs too, so the
   #                                backward recomputes only norms, activations and attention
+  p.scan_layers = True           # run the layers as one lax.scan (fast to compile); False
+  #                                unrolls them (no per-layer stacking of saved activations:
+  #                                faster on CPU, compiles longer)
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1

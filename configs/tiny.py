@@ -6,6 +6,7 @@ def get_config():
   c = base_config('tiny')
   # float32: on CPU, bf16 matmuls are ~3x slower than fp32 (the GPU configs keep bf16).
   c.model.update(n_layers=4, d_model=128, n_heads=4, d_ff=512, max_seq_len=128, dtype='float32')
+  c.parallel.scan_layers = False  # on CPU the unrolled layers run ~10% faster than a scan
   c.data.update(seq_len=128, batch_size=32)
   c.optim.update(lr=2e-3, warmup_steps=50, weight_decay=0.1)
   c.train.update(steps=400, log_every=10, eval_every=100, eval_batches=8, checkpoint_every=200)

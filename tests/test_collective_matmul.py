@@ -300,19 +300,20 @@ def test_tp_overlap_config_errors():
   """`parallel.tp_overlap`: unknown values, the old `parallel.overlap` boolean and
   compression logging with collective matmuls are one-line errors naming the fields."""
   from taco_jax.configs import tiny
-  from taco_jax.tp import mesh as mesh_lib, step as step_lib
+  from taco_jax.tp import step as step_lib
+  from taco_jax.train.config import parallel_errors
   c = tiny.get_micro_config()
   c.parallel.update(tp=2, dp=1, pp=1)
-  assert mesh_lib.parallel_errors(c, 2) == []
+  assert parallel_errors(c, 2) == []
   c.parallel.tp_overlap = "fused"
   assert any("parallel.tp_overlap='fused' must be one of ('none', 'ring', 'kernel')" in e
-             for e in mesh_lib.parallel_errors(c, 2))
+             for e in parallel_errors(c, 2))
   c.parallel.tp_overlap = "kernel"
   c.compression.log_errors = True
-  assert any("collective matmuls do not report" in e for e in mesh_lib.parallel_errors(c, 2))
+  assert any("collective matmuls do not report" in e for e in parallel_errors(c, 2))
   c = tiny.get_micro_config()
   c.parallel.overlap = True
-  assert "was replaced by parallel.tp_overlap" in mesh_lib.parallel_errors(c, 1)[0]
+  assert "was replaced by parallel.tp_overlap" in parallel_errors(c, 1)[0]
   with pytest.raises(ValueError, match="tp_overlap='yes' must be one of"):
     step_lib.ParallelSpec(step_lib.layout_lib.model_config(tiny.get_micro_config().model),
                           1, 1, 1, tp_overlap="yes")

@@ -5,9 +5,10 @@ import pytest
 
 from taco_jax.configs import gpt_1_3b, gpt_125m, gpt_350m, tiny
 from taco_jax.models.gpt import GPTConfig, num_params
-from taco_jax.train import cli, step as step_lib
-from taco_jax.train.config import parallel_reason, resolve_config_path, validate_config
-from taco_jax.train.loop import train
+from taco_jax.tp import layout as layout_lib
+from taco_jax.train import cli
+from taco_jax.train.config import resolve_config_path, validate
+from taco_jax.train.trainer import train
 
 CONFIGS_DIR = pathlib.Path(tiny.__file__).parent
 
@@ -15,8 +16,8 @@ CONFIGS_DIR = pathlib.Path(tiny.__file__).parent
 @pytest.mark.parametrize('mod', [tiny, gpt_125m, gpt_350m, gpt_1_3b])
 def test_shipped_configs_are_valid(mod):
   c = mod.get_config()
-  validate_config(c)
-  assert parallel_reason(c) == ''  # the single-device loop runs them
+  validate(c)
+  assert c.parallel.dp * c.parallel.pp * c.parallel.tp == 1  # one device
   assert c.compression.enabled is False and c.model.vocab_size == 256
 
 
@@ -47,39 +48,31 @@ def test_bad_values_name_the_field(section, key, value, needle):
   c = tiny.get_micro_config()
   c[section][key] = value
   with pytest.raises(ValueError, match='invalid config') as e:
-    validate_config(c)
+    validate(c)
   assert needle in str(e.value)
 
 
-def test_model_fields_and_trainer_choice():
+def test_model_fields():
   c = tiny.get_micro_config()
   c.model.update(block='gpt', n_kv_heads=2, rope_theta=1e4)  # shared fields: accepted, ignored
-  validate_config(c)
+  validate(c)
   assert GPTConfig.from_dict(c.model) == GPTConfig.from_dict(tiny.get_micro_config().model)
   c.model.n_kv_head = 2
   with pytest.raises(ValueError, match=r"unknown model config field\(s\) \['n_kv_head'\]; "
                      r"known: \[.*'n_kv_heads'"):
-    validate_config(c)
+    validate(c)
   c = tiny.get_micro_config()
   c.model.block = 'qwen'
-  validate_config(c)  # a Qwen config (n_kv_heads defaults)
-  assert parallel_reason(c) == "model.block='qwen'"
+  validate(c)  # a Qwen config (n_kv_heads defaults)
   with pytest.raises(ValueError, match="model.block='qwen' is not the block of GPTConfig"):
     GPTConfig.from_dict(c.model)
-  c = tiny.get_micro_config()
-  c.parallel.tp = 2
-  validate_config(c)
-  assert parallel_reason(c) == 'parallel.dp*pp*tp = 1*1*2 != 1'
-  c = tiny.get_micro_config()
-  c.parallel.save_dots = True  # the loop's remat has no policy: the parallel trainer runs it
-  assert parallel_reason(c) == 'parallel.save_dots=True (a remat policy of the parallel step)'
 
 
 def test_errors_come_before_any_model_is_built(tmp_path, monkeypatch):
   def boom(*a, **k):
     raise AssertionError('model built before the error')
 
-  monkeypatch.setattr(step_lib, 'build_model', boom)
+  monkeypatch.setattr(layout_lib, 'init_params', boom)
   c = tiny.get_micro_config()
   c.data.path = str(tmp_path / 'missing.txt')
   with pytest.raises(FileNotFoundError, match='missing.txt'):

@@ -64,11 +64,11 @@ def _worker(workdir):
   jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_num_cpu_devices", 4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  from taco_jax.tp.mesh import mesh_from_config
+  from taco_jax.tp.mesh import make_mesh
   from taco_jax.train.trainer import train
   c = _config(str(pathlib.Path(workdir) / "cache"))
   s = train(c, workdir)
-  mesh = mesh_from_config(c)
+  mesh = make_mesh(c.parallel.dp, c.parallel.pp, c.parallel.tp)
   local = {d.id for d in jax.local_devices()}
   groups = mesh.devices.reshape(-1, c.parallel.tp)  # tensor groups: the innermost axis
   print("RESULT " + json.dumps(dict(

@@ -10,12 +10,11 @@ from taco_jax.codec import CompressionConfig
 from taco_jax.tp import step as step_lib
 from taco_jax.plan import CompressionPlan, plan_from_config
 from taco_jax.tp.mesh import make_mesh
-from taco_jax.train.trainer import spec_from_config, train, validate
+from taco_jax.train.config import parallel_spec, validate
+from taco_jax.train.trainer import global_batch, load_data, train
 from taco_jax.tp import layout as layout_lib
-from taco_jax.train import trainer as parallel_train
 from taco_jax import data
-from taco_jax.train import checkpoint, cli, loop, metrics
-from taco_jax.train.loop import load_data
+from taco_jax.train import checkpoint, cli, metrics
 
 
 def _config(cache_dir="", **parallel):
@@ -83,11 +82,11 @@ def test_disabled_compression_compiles_to_the_plain_program():
   c = _config(dp=1, pp=2, tp=4, microbatches=2)
   c.compression.enabled = False
   mesh = make_mesh(1, 2, 4)
-  plain = step_lib.ParallelSpec(spec_from_config(c).cfg, 1, 2, 4, 2)
+  plain = step_lib.ParallelSpec(parallel_spec(c).cfg, 1, 2, 4, 2)
   params = layout_lib.abstract_params(plain.cfg, mesh)
   tokens = jax.ShapeDtypeStruct((8, 33), jax.numpy.int32, sharding=step_lib.batch_sharding(mesh))
   texts = [jax.jit(step_lib.loss_and_grads_fn(s, mesh)).lower(params, tokens).compile().as_text()
-           for s in (spec_from_config(c), plain)]
+           for s in (parallel_spec(c), plain)]
   assert texts[0] == texts[1]
 
 
@@ -117,14 +116,14 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   for layout in (dict(dp=2, pp=1, tp=4), dict(dp=2, pp=2, tp=2)):
     c = _config(cache, microbatches=2, **layout)
     c.compression.enabled = False
-    mesh, spec = make_mesh(**layout), spec_from_config(c)
+    mesh, spec = make_mesh(**layout), parallel_spec(c)
     ckpt = checkpoint.Checkpoints(tmp_path)
     params, _, _ = ckpt.restore(6, layout_lib.abstract_params(spec.cfg, mesh))
     ckpt.close()
     batch = data.batch_at(load_data(c).val, 0, seed=c.seed, stream=1,
                           batch_size=c.data.batch_size, seq_len=c.data.seq_len)
     val.append(float(jax.jit(step_lib.make_eval_step(spec, mesh))(
-        params, parallel_train.global_batch(batch, mesh))))
+        params, global_batch(batch, mesh))))
   assert val[0] == pytest.approx(val[1], rel=1e-5)
   assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["tensor"] == 4
 
@@ -143,22 +142,16 @@ def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
   assert "sent plain, below the size from which compression pays" in capsys.readouterr().out
 
 
-def test_unified_entry_point_picks_the_trainer(tmp_path, tmp_path_factory, monkeypatch):
+def test_entry_point_runs_remat_policies_on_a_mesh(tmp_path, tmp_path_factory):
   c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2,
               save_tp_outputs=True, save_dots=True)
   c.model.remat = True
   c.compression.enabled = False
   c.train.steps = 2
-  assert spec_from_config(c).save_tp_outputs and spec_from_config(c).save_dots
+  assert parallel_spec(c).save_tp_outputs and parallel_spec(c).save_dots
   s = cli.train(c, tmp_path)  # what `python -m taco_jax.train` calls
   assert s["status"] == "completed" and s["step"] == 2
   assert s["mesh"] == {"data": 2, "pipeline": 2, "tensor": 2}
-  monkeypatch.setattr(loop, "train", lambda config, workdir: "single")
-  monkeypatch.setattr(parallel_train, "train", lambda config, workdir: "parallel")
-  c.parallel.update(dp=1, pp=1, tp=1, save_dots=False)
-  assert cli.train(c, tmp_path) == "single"  # one device, plain GPT, plain remat
-  c.model.block = "qwen"
-  assert cli.train(c, tmp_path) == "parallel"  # only the parallel model has the Qwen block
 
 
 def test_compression_site_overrides_from_config():

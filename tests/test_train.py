@@ -16,9 +16,13 @@ import pytest
 from taco_jax.configs import tiny
 from taco_jax import data
 from taco_jax.apps import sample
-from taco_jax.tp import layout as layout_lib
+from flax import nnx
+
+from taco_jax.models.gpt import GPT, GPTConfig, loss_fn
+from taco_jax.tp import layout as layout_lib, step as step_lib
+from taco_jax.tp.mesh import make_mesh
 from taco_jax.train import checkpoint, optim
-from taco_jax.train.loop import NonFiniteLossError, train
+from taco_jax.train.trainer import NonFiniteLossError, train
 from taco_jax.train.metrics import read_jsonl
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -91,13 +95,22 @@ def test_resume_refuses_a_different_seed_data_or_optimizer(tmp_path, cache_dir, 
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, cache_dir, monkeypatch):
-  real_batch_at = data.batch_at
+  real_batch_at, real_step = data.batch_at, step_lib.make_train_step
 
-  def poisoned(tokens, step, **kw):  # out-of-range ids: the embedding lookup gives NaN
+  def poisoned(tokens, step, **kw):  # out-of-range ids, which the step below turns into NaN
     b = real_batch_at(tokens, step, **kw)
     return b + 10_000 if kw.get('stream', 0) == 0 and step == 3 else b
 
+  def nan_on_poison(*args, **kw):
+    step = real_step(*args, **kw)
+
+    def f(params, opt_state, tokens):
+      params, opt_state, m = step(params, opt_state, tokens)
+      return params, opt_state, {**m, 'loss': jnp.where(tokens.max() > 255, jnp.nan, m['loss'])}
+    return f
+
   monkeypatch.setattr(data, 'batch_at', poisoned)
+  monkeypatch.setattr(step_lib, 'make_train_step', nan_on_poison)
   with pytest.raises(NonFiniteLossError, match=r'at step 4.*checkpoint \(step 2\)'):
     train(micro(cache_dir, steps=8, checkpoint_every=2), tmp_path)
   ckpt = checkpoint.Checkpoints(tmp_path)
@@ -161,7 +174,7 @@ def test_short_runs_clamp_the_warm_up_and_mfu_needs_a_known_peak():
   from taco_jax.train import config as config_lib, metrics
   c = tiny.get_config()
   c.train.steps = 10  # warmup_steps = 50
-  config_lib.validate_config(c)
+  config_lib.validate(c)
   assert config_lib.notes(c) == ['optim.warmup_steps=50 > train.steps=10: the warm-up is '
                                  'clamped to the run (10 steps)']
   lr = optim.lr_schedule(c.optim, 10)
@@ -173,3 +186,63 @@ def test_short_runs_clamp_the_warm_up_and_mfu_needs_a_known_peak():
   assert metrics.mfu(1e3, 1e6, None) is None
   c.train.peak_flops = 1e12
   assert metrics.mfu(1e3, 1e6, metrics.configured_peak(c.train, 'cpu')) == pytest.approx(1e-3)
+
+
+def test_loss_curve_is_the_single_device_models(tmp_path, cache_dir):
+  """From the same seed and batches, the trainer (one device: the mesh (1, 1, 1)) follows
+  the loss curve of `models.gpt` trained by a plain jitted step with the same optimizer."""
+  c = micro(cache_dir, steps=6)
+  train(c, tmp_path)
+  model = GPT(GPTConfig.from_dict(c.model), rngs=nnx.Rngs(params=c.seed))
+  graphdef, params = nnx.split(model)
+  tx = optim.make_optimizer(c.optim, c.train.steps)  # decays ndim >= 2: the same leaves
+
+  @jax.jit
+  def step(params, opt_state, tokens):
+    loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens)[0])(
+        params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  corpus, opt_state, want = data.load_corpus('', cache_dir=cache_dir, max_corpus_bytes=
+                                             c.data.max_corpus_bytes), tx.init(params), []
+  for i in range(c.train.steps):
+    params, opt_state, loss = step(params, opt_state, data.batch_at(
+        corpus.train, i, seed=c.seed, batch_size=c.data.batch_size, seq_len=c.data.seq_len))
+    want.append(float(loss))
+  got = [losses(tmp_path)[s][0] for s in range(1, c.train.steps + 1)]
+  np.testing.assert_allclose(got, want, rtol=2e-5)
+
+
+MESHES = [(1, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2)]
+
+
+@pytest.mark.parametrize('dp,pp,tp', MESHES, ids=[f'{m}' for m in MESHES])
+def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsys, dp, pp, tp):
+  """Every mesh prints the same lines, writes the same checkpoint layout (global arrays) and
+  computes the single-device model's first loss; on one device and on eight the run resumes
+  with the same message."""
+  c = micro(cache_dir, steps=1, eval_batches=1)
+  c.parallel.update(dp=dp, pp=pp, tp=tp, microbatches=2 if pp > 1 else 1)
+  first = train(c, tmp_path)
+  out = capsys.readouterr().out.splitlines()
+  n = dp * pp * tp
+  assert out[0].startswith(f'micro: 34,688 params on {n} cpu device{"s" if n > 1 else ""}, '
+                           f'mesh data={dp} x pipeline={pp} x tensor={tp}; workdir ')
+  assert out[1].startswith('  python stdlib') and 'step compiled in' in out[1]
+  ckpt = checkpoint.Checkpoints(tmp_path)
+  assert ckpt.restore_meta(1) == {'step': 1, 'mesh': {'data': dp, 'pipeline': pp, 'tensor': tp}}
+  one_device = layout_lib.abstract_params(layout_lib.model_config(c.model),
+                                          make_mesh(1, 1, 1, jax.devices()[:1]))
+  assert ckpt.stored_shapes(1) == jax.tree.map(lambda x: tuple(x.shape), one_device)
+  ckpt.close()
+  model = GPT(GPTConfig.from_dict(c.model), rngs=nnx.Rngs(params=c.seed))
+  corpus = data.load_corpus('', cache_dir=cache_dir, max_corpus_bytes=c.data.max_corpus_bytes)
+  loss0 = loss_fn(model, data.batch_at(corpus.train, 0, seed=c.seed, batch_size=8,
+                                       seq_len=c.data.seq_len))[0]
+  np.testing.assert_allclose(first['train_loss'], float(loss0), rtol=1e-5)
+  if n in (1, 8):  # the resume path is one code path on every mesh: two suffice
+    c.train.steps = 2
+    second = train(c, tmp_path)
+    assert second['start_step'] == 1 and second['step'] == 2
+    assert f'resumed from step 1 in {tmp_path}' in capsys.readouterr().out

@@ -79,10 +79,12 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
   from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
-  from taco_jax.train.loop import load_data
+  from taco_jax.train.config import devices, parallel_spec, validate
+  from taco_jax.train.trainer import load_data
 
-  ptrain.validate(config)
-  mesh, spec = mesh_lib.mesh_from_config(config), ptrain.spec_from_config(config)
+  validate(config)
+  p = config.parallel
+  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
   if not spec.plan.any:
     raise ValueError("compression is off in this config: there is nothing to calibrate")
   d = config.data

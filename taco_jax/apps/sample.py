@@ -1,7 +1,7 @@
 """Generate text from a trained workdir: `python -m taco_jax.apps.sample --workdir=workdir/tiny`.
 
-Rebuilds the model from <workdir>/config.json, restores the latest checkpoint's params (of
-either trainer), and samples byte tokens one at a time (no KV cache: each step reruns the
+Rebuilds the model from <workdir>/config.json, restores the latest checkpoint's params (a
+run on any mesh, or of the single-device trainer of taco-jax 0.1), and samples byte tokens one at a time (no KV cache: each step reruns the
 jitted model on the last `max_seq_len` tokens, right-padded to a fixed shape).
 """
 from __future__ import annotations
@@ -17,11 +17,10 @@ import numpy as np
 from absl import app, flags, logging
 from flax import nnx
 
-from taco_jax.models.gpt import GPT
 from taco_jax import data
-from taco_jax.tp import mesh as mesh_lib, layout as layout_lib
+from taco_jax.models.gpt import GPT
+from taco_jax.tp import layout as layout_lib, mesh as mesh_lib
 from taco_jax.train import checkpoint
-from taco_jax.train.config import parallel_reason
 
 
 def define_flags() -> None:
@@ -35,10 +34,10 @@ def define_flags() -> None:
 
 
 def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
-  """(model with the latest checkpoint's params, its step), from a run of either trainer:
-  a 3D-parallel run's checkpoint (stacked layers, `taco_jax.tp.layout`) is restored
-  onto one device and unstacked into the single-device model. Errors say in one line what
-  is missing or cannot be read."""
+  """(model with the latest checkpoint's params, its step), from a run on any mesh: the
+  checkpoint (stacked layers, `taco_jax.tp.layout`) is restored onto one device and
+  unstacked into the single-device model. Errors say in one line what is missing or cannot
+  be read."""
   workdir = pathlib.Path(workdir)
   cfg_path = workdir / 'config.json'
   if not cfg_path.exists():
@@ -49,27 +48,21 @@ def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
   step = ckpt.latest_step()
   if step is None:
     raise FileNotFoundError(f'no checkpoint in {ckpt.directory}')
-  model = layout_lib.single_device_model(cfg)
-  params = nnx.state(model, nnx.Param)
-  stacked = bool(parallel_reason(config))  # the parallel trainer's layout
-  if stacked:
-    mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
-    target = layout_lib.abstract_params(cfg, mesh)
-  else:
-    target = params
+  mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
+  target = layout_lib.abstract_params(cfg, mesh)
   try:
-    _check_shapes(ckpt.stored_shapes(step), target)
-    restored, _, _ = ckpt.restore(step, target)
+    if 'mesh' in ckpt.restore_meta(step):
+      _check_shapes(ckpt.stored_shapes(step), target)
+    restored, _ = checkpoint.restore_state(ckpt, step, cfg, target)
   except Exception as e:  # noqa: BLE001 - orbax explains a mismatch in hundreds of lines
     lines = str(e).strip().splitlines() or [type(e).__name__]
     raise ValueError(f'cannot read checkpoint {ckpt.directory / str(step)} as the model of '
                      f'{cfg_path}: {lines[0][:300]}') from e
   finally:
     ckpt.close()
-  if stacked:
-    nnx.replace_by_pure_dict(params, layout_lib.from_parallel(restored))
-  else:
-    params = restored
+  model = layout_lib.single_device_model(cfg)
+  params = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(params, layout_lib.from_parallel(restored))
   nnx.update(model, params)
   return model, step
 

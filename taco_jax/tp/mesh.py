@@ -1,7 +1,8 @@
-"""The ("data", "pipeline", "tensor") device mesh, built from `config.parallel`.
+"""The ("data", "pipeline", "tensor") device mesh and the checks of a layout against it.
 
-`validate_parallel` runs before anything is built or compiled and says which field to
-change. `make_mesh` puts "tensor" innermost (fastest-varying device index), so with devices
+`layout_errors` lists every way a layout does not fit the model, the batch and the devices
+(`taco_jax.train.config.validate` runs it on a config, `ParallelSpec` on its fields).
+`make_mesh` puts "tensor" innermost (fastest-varying device index), so with devices
 ordered by (process, local id) a tensor group never leaves a host; data and pipeline span
 hosts. `maybe_initialize_distributed` starts multi-process JAX when the environment asks.
 """
@@ -42,7 +43,8 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
   The batch (``batch_size`` sequences of ``seq_len`` tokens) and the devices are checked
   when given. Messages name the config fields (``parallel.*``, ``model.*``, ``data.*``),
   which ``ParallelSpec``'s fields and the model config's mirror: the config path
-  (``parallel_errors``) and the Python API (``taco_jax.tp.step``) run these same checks.
+  (``taco_jax.train.config.validate``) and the Python API (``taco_jax.tp.step``) run these
+  same checks.
   """
   mb, il = microbatches, interleave
   errs = []
@@ -125,41 +127,6 @@ def _schedule_errors(schedule, v, pp, n_layers, log_errors) -> list[str]:
   return errs
 
 
-def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
-                    ) -> list[str]:
-  """Every way `c.parallel` does not fit the model, the batch or the devices."""
-  p = c.parallel
-  if "overlap" in p:
-    return [f"parallel.overlap={p.overlap!r} was replaced by parallel.tp_overlap: use "
-            "tp_overlap='ring' for the ring collective matmuls (overlap=True), 'none' (False), "
-            "or 'kernel' for the fused collective-matmul kernels"]
-  errs = []
-  overlap = p.get("tp_overlap", "none")
-  if overlap != "none" and p.tp > 1 and c.get("compression", {}).get("log_errors", False):
-    errs.append(f"parallel.tp_overlap={overlap!r}: the collective matmuls do not report "
-                "their messages; set it to 'none' to log compression errors "
-                "(compression.log_errors)")
-  return errs + layout_errors(
-      c.model, dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=overlap,
-      microbatches=p.get("microbatches", 1), interleave=p.get("interleave", 1),
-      schedule=p.get("schedule", "gpipe"), virtual_stages=p.get("virtual_stages", 1),
-      log_errors=bool(c.get("compression", {}).get("enabled", False)
-                      and c.get("compression", {}).get("log_errors", False)),
-      save_tp_outputs=p.get("save_tp_outputs", False), save_dots=p.get("save_dots", False),
-      batch_size=c.data.batch_size, seq_len=c.data.seq_len, n_devices=n_devices,
-      n_local_devices=n_local_devices)
-
-
-def validate_parallel(c, n_devices: int | None = None) -> None:
-  """Raises ValueError listing every misfit of `c.parallel` (None: skip the device count)."""
-  n_local = None
-  if n_devices is None:
-    n_devices, n_local = jax.device_count(), jax.local_device_count()
-  errs = parallel_errors(c, n_devices, n_local)
-  if errs:
-    raise ValueError("invalid parallel config:\n  " + "\n  ".join(errs))
-
-
 def host_ordered_mesh(sizes: dict[str, int], axis_names, devices=None) -> jax.sharding.Mesh:
   """Mesh of shape `sizes.values()` (keys name the sizes in errors, e.g. "dp"); devices
   ordered by (process, id), so the innermost axis ("tensor") stays inside a host."""
@@ -177,15 +144,6 @@ def make_mesh(dp: int, pp: int, tp: int, devices=None) -> jax.sharding.Mesh:
   return host_ordered_mesh(dict(dp=dp, pp=pp, tp=tp), AXES, devices)
 
 
-def mesh_from_config(c, devices=None) -> jax.sharding.Mesh:
-  """Validates `c.parallel` against the devices, then builds the mesh."""
-  devs = list(jax.devices() if devices is None else devices)
-  errs = parallel_errors(c, len(devs), None if devices is not None else jax.local_device_count())
-  if errs:
-    raise ValueError("invalid parallel config:\n  " + "\n  ".join(errs))
-  return make_mesh(c.parallel.dp, c.parallel.pp, c.parallel.tp, devs)
-
-
 def maybe_initialize_distributed(c=None) -> bool:
   """Calls `jax.distributed.initialize()` when started as one of several processes.
 
@@ -193,7 +151,7 @@ def maybe_initialize_distributed(c=None) -> bool:
   JAX_NUM_PROCESSES > 1 in the environment (JAX_PROCESS_ID names this process). Must run
   before anything touches a JAX backend. Returns whether it initialized.
   """
-  flag = bool(c is not None and c.parallel.get("distributed", False))
+  flag = bool(c is not None and c.parallel.distributed)
   n = int(os.environ.get("JAX_NUM_PROCESSES", "1"))
   if not (flag or (os.environ.get("JAX_COORDINATOR_ADDRESS") and n > 1)):
     return False

@@ -82,6 +82,9 @@ class ParallelSpec:
   # "1f1b" or "interleaved" (`taco_jax.tp.schedules`: a backward as soon as it can)
   schedule: str = "gpipe"
   virtual_stages: int = 1            # chunks per stage of the interleaved schedule (v)
+  # run the stacked layers as one lax.scan (one compiled body, residuals stacked per
+  # layer), or one after another (unrolled: a longer compile, no stacking copies)
+  scan_layers: bool = True
 
   def __post_init__(self):
     _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors())
@@ -173,7 +176,8 @@ def _embed(spec: ParallelSpec, params, tokens_BT):
 
 
 def _trunk(spec: ParallelSpec):
-  """(stacked blocks [n, ...], h_BSD) -> h_BSD: the n blocks in order (a scan).
+  """(stacked blocks [n, ...], h_BSD) -> h_BSD: the n blocks in order (a scan, or unrolled
+  without `spec.scan_layers`).
 
   With `spec.interleave` = k > 1 each micro-batch is split into k sub-batches and every
   layer of the scan runs its block on each of them: k independent chains in one loop body,
@@ -196,7 +200,11 @@ def _trunk(spec: ParallelSpec):
 
   def trunk(blocks, h_BSD):
     hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)
-    hs = jax.lax.scan(layer, hs, blocks)[0]
+    if spec.scan_layers:
+      hs = jax.lax.scan(layer, hs, blocks)[0]
+    else:
+      for i in range(jax.tree.leaves(blocks)[0].shape[0]):
+        hs = layer(hs, jax.tree.map(lambda x, i=i: x[i], blocks))[0]
     return jnp.concatenate(hs) if k > 1 else hs[0]
 
   return trunk

@@ -1,2 +1,3 @@
-"""GPT training: `python -m taco_jax.train --config=...` (`cli.train` picks the trainer):
-the single-device loop (`loop.train`) or the 3D-parallel one (`taco_jax.train.trainer`)."""
+"""GPT training on any (data, pipeline, tensor) mesh, one device included:
+`python -m taco_jax.train --config=...` (`cli`), the trainer (`trainer.train`), its step
+loop (`runner`), checkpoints, metrics, optimizer and config checks."""

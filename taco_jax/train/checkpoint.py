@@ -1,10 +1,14 @@
-"""Orbax checkpoints of (params, opt_state, meta) under <workdir>/checkpoints/<step>."""
+"""Orbax checkpoints of (params, opt_state, meta) under <workdir>/checkpoints/<step>: params
+in the stacked layout of `taco_jax.tp.layout`, meta {'step', 'mesh'}."""
 from __future__ import annotations
 
 import pathlib
 
 import jax
 import orbax.checkpoint as ocp
+from flax import nnx
+
+from taco_jax.tp import layout as layout_lib
 
 
 class Checkpoints:
@@ -35,6 +39,10 @@ class Checkpoints:
     return out['params'], out.get('opt_state') if opt_state_target is not None else None, \
         out['meta']
 
+  def restore_meta(self, step: int) -> dict:
+    """The metadata saved with checkpoint `step`."""
+    return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+
   def stored_shapes(self, step: int, item: str = 'params'):
     """The shapes of checkpoint `step`'s `item`, as a pytree (read from its metadata)."""
     from etils import epath
@@ -46,3 +54,29 @@ class Checkpoints:
 
   def close(self) -> None:
     self._mngr.close()
+
+
+def restore_state(ckpt: Checkpoints, step: int, cfg, params_target, opt_state_target=None,
+                  tx=None):
+  """(params, opt_state or None) of checkpoint `step`, placed like the targets (any mesh).
+
+  Also reads the checkpoints of the single-device trainer of taco-jax 0.1 (one nnx state
+  per model, recognized by metadata without a mesh): their layers are stacked into today's
+  layout (`taco_jax.tp.layout.to_parallel`), and so are the moments (`tx`: the optimizer,
+  needed with `opt_state_target`).
+  """
+  if 'mesh' in ckpt.restore_meta(step):
+    params, opt_state, _ = ckpt.restore(step, params_target, opt_state_target)
+    return params, opt_state
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  on_one = lambda tree: jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), tree)
+  old = nnx.state(nnx.eval_shape(lambda: layout_lib.single_device_model(cfg)), nnx.Param)
+  old_opt = None if opt_state_target is None else on_one(jax.eval_shape(tx.init, old))
+  params, opt_state, _ = ckpt.restore(step, on_one(old), old_opt)
+  is_state = lambda x: isinstance(x, nnx.State)
+  stack = lambda x: layout_lib.to_parallel(nnx.to_pure_dict(x)) if is_state(x) else x
+  place = lambda tree, target: jax.tree.map(lambda x, t: jax.device_put(x, t.sharding),
+                                            jax.tree.map(stack, tree, is_leaf=is_state), target)
+  return (place(params, params_target),
+          None if opt_state is None else place(opt_state, opt_state_target))

@@ -1,10 +1,8 @@
 """Command line: `python -m taco_jax.train --config=<file> [--config.x=..] [--workdir=..]
 [--cpu_devices=N]`, for every config.
 
-A thin wrapper over `train`, which runs a config on the trainer it needs: the single-device
-loop (`taco_jax.train.loop`) for dp = pp = tp = 1 and the plain GPT block, the 3D-parallel
-trainer (`taco_jax.train.trainer`) otherwise. `--config` may name a file relative to the
-current directory or one of the installed configs (`configs/tiny.py`, `tiny`).
+A thin wrapper over `taco_jax.train.trainer.train`. `--config` may name a file relative to
+the current directory or one of the installed configs (`configs/tiny.py`, `tiny`).
 """
 from __future__ import annotations
 
@@ -14,7 +12,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from taco_jax.train.config import notes, parallel_reason, resolve_config_path
+from taco_jax.train.config import notes, resolve_config_path
 
 
 def define_flags() -> None:
@@ -59,14 +57,11 @@ def use_cpu_devices(n: int) -> None:
 
 
 def train(config, workdir) -> dict:
-  """Trains `config` in `workdir` on the trainer it needs (see the module docstring)."""
+  """Says the config's notes, then trains it in `workdir` (`taco_jax.train.trainer`)."""
+  from taco_jax.train import trainer
   for note in notes(config):
     print(f'note: {note}', file=sys.stderr)
-  if parallel_reason(config):
-    from taco_jax.train.trainer import train as run_trainer
-  else:
-    from taco_jax.train.loop import train as run_trainer
-  return run_trainer(config, workdir)
+  return trainer.train(config, workdir)
 
 
 def rewrite_config_arg(argv: list[str]) -> list[str]:
@@ -91,12 +86,13 @@ def main(argv):
   if flags.FLAGS.cpu_devices:
     use_cpu_devices(flags.FLAGS.cpu_devices)
   import jax  # heavy imports after flag parsing
-  from taco_jax.train.loop import NonFiniteLossError
+  from taco_jax.train.runner import NonFiniteLossError
   config = flags.FLAGS.config
   if config is None:
     raise app.UsageError('--config is required, e.g. --config=configs/tiny.py')
   workdir = flags.FLAGS.workdir or f'./workdir/{config.name}'
-  if flags.FLAGS.cpu_devices > 1 and not parallel_reason(config):
+  p = config.parallel
+  if flags.FLAGS.cpu_devices > 1 and p.dp * p.pp * p.tp == 1:
     print(f'warning: --cpu_devices={flags.FLAGS.cpu_devices}, but {config.name} runs on one '
           'device (parallel.dp = pp = tp = 1); set --config.parallel.dp/pp/tp to use more',
           file=sys.stderr)

@@ -1,8 +1,10 @@
-"""Config checks, config-file resolution and the config.json the trainer stores.
+"""Config checks, the step layout a config asks for, config-file resolution and the
+config.json the trainer stores.
 
-`validate_config` runs before anything is built or compiled and names the field at fault
-and what to change. `parallel_reason` says whether a config needs the 3D-parallel trainer
-(`taco_jax.train.cli.train` picks the trainer by it).
+`validate` runs before anything is built or compiled and names every field at fault, with
+what to change: the sections' values, the model, the compression plan and the parallel
+layout against the model, the batch and the devices. `parallel_spec` turns a valid config
+into the `ParallelSpec` the step is built from.
 """
 from __future__ import annotations
 
@@ -10,10 +12,15 @@ import json
 import math
 import os
 import pathlib
+import sys
 
+import jax
 import ml_collections
 
 from taco_jax.models.qwen import model_config
+from taco_jax.plan import plan_from_config
+from taco_jax.tp import mesh as mesh_lib
+from taco_jax.tp.step import ParallelSpec
 
 
 def _checks(c, mcfg) -> list[str]:
@@ -52,8 +59,10 @@ def _checks(c, mcfg) -> list[str]:
   return errs
 
 
-def validate_config(c: ml_collections.ConfigDict) -> None:
-  """Raises ValueError listing every invalid field (with what to change)."""
+def validate(c: ml_collections.ConfigDict, n_devices: int | None = None,
+             n_local_devices: int | None = None) -> None:
+  """Raises ValueError listing every invalid field (with what to change). The layout is
+  checked against `n_devices` (and `n_local_devices` per host); None: `devices(c)`."""
   for sec in ('model', 'data', 'optim', 'train', 'parallel', 'compression'):
     if sec not in c:
       raise ValueError(f'config has no {sec!r} section; start from configs.common.base_config')
@@ -67,8 +76,56 @@ def validate_config(c: ml_collections.ConfigDict) -> None:
       mcfg.attention_backend(c.data.seq_len)
     except ValueError as e:
       errs.append(str(e))
+  try:
+    plan_from_config(c.compression)
+  except (TypeError, ValueError) as e:
+    errs.append(str(e))
+  if all(isinstance(c.parallel[n], int) and c.parallel[n] > 0 for n in ('dp', 'pp', 'tp')):
+    if n_devices is None:
+      n_devices = len(devices(c))
+      n_local_devices = min(n_devices, jax.local_device_count())
+    errs += parallel_errors(c, n_devices, n_local_devices)
   if errs:
-    raise ValueError('invalid config:\n  ' + '\n  '.join(errs))
+    raise ValueError('invalid config:\n  ' + '\n  '.join(dict.fromkeys(errs)))
+
+
+def devices(c: ml_collections.ConfigDict) -> list:
+  """The devices a config runs on: all of them, or the first for a one-device config."""
+  p = c.parallel
+  return jax.devices()[:1] if p.dp * p.pp * p.tp == 1 else jax.devices()
+
+
+def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
+                    ) -> list[str]:
+  """Every way `c.parallel` does not fit the model, the batch or the devices."""
+  p, z = c.parallel, c.compression
+  if 'overlap' in p:
+    return [f'parallel.overlap={p.overlap!r} was replaced by parallel.tp_overlap: use '
+            "tp_overlap='ring' for the ring collective matmuls (overlap=True), 'none' (False), "
+            "or 'kernel' for the fused collective-matmul kernels"]
+  errs = []
+  log_errors = bool(z.enabled and z.log_errors)
+  if p.tp_overlap != 'none' and p.tp > 1 and z.log_errors:
+    errs.append(f'parallel.tp_overlap={p.tp_overlap!r}: the collective matmuls do not report '
+                "their messages; set it to 'none' to log compression errors "
+                '(compression.log_errors)')
+  return errs + mesh_lib.layout_errors(
+      c.model, dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=p.tp_overlap,
+      microbatches=p.microbatches, interleave=p.interleave, schedule=p.schedule,
+      virtual_stages=p.virtual_stages, log_errors=log_errors,
+      save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
+      batch_size=c.data.batch_size, seq_len=c.data.seq_len, n_devices=n_devices,
+      n_local_devices=n_local_devices)
+
+
+def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
+  """The step layout of a valid config: model, mesh sizes, schedule, codecs, remat."""
+  p = c.parallel
+  return ParallelSpec(model_config(c.model), p.dp, p.pp, p.tp, p.microbatches,
+                      plan_from_config(c.compression), schedule=p.schedule,
+                      virtual_stages=p.virtual_stages, tp_overlap=p.tp_overlap,
+                      interleave=p.interleave, save_tp_outputs=p.save_tp_outputs,
+                      save_dots=p.save_dots, scan_layers=p.scan_layers)
 
 
 def notes(c: ml_collections.ConfigDict) -> list[str]:
@@ -79,17 +136,6 @@ def notes(c: ml_collections.ConfigDict) -> list[str]:
     out.append(f'optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the warm-up is '
                f'clamped to the run ({t.steps} steps)')
   return out
-
-
-def parallel_reason(c: ml_collections.ConfigDict) -> str:
-  """Why `c` needs the 3D-parallel trainer, or '' if the single-device loop runs it (one
-  device, the plain GPT block, its plain remat)."""
-  p, block = c.parallel, c.model.get('block', 'gpt')
-  if p.dp * p.pp * p.tp != 1:
-    return f'parallel.dp*pp*tp = {p.dp}*{p.pp}*{p.tp} != 1'
-  if p.get('save_dots', False):
-    return 'parallel.save_dots=True (a remat policy of the parallel step)'
-  return f'model.block={block!r}' if block != 'gpt' else ''
 
 
 def resolve_config_path(path: str, cwd: str | os.PathLike | None = None) -> str:
@@ -117,5 +163,57 @@ def config_to_json(c: ml_collections.ConfigDict) -> str:
   return json.dumps(c.to_dict(), indent=2, sort_keys=True)
 
 
-def config_from_json(text: str) -> ml_collections.ConfigDict:
-  return ml_collections.ConfigDict(json.loads(text))
+# Sections whose change would make a resumed run differ from an uninterrupted one.
+RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim', 'compression')
+# Fields that change nothing a run computes: where the corpus cache lives, whether the
+# compression error is also measured.
+_RESUME_IGNORED = {('data', 'cache_dir'), ('compression', 'log_errors')}
+# Fields added after runs were stored: a config.json without them had their default.
+_ADDED_LATER = {('data', 'include'): '*'}
+
+
+def _resume_view(c: dict) -> dict:
+  view = {k: ({f: v for f, v in c[k].items() if (k, f) not in _RESUME_IGNORED}
+              if isinstance(c.get(k), dict) else c.get(k)) for k in RESUME_MUST_MATCH}
+  for (k, f), default in _ADDED_LATER.items():
+    if isinstance(view.get(k), dict):
+      view[k].setdefault(f, default)
+  return view
+
+
+def _differences(before: dict, after: dict, sections) -> str:
+  """'optim.lr 0.002 -> 0.001, ...' for the fields of `sections` that differ (the first few)."""
+  def flat(d, p):
+    if not isinstance(d, dict):
+      return {p: d}
+    return {f: v for k, x in d.items() for f, v in flat(x, f'{p}.{k}').items()}
+
+  out = []
+  for k in sections:
+    b, a = flat(before[k], k), flat(after[k], k)
+    out += [f'{f} {b.get(f)!r} -> {a.get(f)!r}' for f in sorted(set(b) | set(a))
+            if b.get(f) != a.get(f)]
+  return ', '.join(out[:4]) + (f' and {len(out) - 4} more' if len(out) > 4 else '')
+
+
+def store_config(config, workdir: pathlib.Path, has_checkpoint: bool) -> None:
+  """Writes workdir/config.json. Resuming a checkpoint with a different model, seed, data,
+  optimizer or compression is an error (the run would not continue as it began); a
+  different `train.steps` is allowed with a warning (the learning-rate schedule is
+  reshaped)."""
+  path = workdir / 'config.json'
+  if has_checkpoint and path.exists():
+    old = json.loads(path.read_text())
+    new = json.loads(config_to_json(config))
+    before, after = _resume_view(old), _resume_view(new)
+    changed = [k for k in RESUME_MUST_MATCH if before[k] != after[k]]
+    if changed:
+      raise ValueError(
+          f'{workdir} holds checkpoints of {old.get("name", "a run")!r} with different '
+          f'{", ".join(changed)} settings ({_differences(before, after, changed)}); '
+          'give this run its own --workdir, or the same settings to resume that one')
+    if old.get('train', {}).get('steps') != new['train']['steps']:
+      print(f'warning: resuming with train.steps={new["train"]["steps"]} (was '
+            f'{old.get("train", {}).get("steps")}): the learning-rate schedule changes',
+            file=sys.stderr)
+  path.write_text(config_to_json(config))

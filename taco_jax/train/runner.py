@@ -1,16 +1,15 @@
-"""The step loop both trainers run (`taco_jax.train.loop` on one device,
-`taco_jax.train.trainer` on a mesh): `run_steps(...) -> (step, status)`.
+"""The trainer's step loop, `run_steps(...) -> Outcome`, and the lines a run prints.
 
-The trainers differ in how they build the state, batches and steps, and in what a checkpoint's
-metadata holds; they pass those in. The loop itself is shared: metrics are fetched from the
-device every `log_every` steps (one `device_get`, not one per step) and written one line per
-step; eval and checkpoint time stay out of the throughput. Ctrl-C stops at the next step
-boundary and saves a checkpoint; a non-finite loss or grad norm raises `NonFiniteLossError`
-without saving the bad state, so the last good checkpoint is the latest.
+Metrics are fetched from the device every `log_every` steps (one `device_get`, not one per
+step) and written one line per step; eval and checkpoint time stay out of the throughput.
+Ctrl-C stops at the next step boundary, evaluates and saves a checkpoint; a non-finite loss
+or grad norm raises `NonFiniteLossError` without saving the bad state, so the last good
+checkpoint is the latest.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -21,6 +20,8 @@ from typing import Callable
 
 import jax
 import numpy as np
+
+from taco_jax.train import optim
 
 
 class NonFiniteLossError(RuntimeError):
@@ -93,35 +94,50 @@ def nonfinite_message(rec: dict, step: int, last_checkpoint: int | None, directo
           f'{kept.capitalize()}; {", ".join(advice[:-1])} or {advice[-1]}{then}.')
 
 
-def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step,
-              train_batch: Callable[[int], object], val_batch: Callable[[int], object], ckpt,
-              checkpoint_meta: Callable[[int], dict], schedule, tokens_per_step: int,
-              mfu: Callable[[float], float | None], summary: dict, writer=None, pbar=None,
-              model_dtype: str = 'float32', evaluate_when_interrupted: bool = False,
-              save_on_second_interrupt: bool = True) -> tuple[int, str]:
-  """Runs steps start+1 .. train_cfg.steps; returns (last step, 'completed' | 'interrupted').
+@dataclasses.dataclass(frozen=True)
+class Steps:
+  """The compiled step functions and the batches they take."""
+  train: Callable  # (params, opt_state, batch) -> (params, opt_state, metrics with loss and
+  #                  grad_norm); it donates params and opt_state
+  eval: Callable   # (params, batch) -> mean loss
+  train_batch: Callable[[int], object]  # batch index -> batch (batch i is step i+1's)
+  val_batch: Callable[[int], object]    # the i-th fixed validation batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """How `run_steps` ended and the last values it measured (None: not measured)."""
+  step: int
+  status: str  # 'completed' | 'interrupted'
+  last_checkpoint: int | None
+  train_loss: float | None = None
+  val_loss: float | None = None
+  tokens_per_s: float | None = None
+  mfu: float | None = None
+
+
+def run_steps(params, opt_state, steps: Steps, ckpt, *, config, start: int, meta: dict,
+              tokens_per_step: int, mfu: Callable[[float], float | None], writer=None,
+              pbar=None) -> Outcome:
+  """Runs steps start+1 .. config.train.steps from the state at step `start`.
 
   Args:
-    params, opt_state: the state at step `start`; `train_step` donates them.
-    train_cfg: config.train (steps, log_every, eval_every, checkpoint_every, eval_batches).
-    train_step: (params, opt_state, batch) -> (params, opt_state, metrics with loss and
-      grad_norm); eval_step: (params, batch) -> loss.
-    train_batch, val_batch: batch index -> batch (train batch i is step i+1's).
-    ckpt: a `checkpoint.Checkpoints`; saved with `checkpoint_meta(step)`; waited on and
-      closed on the way out.
-    schedule: step -> learning rate, written as `lr`; mfu: tokens/s -> model FLOPs utilization,
-      or None where the devices' peak is unknown (then no mfu is written).
-    summary: updated in place with train_loss, val_loss, tokens_per_s, mfu, status, step,
-      last_checkpoint.
+    ckpt: a `checkpoint.Checkpoints`, saved with {'step': s, **meta}; waited on and closed
+      on the way out.
+    config: the run's config (train: steps, log_every, eval_every, checkpoint_every,
+      eval_batches; optim: the learning-rate schedule, written as `lr`; model.dtype: for
+      the advice of a non-finite loss).
+    mfu: tokens/s -> model FLOPs utilization, or None where the devices' peak is unknown.
     writer: a `metrics.MetricsWriter` (closed on the way out), or None to write nothing.
     pbar: a tqdm bar for progress and messages, or None to print nothing.
-    model_dtype: config.model.dtype, for the advice of a non-finite loss.
-    evaluate_when_interrupted: evaluate before the Ctrl-C checkpoint too.
-    save_on_second_interrupt: on a second Ctrl-C (KeyboardInterrupt), save if the state was
-      not donated to an unfinished step, and return; otherwise the KeyboardInterrupt
-      propagates (a process of a multi-process run must not save alone).
+
+  A second Ctrl-C (KeyboardInterrupt) saves if the state was not donated to an unfinished
+  step, in a single-process run; a process of a multi-process run must not save alone, so
+  there it propagates.
   """
-  t, pending, clock = train_cfg, [], [time.perf_counter()]
+  t, pending, clock = config.train, [], [time.perf_counter()]
+  schedule = optim.lr_schedule(config.optim, t.steps)
+  last = {}
 
   def flush():
     """Fetches pending step metrics, checks them, writes them; the window's throughput
@@ -143,8 +159,8 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
       if not (math.isfinite(rec['loss']) and math.isfinite(rec['grad_norm'])):
         pending.clear()
         raise NonFiniteLossError(nonfinite_message(rec, s, ckpt.latest_step(), ckpt.directory,
-                                                   model_dtype))
-    summary.update(train_loss=rec['loss'], tokens_per_s=tps, mfu=window_mfu)
+                                                   config.model.dtype))
+    last.update(train_loss=rec['loss'], tokens_per_s=tps, mfu=window_mfu)
     if pbar is not None:
       pbar.update(len(pending))
       shown = dict(loss=f'{rec["loss"]:.3f}', tok_s=f'{tps:.3g}')
@@ -155,22 +171,22 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
     clock[0] = time.perf_counter()
 
   def evaluate(s):
-    losses = [eval_step(params, val_batch(i)) for i in range(t.eval_batches)]
-    summary['val_loss'] = float(np.mean(jax.device_get(losses)))
+    losses = [steps.eval(params, steps.val_batch(i)) for i in range(t.eval_batches)]
+    last['val_loss'] = float(np.mean(jax.device_get(losses)))
     if writer is not None:
-      writer.write(s, val_loss=summary['val_loss'])
+      writer.write(s, val_loss=last['val_loss'])
     if pbar is not None:
-      pbar.write(f'step {s}: val_loss {summary["val_loss"]:.4f}')
+      pbar.write(f'step {s}: val_loss {last["val_loss"]:.4f}')
 
   def save(s):
     flush()
-    ckpt.save(s, params, opt_state, checkpoint_meta(s))
+    ckpt.save(s, params, opt_state, {'step': s, **meta})
 
   s, status = start, 'completed'
   try:
     with sigint_as_flag() as stop:
       while s < t.steps and not stop.is_set():
-        params, opt_state, m = train_step(params, opt_state, train_batch(s))
+        params, opt_state, m = steps.train(params, opt_state, steps.train_batch(s))
         s += 1
         pending.append((s, m))
         if s % t.log_every == 0:
@@ -186,12 +202,11 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
         status = 'interrupted'
         if pbar is not None:
           pbar.write(f'interrupted at step {s}, saving a checkpoint')
-      if status == 'completed' or evaluate_when_interrupted:
-        flush()
-        evaluate(s)
+      flush()
+      evaluate(s)
       save(s)
   except KeyboardInterrupt:  # a second Ctrl-C, or raised inside a step
-    if not save_on_second_interrupt:
+    if jax.process_count() > 1:
       raise
     status = 'interrupted'
     if not any(x.is_deleted() for x in jax.tree.leaves((params, opt_state))):
@@ -203,5 +218,4 @@ def run_steps(params, opt_state, *, start: int, train_cfg, train_step, eval_step
     ckpt.close()
     if writer is not None:
       writer.close()
-  summary.update(status=status, step=s, last_checkpoint=ckpt.latest_step())
-  return s, status
+  return Outcome(step=s, status=status, last_checkpoint=ckpt.latest_step(), **last)

@@ -1,17 +1,23 @@
-"""3D-parallel trainer, run by `python -m taco_jax.train --config=configs/parallel_tiny.py`
-(`python -m taco_jax.train.trainer` is an alias) for every config that needs it.
+"""The trainer: `train(config, workdir) -> summary`, for every config and mesh.
 
-Same data, optimizer schedule, metrics, checkpoints and step loop
-(`taco_jax.train.runner.run_steps`) as the single-device trainer (`taco_jax.train`, imported,
-not copied); the step is `taco_jax.tp.step`. Params and optimizer state are global
-jax.Arrays with NamedShardings, so a checkpoint written on one mesh resumes on another (orbax
-reshards on restore). Started as one of several processes
-(JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or parallel.distributed),
-it calls `jax.distributed.initialize()` first; each process feeds its own batch shards.
+Run by `python -m taco_jax.train --config=...`. One device is the mesh (1, 1, 1): the same
+step (`taco_jax.tp.step`), loop (`runner.run_steps`), progress output and checkpoint layout
+as on any (data, pipeline, tensor) mesh.
+
+Order of work: validate the config (every error before anything is built or compiled), load
+and check the data, store config.json, build or restore (params, opt_state), compile the
+step, then loop. Batch i is `data.batch_at(train_tokens, i, seed=config.seed, ...)`, so a run
+resumed from a checkpoint at step k continues with exactly the batches (and losses) of an
+uninterrupted one. Params and optimizer state are global jax.Arrays with NamedShardings, so a
+checkpoint written on one mesh resumes on another (orbax reshards on restore). Started as
+one of several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
+parallel.distributed), it calls `jax.distributed.initialize()` first; each process feeds its
+own batch shards.
 """
 from __future__ import annotations
 
 import pathlib
+import sys
 import time
 
 import jax
@@ -19,47 +25,24 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from taco_jax.models.gpt import flops_per_token
 from taco_jax import collectives, data
-from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
-from taco_jax.plan import describe_plan, plan_from_config
+from taco_jax.models.gpt import flops_per_token
+from taco_jax.plan import describe_plan
+from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib
 from taco_jax.train import checkpoint, metrics, optim
-from taco_jax.train.config import validate_config
-from taco_jax.train.loop import load_data, store_config
-from taco_jax.train.runner import (corpus_line, finished_summary, run_header, run_steps,
-                                   start_message)
+from taco_jax.train.config import devices, parallel_spec, store_config, validate
+from taco_jax.train.runner import (NonFiniteLossError, Steps, corpus_line,  # noqa: F401
+                                   finished_summary, run_header, run_steps, start_message)
 
 
-def validate(config, n_devices: int | None = None) -> None:
-  """Raises ValueError naming every bad field: the shared checks, model block, parallel
-  layout (against `n_devices`, or the running devices if None) and compression sections."""
-  errs = []
-  try:
-    validate_config(config)  # the model section too (models.qwen.model_config)
-  except ValueError as e:  # "invalid config:\n  a\n  b" -> [a, b]
-    errs += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
-  try:
-    plan_from_config(config.compression)
-  except (TypeError, ValueError) as e:
-    errs.append(str(e))
-  if n_devices is None:
-    n_devices = jax.device_count()
-  errs += mesh_lib.parallel_errors(config, n_devices, jax.local_device_count()
-                                   if n_devices == jax.device_count() else None)
-  if errs:
-    raise ValueError("invalid config:\n  " + "\n  ".join(errs))
-
-
-def spec_from_config(config) -> step_lib.ParallelSpec:
-  p = config.parallel
-  return step_lib.ParallelSpec(layout_lib.model_config(config.model), p.dp, p.pp, p.tp,
-                               p.get("microbatches", 1), plan_from_config(config.compression),
-                               schedule=p.get("schedule", "gpipe"),
-                               virtual_stages=p.get("virtual_stages", 1),
-                               tp_overlap=p.get("tp_overlap", "none"),
-                               interleave=p.get("interleave", 1),
-                               save_tp_outputs=bool(p.get("save_tp_outputs", False)),
-                               save_dots=bool(p.get("save_dots", False)))
+def load_data(config) -> data.Corpus:
+  """The config's corpus, checked against its sequence length and vocabulary."""
+  d = config.data
+  corpus = data.load_corpus(d.path, cache_dir=d.cache_dir or data.default_cache_dir(),
+                            val_fraction=d.val_fraction, max_corpus_bytes=d.max_corpus_bytes,
+                            bin_dtype=d.bin_dtype, include=d.include)
+  data.check_corpus(corpus, seq_len=d.seq_len, vocab_size=config.model.vocab_size)
+  return corpus
 
 
 def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
@@ -91,7 +74,8 @@ def train(config, workdir) -> dict:
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   d, t, lead = config.data, config.train, jax.process_index() == 0
-  mesh, spec = mesh_lib.mesh_from_config(config), spec_from_config(config)
+  p = config.parallel
+  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
   corpus = load_data(config)
   ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
   start = ckpt.latest_step() or 0
@@ -100,8 +84,11 @@ def train(config, workdir) -> dict:
   if start >= t.steps:
     ckpt.close()
     if lead:
-      tqdm.write(f"{config.name}: {start_message(workdir, start, t.steps)}")
+      tqdm.write(f'{config.name}: {start_message(workdir, start, t.steps)}')
     return finished_summary(workdir, start)
+  if lead and config.compression.enabled and mesh.size == 1:
+    print('note: compression.enabled has no effect on one device (nothing is sent)',
+          file=sys.stderr)
   tx = make_optimizer(config.optim, t.steps)
   p_abs = layout_lib.abstract_params(spec.cfg, mesh)
   o_abs = opt_state_target(tx, p_abs, mesh)
@@ -110,7 +97,7 @@ def train(config, workdir) -> dict:
   if lead:
     tqdm.write(run_header(config.name, n_params, workdir, dict(mesh.shape)))
   if start:
-    params, opt_state, _ = ckpt.restore(start, p_abs, o_abs)
+    params, opt_state = checkpoint.restore_state(ckpt, start, spec.cfg, p_abs, o_abs, tx)
     if lead:
       tqdm.write(start_message(workdir, start, t.steps))
   else:
@@ -127,30 +114,33 @@ def train(config, workdir) -> dict:
   with collectives.recording_decisions() as decisions:  # compiled now: out of the throughput
     lowered = train_step.lower(params, opt_state, batch(start))
   train_step = lowered.compile()
+  compile_s = time.perf_counter() - t0
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
-  summary = dict(workdir=str(workdir), start_step=start, n_params=n_params, mesh=dict(
-      mesh.shape), attention=spec.cfg.attention_backend(d.seq_len),
-                 compile_s=time.perf_counter() - t0, train_loss=None, val_loss=None,
-                 tokens_per_s=None, mfu=None,
-                 compressed_messages=collectives.decision_summary(decisions))
+  attention = spec.cfg.attention_backend(d.seq_len)
+  compressed = collectives.decision_summary(decisions)
   if lead:
-    tqdm.write(f"  {corpus_line(corpus)}, {summary['attention']} attention, compression "
-               f"{describe_plan(spec.plan)}; step compiled in {summary['compile_s']:.1f}s")
-    _report_plain_messages(summary["compressed_messages"])
+    tqdm.write(f'  {corpus_line(corpus)}, {fpt:.3g} FLOPs/token, {attention} attention, '
+               f'compression {describe_plan(spec.plan)}; step compiled in {compile_s:.1f}s')
+    _report_plain_messages(compressed)
   writer = metrics.MetricsWriter(workdir, start) if lead else None
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
               desc=config.name) if lead else None
   peak = metrics.configured_peak(t, jax.devices()[0].device_kind)
-  # A second Ctrl-C is not caught: a process of a multi-process run must not save alone.
-  run_steps(params, opt_state, start=start, train_cfg=t, train_step=train_step,
-            eval_step=eval_step, train_batch=batch, val_batch=lambda i: batch(i, 1, corpus.val),
-            ckpt=ckpt, checkpoint_meta=lambda s: {"step": s, "mesh": dict(mesh.shape)},
-            schedule=optim.lr_schedule(config.optim, t.steps), tokens_per_step=tok,
-            mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size), summary=summary,
-            writer=writer, pbar=pbar, model_dtype=config.model.dtype,
-            evaluate_when_interrupted=True, save_on_second_interrupt=False)
+  t_start = time.perf_counter()
+  outcome = run_steps(
+      params, opt_state, Steps(train=train_step, eval=eval_step, train_batch=batch,
+                               val_batch=lambda i: batch(i, 1, corpus.val)),
+      ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)}, tokens_per_step=tok,
+      mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size), writer=writer, pbar=pbar)
+  summary = dict(workdir=str(workdir), start_step=start, n_params=n_params,
+                 mesh=dict(mesh.shape), attention=attention, compile_s=compile_s,
+                 compressed_messages=compressed, train_loss=outcome.train_loss,
+                 val_loss=outcome.val_loss, tokens_per_s=outcome.tokens_per_s,
+                 mfu=outcome.mfu, status=outcome.status, step=outcome.step,
+                 last_checkpoint=outcome.last_checkpoint,
+                 wall_s=time.perf_counter() - t_start)
   if lead:
-    metrics.write_summary(workdir / "summary.json", summary)
+    metrics.write_summary(workdir / 'summary.json', summary)
   return summary
 
 
@@ -158,20 +148,10 @@ def _report_plain_messages(by_collective: dict) -> None:
   """Says which messages a codec was configured for but went plain (below ``min_bytes``
   or the size measured to pay on the link, ``CompressionConfig.link``), so that a
   configured compression that does nothing on this machine is not silent."""
-  plain = {c: r for c, r in by_collective.items() if r["plain"]}
+  plain = {c: r for c, r in by_collective.items() if r['plain']}
   if plain:
-    tqdm.write("sent plain, below the size from which compression pays (compression.*.link / "
-               "min_bytes): " + "; ".join(
+    tqdm.write('sent plain, below the size from which compression pays (compression.*.link / '
+               'min_bytes): ' + '; '.join(
                    f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
                    f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)"
                    for c, r in plain.items()))
-
-
-def main(argv=None):
-  """Alias of `python -m taco_jax.train` (which picks this trainer when the config needs it)."""
-  from taco_jax.train.cli import run
-  run(argv)
-
-
-if __name__ == "__main__":
-  main()
