@@ -21,7 +21,7 @@ from flax import nnx
 from taco_jax.models.gpt import GPT, GPTConfig, loss_fn
 from taco_jax.tp import layout as layout_lib, step as step_lib
 from taco_jax.tp.mesh import make_mesh
-from taco_jax.train import checkpoint, optim
+from taco_jax.train import checkpoint, optim, trainer
 from taco_jax.train.trainer import NonFiniteLossError, train
 from taco_jax.train.metrics import read_jsonl
 
@@ -246,3 +246,39 @@ def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsy
     second = train(c, tmp_path)
     assert second['start_step'] == 1 and second['step'] == 2
     assert f'resumed from step 1 in {tmp_path}' in capsys.readouterr().out
+
+
+def test_checkpoints_of_the_old_single_device_trainer_load(tmp_path):
+  """A workdir of taco-jax 0.1's single-device trainer (one nnx state per model, metadata
+  without a mesh) restores stacked, moments included, and `sample` reads it."""
+  c = tiny.get_micro_config()
+  cfg = GPTConfig.from_dict(c.model)
+  params = nnx.state(GPT(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
+  tx_old = optim.make_optimizer(c.optim, c.train.steps)  # its decay mask: ndim >= 2
+  opt_state = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, tx_old.init(params))
+  ckpt = checkpoint.Checkpoints(tmp_path)
+  ckpt.save(3, params, opt_state, {'step': 3, 'seed': 0, 'data': c.data.to_dict()})
+  ckpt.wait()
+  (tmp_path / 'config.json').write_text(json.dumps(c.to_dict()))
+  mesh = make_mesh(1, 1, 1, jax.devices()[:1])
+  tx = trainer.make_optimizer(c.optim, c.train.steps)
+  p_abs = layout_lib.abstract_params(cfg, mesh)
+  got, got_opt = checkpoint.restore_state(ckpt, 3, cfg, p_abs,
+                                          trainer.opt_state_target(tx, p_abs, mesh), tx)
+  ckpt.close()
+  want = layout_lib.to_parallel(nnx.to_pure_dict(params))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
+  jax.tree.map(lambda m, p: np.testing.assert_array_equal(m, np.ones_like(p)),
+               got_opt[1][0].mu, want)  # adamw's first moment, stacked like the params
+  model, step = sample.load_model(tmp_path)
+  assert step == 3
+  jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+               nnx.to_pure_dict(params))
+
+
+def test_moved_modules_name_their_new_place():
+  with pytest.raises(ModuleNotFoundError, match=r'taco_jax.parallel moved: use taco_jax.tp '
+                     r'\(model -> taco_jax.tp.layout; train -> taco_jax.train'):
+    import taco_jax.parallel.model  # noqa: F401
+  with pytest.raises(ModuleNotFoundError, match='taco_jax.sample moved: use taco_jax.apps.sample'):
+    import taco_jax.sample  # noqa: F401
