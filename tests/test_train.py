@@ -219,9 +219,9 @@ MESHES = [(1, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2)]
 
 @pytest.mark.parametrize('dp,pp,tp', MESHES, ids=[f'{m}' for m in MESHES])
 def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsys, dp, pp, tp):
-  """Every mesh prints the same lines, writes the same checkpoint layout (global arrays) and
-  computes the single-device model's first loss; on one device and on eight the run resumes
-  with the same message."""
+  """Every mesh prints the same lines, writes the same checkpoint layout (global arrays),
+  computes the single-device model's first loss and is read by `sample`; on one device and
+  on eight the run resumes with the same message."""
   c = micro(cache_dir, steps=1, eval_batches=1)
   c.parallel.update(dp=dp, pp=pp, tp=tp, microbatches=2 if pp > 1 else 1)
   first = train(c, tmp_path)
@@ -241,6 +241,7 @@ def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsy
   loss0 = loss_fn(model, data.batch_at(corpus.train, 0, seed=c.seed, batch_size=8,
                                        seq_len=c.data.seq_len))[0]
   np.testing.assert_allclose(first['train_loss'], float(loss0), rtol=1e-5)
+  assert sample.load_model(tmp_path)[1] == 1  # `sample` reads a run of any mesh
   if n in (1, 8):  # the resume path is one code path on every mesh: two suffice
     c.train.steps = 2
     second = train(c, tmp_path)
