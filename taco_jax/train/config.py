@@ -13,11 +13,11 @@ import pathlib
 
 import ml_collections
 
-from taco_jax.models.qwen import model_config
+from taco_jax.models import model_config
 
 
 def _checks(c, mcfg) -> list[str]:
-  """The model section's checks are the model config's own (`GPTConfig.errors`)."""
+  """The model section's checks are the model config's own (`DecoderConfig.errors`)."""
   d, o, t = c.data, c.optim, c.train
   errs = []
 

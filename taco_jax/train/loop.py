@@ -19,7 +19,8 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from taco_jax.models.gpt import GPTConfig, flops_per_token
+from taco_jax.models import model_config
+from taco_jax.models.decoder import flops_per_token
 from taco_jax import data
 from taco_jax.train import checkpoint, metrics, optim, step as step_lib
 from taco_jax.train.config import config_to_json, parallel_reason, validate_config
@@ -110,7 +111,7 @@ def train(config, workdir: str | pathlib.Path) -> dict:
     logging.warning('compression.enabled has no effect on a single device (no TP traffic)')
   workdir = pathlib.Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  mcfg, d, t = GPTConfig.from_dict(config.model), config.data, config.train
+  mcfg, d, t = model_config(config.model), config.data, config.train
   corpus = load_data(config)
   ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
   start = ckpt.latest_step() or 0

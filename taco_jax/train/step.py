@@ -13,7 +13,8 @@ import jax
 import optax
 from flax import nnx
 
-from taco_jax.models.gpt import GPT, GPTConfig, loss_fn
+from taco_jax.models.decoder import loss_fn
+from taco_jax.models.gpt import GPT, GPTConfig
 from taco_jax.models.layers import LinearFactory
 
 

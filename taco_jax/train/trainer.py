@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from taco_jax.models.gpt import flops_per_token
+from taco_jax.models.decoder import flops_per_token
 from taco_jax import collectives, data
 from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
 from taco_jax.plan import describe_plan, plan_from_config
@@ -35,7 +35,7 @@ def validate(config, n_devices: int | None = None) -> None:
   layout (against `n_devices`, or the running devices if None) and compression sections."""
   errs = []
   try:
-    validate_config(config)  # the model section too (models.qwen.model_config)
+    validate_config(config)  # the model section too (models.model_config)
   except ValueError as e:  # "invalid config:\n  a\n  b" -> [a, b]
     errs += [line.strip() for line in str(e).splitlines()[1:]] or [str(e)]
   try:
