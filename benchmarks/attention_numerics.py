@@ -3,7 +3,7 @@
 `compare(cfg, batch, seq)` draws one q, k, v (normal: logits q.k / sqrt(H) of unit spread)
 of the model's global attention shapes [batch, seq, heads, head_dim] in its compute dtype
 (K = n_kv_heads KV heads for the Qwen block), with a random cotangent, and runs causal
-attention forward and backward (`models.gpt.causal_attention`) on one device three ways:
+attention forward and backward (`models.attention.causal_attention`) on one device three ways:
 cuDNN, XLA, and XLA on the fp32 upcast of the same inputs (the reference). For the output
 and the q, k, v gradients it records the max absolute difference and the relative L2
 error ||a - b|| / ||b|| of cuDNN against XLA, and of each against the fp32 reference (so
@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax.models.gpt import attention_implementation, causal_attention
+from taco_jax.models.attention import attention_implementation, causal_attention
 
 OUTPUTS = ("out", "dq", "dk", "dv")
 
@@ -47,8 +47,8 @@ def _compare(*args) -> dict:
 
 def compare(cfg, batch: int, seq: int, seed: int = 0) -> dict:
   """The comparison above for model config `cfg` (GPTConfig / QwenConfig)."""
-  kv = getattr(cfg, "n_kv_heads", cfg.n_heads)
-  q_shape, kv_shape = (batch, seq, cfg.n_heads, cfg.head_dim), (batch, seq, kv, cfg.head_dim)
+  q_shape = (batch, seq, cfg.n_heads, cfg.head_dim)
+  kv_shape = (batch, seq, cfg.kv_heads, cfg.head_dim)
   dt = cfg.compute_dtype
   info = dict(q_shape=list(q_shape), kv_shape=list(kv_shape), dtype=jnp.dtype(dt).name)
   q, k = (jax.ShapeDtypeStruct(s, dt) for s in (q_shape, kv_shape))

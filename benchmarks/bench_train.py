@@ -51,7 +51,7 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           state; timing starts from the same parameters as the other variants.
 
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
-(`GPTConfig.attention_backend`) and, on one random batch of the run's attention shapes,
+(`DecoderConfig.attention_backend`) and, on one random batch of the run's attention shapes,
 cuDNN's error against XLA's (`benchmarks/attention_numerics.py`; on CPU: why cuDNN could
 not run). Memory per variant: the compiled step's peak and temporaries per device
 (`common.compiled_memory`: XLA's buffer assignment); the device's `peak_bytes_in_use`
@@ -439,7 +439,7 @@ def main(argv=None) -> pathlib.Path:
   add_overlap_flags(args)
   import jax
   from benchmarks import attention_numerics, common
-  from taco_jax.models.gpt import flops_per_token
+  from taco_jax.models.decoder import flops_per_token
   from taco_jax import data
 
   cfg, tx = model_and_optimizer(args, remat=not args.no_remat)

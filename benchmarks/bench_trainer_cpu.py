@@ -23,7 +23,9 @@ from flax import nnx
 from benchmarks.common import write_results
 from taco_jax import data
 from taco_jax.configs import tiny
-from taco_jax.models.gpt import GPT, GPTConfig, loss_fn
+from taco_jax.models import model_config
+from taco_jax.models.decoder import loss_fn
+from taco_jax.models.gpt import GPT
 from taco_jax.train import metrics, optim, trainer
 
 
@@ -48,7 +50,7 @@ def reference_tokens_per_s(steps: int) -> list[float]:
   """The same for the former single-device trainer's step: `models.gpt` under jax.jit."""
   c = _config(steps, False)
   d, t = c.data, c.train
-  graphdef, params = nnx.split(GPT(GPTConfig.from_dict(c.model), rngs=nnx.Rngs(params=c.seed)))
+  graphdef, params = nnx.split(GPT(model_config(c.model), rngs=nnx.Rngs(params=c.seed)))
   tx = optim.make_optimizer(c.optim, t.steps)
 
   def step(params, opt_state, tokens):

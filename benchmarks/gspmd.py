@@ -10,8 +10,8 @@ pipeline axis) and the residual stream between blocks is pinned with
 sequence on "tensor" (Megatron sequence parallelism: XLA then inserts all-gather /
 reduce-scatter around each block, as our step does), with "replicated" the full sequence
 on every tensor rank (Megatron's all-reduce). Attention's inputs are pinned to whole heads
-per tensor rank (flax logical axis rules for `models.gpt.HEAD_AXES`), as Megatron lays them
-out and as cuDNN flash attention requires. The XLA partitioner picks every collective.
+per tensor rank (flax logical axis rules for `models.attention.HEAD_AXES`), as Megatron lays
+them out and as cuDNN flash attention requires. The XLA partitioner picks every collective.
 
 `XLA_OVERLAP_FLAGS` are the XLA GPU flags that let XLA overlap those collectives with
 compute (latency-hiding scheduler, pipelined collectives in the layer loop); set them in
@@ -28,12 +28,13 @@ from flax import nnx
 from flax.linen import partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from taco_jax import models
 from taco_jax.tp import layout as layout_lib
 from taco_jax.tp import mesh as mesh_lib
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR
 
 AXES = (DATA, TENSOR)
-# models.gpt.HEAD_AXES -> mesh axes: attention's batch on "data", its heads on "tensor".
+# models.attention.HEAD_AXES -> mesh axes: attention's batch on "data", its heads on "tensor".
 LOGICAL_RULES = (("batch", DATA), ("heads", TENSOR))
 
 XLA_OVERLAP_FLAGS = (
@@ -74,8 +75,7 @@ def batch_sharding(mesh):
 
 
 def _templates(cfg):
-  kind = layout_lib._kind(cfg)
-  make_block = lambda: layout_lib.BLOCKS[kind][2](cfg, rngs=nnx.Rngs(0))  # dense linears
+  make_block = lambda: models.block_class(cfg)(cfg, rngs=nnx.Rngs(0))  # dense linears
   block_gd, _ = nnx.split(nnx.eval_shape(make_block))
   norm_gd, _ = layout_lib.norm_template(cfg)
   return block_gd, norm_gd

@@ -247,7 +247,7 @@ def main(argv=None) -> pathlib.Path:
     use_cpu_devices(8)
   import jax
   from benchmarks import common
-  from taco_jax.models.gpt import flops_per_token
+  from taco_jax.models.decoder import flops_per_token
 
   cfg, tx = model_and_optimizer(args, remat=args.remat)
   t0 = time.perf_counter()

@@ -214,7 +214,7 @@ def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypat
   import jax.numpy as jnp
 
   from benchmarks import attention_numerics
-  from taco_jax.models import gpt
+  from taco_jax.models import attention
   from taco_jax.models.qwen import QwenConfig
   cfg = QwenConfig(n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, max_seq_len=16)
   off_gpu = attention_numerics.compare(cfg, batch=2, seq=16)
@@ -222,7 +222,7 @@ def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypat
   assert "cuDNN unavailable" in attention_numerics.summary_line(off_gpu)
   monkeypatch.setattr(attention_numerics, "attention_implementation", lambda *a: "cudnn")
   monkeypatch.setattr(attention_numerics, "causal_attention",
-                      lambda q, k, v, impl: gpt.causal_attention(q, k, v, "xla"))
+                      lambda q, k, v, impl: attention.causal_attention(q, k, v, "xla"))
   got = attention_numerics.compare(cfg, batch=2, seq=16)
   assert got["cudnn"] == "compared" and got["dtype"] == jnp.dtype(jnp.bfloat16).name
   assert (got["q_shape"], got["kv_shape"]) == ([2, 16, 4, 8], [2, 16, 2, 8])

@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from taco_jax.models.gpt import loss_fn
+from taco_jax.models.decoder import loss_fn
 from taco_jax import testing
 from taco_jax.tp import layout as layout_lib
 from benchmarks import gspmd

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from taco_jax.models.gpt import (GPT, Block, GPTConfig, attention_implementation, causal_attention,
-                        count_params, flops_per_token, loss_fn, num_params)
+from taco_jax.models.attention import attention_implementation, causal_attention
+from taco_jax.models.decoder import count_params, flops_per_token, loss_fn, num_params
+from taco_jax.models.gpt import GPT, Block, GPTConfig
 from taco_jax.models.layers import DenseFactory, Linear
 from taco_jax import testing
 
@@ -138,3 +139,49 @@ def test_attention_choice_errors():
     with pytest.raises(ValueError, match=r"attention='flash' is unknown; use one of "
                        r"\('auto', 'cudnn', 'xla'\)"):
       make()
+
+
+def test_registry_names_every_model_on_the_decoder_base(monkeypatch):
+  """Each `model.block` name round-trips through the registry to one config, model and
+  block class on the shared base, and each model and block is built by the base __init__."""
+  from taco_jax import models
+  from taco_jax.models.decoder import Decoder, DecoderBlock, DecoderConfig
+  built = []
+
+  def recording(init):
+    def wrapped(self, *args, **kwargs):
+      built.append(type(self))
+      init(self, *args, **kwargs)
+    return wrapped
+
+  for base in (Decoder, DecoderBlock):
+    monkeypatch.setattr(base, '__init__', recording(base.__init__))
+  assert sorted(models.MODELS) == ['gpt', 'qwen']
+  for name, model in models.MODELS.items():
+    cfg = models.model_config(dict(block=name, n_layers=1, d_model=16, n_heads=2))
+    assert type(cfg) is model.config_class and issubclass(type(cfg), DecoderConfig)
+    assert models.kind(cfg) == name and models.model_class(cfg) is model
+    assert issubclass(model, Decoder) and issubclass(models.block_class(cfg), DecoderBlock)
+    built.clear()
+    nnx.eval_shape(lambda: model(cfg, rngs=nnx.Rngs(0)))
+    assert built == [model, model.block_class]
+  with pytest.raises(TypeError, match='DecoderConfig is not a model config'):
+    models.kind(DecoderConfig())
+
+
+def test_model_fields_belong_to_their_model():
+  """GPTConfig holds the shared fields only; Qwen's own fields are QwenConfig's, and a
+  model section may carry them for either block (it is shared)."""
+  from taco_jax import models
+  from taco_jax.models.decoder import DecoderConfig
+  from taco_jax.models.qwen import QwenConfig
+  names = lambda c: {f.name for f in dataclasses.fields(c)}
+  assert names(GPTConfig) == names(DecoderConfig)
+  assert names(QwenConfig) - names(DecoderConfig) == {'n_kv_heads', 'rope_theta'}
+  assert models.model_config(dict(n_kv_heads=1, rope_theta=1.0)) == GPTConfig()
+  with pytest.raises(ValueError, match=r"unknown model config field\(s\) \['n_kv_head'\]; "
+                     r"known: \[.*'n_kv_heads'"):
+    models.model_config(dict(block='qwen', n_kv_head=1))
+  with pytest.raises(ValueError, match=r"model.block='llama' is unknown; use one of "
+                     r"\['gpt', 'qwen'\]"):
+    models.model_config(dict(block='llama'))

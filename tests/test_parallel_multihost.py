@@ -26,7 +26,7 @@ def _config(cache_dir):
 def test_two_processes_train_as_one_mesh(tmp_path):
   import jax
   import numpy as np
-  from taco_jax.models.gpt import loss_fn
+  from taco_jax.models.decoder import loss_fn
   from taco_jax import data
   from taco_jax.tp import layout as layout_lib
   from taco_jax.train.metrics import read_jsonl

@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from taco_jax.models.gpt import loss_fn
+from taco_jax.models.decoder import loss_fn
 from taco_jax.pallas_kernels import wire
 from taco_jax import testing
 from taco_jax.codec import CompressionConfig
@@ -333,7 +333,7 @@ def test_interleave_errors():
 def test_python_api_runs_the_config_checks():
   """ParallelSpec checks the model and the layout when built, the step functions the mesh
   they are given and the batch they are called with: the config path's checks
-  (`mesh.layout_errors`, `GPTConfig.errors`), before anything is traced or reshaped."""
+  (`mesh.layout_errors`, `DecoderConfig.errors`), before anything is traced or reshaped."""
   heads4 = dataclasses.replace(CFG, n_heads=4)
   with pytest.raises(ValueError, match=r"invalid parallel layout:\n  model.n_heads=4 \(attention "
                      r"heads\) is not divisible by parallel.tp=8"):

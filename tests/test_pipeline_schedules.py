@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from taco_jax.models.gpt import loss_fn
+from taco_jax.models.decoder import loss_fn
 from taco_jax import testing
 from taco_jax.codec import CompressionConfig
 from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, schedules

@@ -18,7 +18,9 @@ from taco_jax import data
 from taco_jax.apps import sample
 from flax import nnx
 
-from taco_jax.models.gpt import GPT, GPTConfig, loss_fn
+from taco_jax.models import model_config
+from taco_jax.models.decoder import loss_fn
+from taco_jax.models.gpt import GPT
 from taco_jax.tp import layout as layout_lib, step as step_lib
 from taco_jax.tp.mesh import make_mesh
 from taco_jax.train import checkpoint, optim, trainer
@@ -193,7 +195,7 @@ def test_loss_curve_is_the_single_device_models(tmp_path, cache_dir):
   the loss curve of `models.gpt` trained by a plain jitted step with the same optimizer."""
   c = micro(cache_dir, steps=6)
   train(c, tmp_path)
-  model = GPT(GPTConfig.from_dict(c.model), rngs=nnx.Rngs(params=c.seed))
+  model = GPT(model_config(c.model), rngs=nnx.Rngs(params=c.seed))
   graphdef, params = nnx.split(model)
   tx = optim.make_optimizer(c.optim, c.train.steps)  # decays ndim >= 2: the same leaves
 
@@ -236,7 +238,7 @@ def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsy
                                           make_mesh(1, 1, 1, jax.devices()[:1]))
   assert ckpt.stored_shapes(1) == jax.tree.map(lambda x: tuple(x.shape), one_device)
   ckpt.close()
-  model = GPT(GPTConfig.from_dict(c.model), rngs=nnx.Rngs(params=c.seed))
+  model = GPT(model_config(c.model), rngs=nnx.Rngs(params=c.seed))
   corpus = data.load_corpus('', cache_dir=cache_dir, max_corpus_bytes=c.data.max_corpus_bytes)
   loss0 = loss_fn(model, data.batch_at(corpus.train, 0, seed=c.seed, batch_size=8,
                                        seq_len=c.data.seq_len))[0]
@@ -253,7 +255,7 @@ def test_checkpoints_of_the_old_single_device_trainer_load(tmp_path):
   """A workdir of taco-jax 0.1's single-device trainer (one nnx state per model, metadata
   without a mesh) restores stacked, moments included, and `sample` reads it."""
   c = tiny.get_micro_config()
-  cfg = GPTConfig.from_dict(c.model)
+  cfg = model_config(c.model)
   params = nnx.state(GPT(cfg, rngs=nnx.Rngs(params=0)), nnx.Param)
   tx_old = optim.make_optimizer(c.optim, c.train.steps)  # its decay mask: ndim >= 2
   opt_state = jax.tree.map(lambda x: x + 1 if x.dtype == jnp.float32 else x, tx_old.init(params))

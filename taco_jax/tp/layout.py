@@ -21,28 +21,22 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from taco_jax.models.gpt import GPT, Block, GPTConfig
-from taco_jax.models.qwen import Qwen, QwenBlock, QwenConfig, model_config  # noqa: F401 (re-exported)
+from taco_jax import models
+from taco_jax.models import model_config  # noqa: F401 (re-exported)
 from taco_jax.tp.layers import (ColumnParallelLinear, RowParallelLinear, TPContext,
                                       TensorParallelFactory)
 from taco_jax.tp.mesh import PIPE, TENSOR
 
-BLOCKS = {"gpt": (GPTConfig, GPT, Block), "qwen": (QwenConfig, Qwen, QwenBlock)}
 
-
-def _kind(cfg) -> str:
-  return "qwen" if isinstance(cfg, QwenConfig) else "gpt"
-
-
-def single_device_model(cfg, seed: int = 0) -> GPT:
+def single_device_model(cfg, seed: int = 0) -> models.decoder.Decoder:
   """The single-device model (GPT or Qwen) with dense linears, params from `seed`."""
-  return BLOCKS[_kind(cfg)][1](cfg, rngs=nnx.Rngs(params=seed))
+  return models.model_class(cfg)(cfg, rngs=nnx.Rngs(params=seed))
 
 
 def block_template(cfg, ctx: TPContext):
   """(graphdef, abstract local state) of one block built with tensor-parallel linears."""
-  make = lambda: BLOCKS[_kind(cfg)][2](cfg, rngs=nnx.Rngs(0),
-                                       linear=TensorParallelFactory(ctx))
+  make = lambda: models.block_class(cfg)(cfg, rngs=nnx.Rngs(0),
+                                         linear=TensorParallelFactory(ctx))
   return nnx.split(nnx.eval_shape(make))
 
 
@@ -71,7 +65,7 @@ def param_specs(cfg) -> dict:
   """PartitionSpec of every parameter of the parallel layout (see the module docstring)."""
   specs = {"wte": P(TENSOR, None), "ln_f": jax.tree.map(
       lambda _: P(), nnx.to_pure_dict(norm_template(cfg)[1])), "blocks": _block_specs(cfg)}
-  if _kind(cfg) == "gpt":
+  if models.kind(cfg) == "gpt":
     specs["wpe"] = P()
   return specs
 

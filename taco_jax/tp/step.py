@@ -57,7 +57,7 @@ class ParallelSpec:
   """Everything static about one parallel layout of one model.
 
   Checked when built, as a config is (`taco_jax.train.trainer.validate`): the model config
-  (`GPTConfig.errors`) and the layout against it (`mesh.layout_errors`); the functions
+  (`DecoderConfig.errors`) and the layout against it (`mesh.layout_errors`); the functions
   below check the mesh they are given, and the batch when they are called.
   """
   cfg: object                        # GPTConfig | QwenConfig

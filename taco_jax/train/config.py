@@ -17,14 +17,14 @@ import sys
 import jax
 import ml_collections
 
-from taco_jax.models.qwen import model_config
+from taco_jax.models import model_config
 from taco_jax.plan import plan_from_config
 from taco_jax.tp import mesh as mesh_lib
 from taco_jax.tp.step import ParallelSpec
 
 
 def _checks(c, mcfg) -> list[str]:
-  """The model section's checks are the model config's own (`GPTConfig.errors`)."""
+  """The model section's checks are the model config's own (`DecoderConfig.errors`)."""
   d, o, t = c.data, c.optim, c.train
   errs = []
 

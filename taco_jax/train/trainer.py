@@ -26,7 +26,7 @@ import optax
 from tqdm import tqdm
 
 from taco_jax import collectives, data
-from taco_jax.models.gpt import flops_per_token
+from taco_jax.models.decoder import flops_per_token
 from taco_jax.plan import describe_plan
 from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib
 from taco_jax.train import checkpoint, metrics, optim
