@@ -21,7 +21,7 @@ scattering along the last axis never makes a group straddle two ranks.
 Messages for which compression does not pay go through the plain collective: smaller than
 ``compression.min_bytes`` per device (the local input's bytes) or below the size measured
 for that collective on the link (``compression.link``, by default the one this process
-runs on; ``CompressionConfig.pays_for``).
+runs on; ``taco_jax.policy.pays_for``).
 
 Compressed, these functions are forward-only (differentiating one raises a TypeError):
 use ``taco_jax.mappings`` for regions with gradients. Uncompressed, they are the lax ops
@@ -36,6 +36,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from taco_jax import policy
 from taco_jax.codec import CompressionConfig, from_wire, sum_from_wire, to_wire
 
 AxisName = str | tuple[str, ...]
@@ -114,8 +115,8 @@ def compresses(collective: str, x, compression: CompressionConfig | None,
       raise ValueError(f"{collective}: compression needs an array with at least one "
                        "dimension (groups run along the last), got a scalar")
   nbytes = x.size * x.dtype.itemsize
-  decision = compression is not None and compression.pays_for(collective, nbytes, axis_size,
-                                                              kernel=kernel)
+  decision = compression is not None and policy.pays_for(compression, collective, nbytes,
+                                                         axis_size, kernel=kernel)
   if _decisions is not None and compression is not None:
     _decisions.append((collective, nbytes, decision))
   return decision
