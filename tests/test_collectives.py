@@ -291,3 +291,25 @@ def test_size_one_axis_is_the_identity_compressed_or_not():
     np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
   for g in grads:
     np.testing.assert_array_equal(np.asarray(g), np.asarray(ct))
+
+
+def test_free_communication_stands_in_locally_with_the_same_shapes():
+  """`free_communication("x")`: the collectives over "x" send nothing (no collective in the
+  program) and return the local stand-ins: the shard broadcast, the local slice, the input."""
+  mesh = mesh_1d(8)
+  x = pattern((2, 16, 128), jnp.float32)
+
+  def body(x):
+    return (tc.all_gather(x, "x", axis=1, compression=E4M3),
+            tc.reduce_scatter(x, "x", scatter_dimension=1), tc.all_reduce(x, "x"))
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("x"), check_vma=False))
+  with tc.free_communication("x"):
+    lowered = f.lower(x)
+  text = lowered.as_text()
+  assert not any(op in text for op in ("all_gather", "reduce_scatter", "all_reduce",
+                                       "all_to_all"))
+  gathered, scattered, reduced = lowered.compile()(x)
+  np.testing.assert_array_equal(gathered, np.tile(x, (8, 8, 1)))
+  np.testing.assert_array_equal(scattered, np.tile(x[:, :2], (8, 1, 1)))
+  np.testing.assert_array_equal(reduced, np.tile(x, (8, 1, 1)))

@@ -71,7 +71,8 @@ def _ring_reduce_scatter(part, axis_name, n: int, codec, dtype):
   def send(a):
     if codec is None:
       return jax.lax.ppermute(a, axis_name, to_next)
-    return collectives._ppermute(a, axis_name, to_next, codec, out_dtype=jnp.float32)
+    w = jax.lax.ppermute(to_wire(a, codec), axis_name, to_next)
+    return from_wire(w, codec, a.shape[-1], jnp.float32)  # decoded straight to fp32
 
   acc = part((r - 1) % n).astype(dtype)
   for k in range(1, n):
