@@ -21,7 +21,8 @@ backward pass too (as a residual), so remat's recomputation does not record it t
 
 Sites (`taco_jax.plan.SITES`): each region of `taco_jax.mappings`, per direction, plus the
 pipeline shift and the data-parallel gradient all-reduce; each belongs to one compression
-family.
+family. The callers that know a site (the TP layers, the pipeline, the step's DP
+all-reduce) call the hooks; the regions themselves are pure.
 """
 from __future__ import annotations
 

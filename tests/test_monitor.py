@@ -92,8 +92,11 @@ def test_probe_carries_each_messages_error(fwd_min_bytes):
   w = jnp.asarray(rng.standard_normal((n * 2, 4 * n, 128)), jnp.float32)
 
   def body(x, w):
-    f = lambda x: jnp.sum(w * mappings.gather_from_sp(x, "x", fwd_compression=fwd,
-                                                      bwd_compression=bwd))
+    region = lambda x: mappings.gather_from_sp(x, "x", fwd_compression=fwd,
+                                               bwd_compression=bwd)
+    f = lambda x: jnp.sum(w * monitor.region(region, x, fwd=fwd, bwd=bwd,
+                                             fwd_site="gather_from_sp/fwd",
+                                             bwd_site="gather_from_sp/bwd", axis_name="x"))
     _, _, probe_ct = monitor.value_and_grad(f, x, monitor.ErrorLog())
     return probe_ct[None]
 
