@@ -9,9 +9,8 @@ parameters on the same batches, their steps interleaved (the order rotates every
           stand-in of the same shapes (all-gather -> broadcast of the local shard,
           reduce-scatter -> the local slice, all-reduce -> identity; pipeline / data
           collectives untouched). It computes nonsense but the same FLOPs: the step time
-          with free TP communication. Done by monkeypatching `taco_jax.collectives`
-          (`noop_tensor_collectives`), which `mappings` / `layers` / `step` call by module
-          attribute, only around `.lower()`; nothing else is changed.
+          with free TP communication. Done by `taco_jax.collectives.free_communication`
+          around `.lower()` only; nothing else is changed.
   ring_off, ring_on  off / on with the TP layers as ring collective matmuls
           (`parallel.tp_overlap="ring"`: each chunk's transfer in flight during another's
           matmul)
@@ -189,52 +188,6 @@ def variant_config(variant: Variant, cfg):
   return cfg if variant.remat else dataclasses.replace(cfg, remat=False)
 
 
-@contextlib.contextmanager
-def noop_tensor_collectives():
-  """While active, `taco_jax.collectives` ops over mesh axis "tensor" are local stand-ins
-  of the same output shapes (no communication); other axes are untouched."""
-  import jax
-  import jax.numpy as jnp
-  from taco_jax import collectives
-  from taco_jax.tp.mesh import TENSOR
-
-  orig = {k: getattr(collectives, k) for k in ("all_gather", "reduce_scatter", "all_reduce")}
-  is_tp = lambda a: a == TENSOR or (isinstance(a, (tuple, list)) and tuple(a) == (TENSOR,))
-
-  def all_gather(x, axis_name, *, axis=0, tiled=True, compression=None):
-    if not is_tp(axis_name):
-      return orig["all_gather"](x, axis_name, axis=axis, tiled=tiled, compression=compression)
-    n = jax.lax.axis_size(axis_name)
-    ndim = x.ndim + (0 if tiled else 1)
-    axis %= ndim
-    y = jnp.broadcast_to(jnp.expand_dims(x, axis), (*x.shape[:axis], n, *x.shape[axis:]))
-    if tiled:
-      y = y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:])
-    return y
-
-  def reduce_scatter(x, axis_name, *, scatter_dimension=0, compression=None):
-    if not is_tp(axis_name):
-      return orig["reduce_scatter"](x, axis_name, scatter_dimension=scatter_dimension,
-                                    compression=compression)
-    n = jax.lax.axis_size(axis_name)
-    d = scatter_dimension % x.ndim
-    return jax.lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
-
-  def all_reduce(x, axis_name, *, compression=None, **kw):
-    if not is_tp(axis_name):
-      return orig["all_reduce"](x, axis_name, compression=compression, **kw)
-    return x
-
-  for k, f in (("all_gather", all_gather), ("reduce_scatter", reduce_scatter),
-               ("all_reduce", all_reduce)):
-    setattr(collectives, k, f)
-  try:
-    yield
-  finally:
-    for k, f in orig.items():
-      setattr(collectives, k, f)
-
-
 def xla_options(variant: Variant, args) -> dict:
   """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`),
   unless --no-interleave-options."""
@@ -271,7 +224,9 @@ def _program(variant: Variant, layout, args, cfg, tx):
   `variant` (its first compile); parameters from seed 0."""
   import jax
   from benchmarks import gspmd
+  from taco_jax import collectives
   from taco_jax.plan import CompressionPlan
+  from taco_jax.tp.mesh import TENSOR
   from taco_jax.train.trainer import opt_state_target
 
   dp, pp, tp = layout
@@ -299,7 +254,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           virtual_stages=variant.virtual_stages,
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots)
-    ctx = (noop_tensor_collectives() if variant.base == "ideal" else
+    ctx = (collectives.free_communication(TENSOR) if variant.base == "ideal" else
            contextlib.nullcontext())
   return step, state, batch, mesh, plan, ctx
 
@@ -477,7 +432,7 @@ def main(argv=None) -> pathlib.Path:
                   timing="host wall-clock around block_until_ready per step; median after "
                          "warm-up; variants interleaved step by step on the same batches",
                   ideal="off with collectives over 'tensor' replaced by local stand-ins of "
-                        "the same shapes (bench_train.noop_tensor_collectives); its loss is "
+                        "the same shapes (collectives.free_communication); its loss is "
                         "meaningless",
                   gspmd="plain jax.jit + NamedSharding (benchmarks.gspmd) on a "
                         "(dp*pp, tp) data x tensor mesh; activation=" + args.gspmd_activation,

@@ -70,6 +70,17 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
   return jax.lax.pcast(outs, tuple(sorted(varying, key=str)), to="varying")
 
 
+def dispatch(what: str, implementation: str, table: dict, *args, kernel_kwargs: dict,
+             **kwargs):
+  """``table[implementation](*args, **kwargs)``: the one dispatcher of the codec's entry
+  points, ``table`` being ``{"xla": reference, "pallas": kernel}``; the kernel also gets
+  ``kernel_kwargs`` (``interpret`` and its tiling), which the reference has no use for."""
+  if implementation not in table:
+    raise NotImplementedError(f"{what} implementation {implementation!r}")
+  extra = kernel_kwargs if implementation == "pallas" else {}
+  return table[implementation](*args, **kwargs, **extra)
+
+
 def check_2d(x, group_size: int, what: str) -> None:
   if x.ndim != 2 or x.shape[1] % group_size:
     raise ValueError(

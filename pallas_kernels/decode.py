@@ -15,8 +15,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.pallas_kernels import wire
-from taco_jax.pallas_kernels.common import (check_2d, choose_blocks, hadamard_dot, hadamard_iota,
-                                   hadamard_matrix, pallas_call, row_mask)
+from taco_jax.pallas_kernels.common import (check_2d, choose_blocks, dispatch, hadamard_dot,
+                                            hadamard_iota, hadamard_matrix, pallas_call,
+                                            row_mask)
 
 
 def group_multiplier(alpha, scale):
@@ -190,28 +191,19 @@ def decode(codes_RD, alpha_RK, scale_RK, *, group_size: int, hadamard: bool = Tr
            out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False,
            **block_kwargs):
   """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``)."""
-  if implementation == "xla":
-    return decode_reference(codes_RD, alpha_RK, scale_RK, group_size=group_size,
-                            hadamard=hadamard, out_dtype=out_dtype)
-  if implementation == "pallas":
-    return decode_pallas(codes_RD, alpha_RK, scale_RK, group_size=group_size,
-                         hadamard=hadamard, out_dtype=out_dtype, interpret=interpret,
-                         **block_kwargs)
-  raise NotImplementedError(f"decode implementation {implementation!r}")
+  return dispatch("decode", implementation, {"xla": decode_reference, "pallas": decode_pallas},
+                  codes_RD, alpha_RK, scale_RK, group_size=group_size, hadamard=hadamard,
+                  out_dtype=out_dtype, kernel_kwargs=dict(interpret=interpret, **block_kwargs))
 
 
 def decode_sum(codes_NRD, alpha_NRK, scale_NRK, *, group_size: int, hadamard: bool = True,
                out_dtype=jnp.bfloat16, implementation: str = "xla", interpret: bool = False,
                **block_kwargs):
   """Dispatches to the reference (``"xla"``) or the fused kernel (``"pallas"``)."""
-  if implementation == "xla":
-    return decode_sum_reference(codes_NRD, alpha_NRK, scale_NRK, group_size=group_size,
-                                hadamard=hadamard, out_dtype=out_dtype)
-  if implementation == "pallas":
-    return decode_sum_pallas(codes_NRD, alpha_NRK, scale_NRK, group_size=group_size,
-                             hadamard=hadamard, out_dtype=out_dtype, interpret=interpret,
-                             **block_kwargs)
-  raise NotImplementedError(f"decode_sum implementation {implementation!r}")
+  return dispatch("decode_sum", implementation,
+                  {"xla": decode_sum_reference, "pallas": decode_sum_pallas}, codes_NRD,
+                  alpha_NRK, scale_NRK, group_size=group_size, hadamard=hadamard,
+                  out_dtype=out_dtype, kernel_kwargs=dict(interpret=interpret, **block_kwargs))
 
 
 def decode_wire(wire_RW, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
@@ -243,14 +235,12 @@ def _decode_wire(w, stacked, *, group_size, fmt, hadamard, out_dtype, implementa
   if w.dtype != jnp.uint8:
     raise TypeError(f"wire rows must be uint8, got {w.dtype}")
   # A width that is no message of whole groups fails in wire.message_width on both paths.
-  if implementation == "xla":
-    ref = decode_sum_reference if stacked else decode_reference
-    return ref(*wire.unpack(w, group_size=group_size, fmt=fmt), group_size=group_size,
-               hadamard=hadamard, out_dtype=out_dtype)
-  if implementation == "pallas":
-    return _decode_sum_call(w, group_size=group_size, hadamard=hadamard,
-                            out_dtype=jnp.dtype(out_dtype), interpret=interpret,
-                            block_rows=block_rows, block_groups=block_groups,
-                            num_warps=num_warps, num_stages=num_stages, stacked=stacked,
-                            h_iota=h_iota, packed_fmt=fmt)
-  raise NotImplementedError(f"decode implementation {implementation!r}")
+  ref = decode_sum_reference if stacked else decode_reference
+  table = {"xla": lambda w, **kw: ref(*wire.unpack(w, group_size=group_size, fmt=fmt), **kw),
+           "pallas": lambda w, out_dtype, **kw: _decode_sum_call(
+               w, out_dtype=jnp.dtype(out_dtype), stacked=stacked, packed_fmt=fmt, **kw)}
+  return dispatch("decode", implementation, table, w, group_size=group_size,
+                  hadamard=hadamard, out_dtype=out_dtype,
+                  kernel_kwargs=dict(interpret=interpret, block_rows=block_rows,
+                                     block_groups=block_groups, num_warps=num_warps,
+                                     num_stages=num_stages, h_iota=h_iota))

@@ -14,7 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from taco_jax.pallas_kernels import wire
 from taco_jax.pallas_kernels.common import (ALPHA_MAX, ALPHA_MIN, FP8_DTYPES, FP8_MAX, SCALE_MAX,
-                                   SCALE_MIN, check_2d, choose_blocks, hadamard_dot,
+                                   SCALE_MIN, check_2d, choose_blocks, dispatch, hadamard_dot,
                                    hadamard_iota, hadamard_matrix, needs_two_terms,
                                    pallas_call, pow2_floor_f32, row_mask, sum_of_squares)
 
@@ -185,12 +185,9 @@ def encode(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
   ``(codes, alpha, scale)``. ``block_kwargs`` (``block_rows``, ``block_groups``,
   ``num_warps``, ``num_stages``) tune the kernel and are ignored by the reference.
   """
-  if implementation == "xla":
-    out = encode_reference(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
-                           dual_scale=dual_scale, lam=lam)
-    return wire.pack(*out) if packed else out
-  if implementation == "pallas":
-    return encode_pallas(x_RD, group_size=group_size, fmt=fmt, hadamard=hadamard,
-                         dual_scale=dual_scale, lam=lam, interpret=interpret, packed=packed,
-                         **block_kwargs)
-  raise NotImplementedError(f"encode implementation {implementation!r}")
+  reference = (lambda x, **kw: wire.pack(*encode_reference(x, **kw))) if packed else \
+      encode_reference
+  return dispatch("encode", implementation, {"xla": reference, "pallas": encode_pallas}, x_RD,
+                  group_size=group_size, fmt=fmt, hadamard=hadamard, dual_scale=dual_scale,
+                  lam=lam, kernel_kwargs=dict(interpret=interpret, packed=packed,
+                                              **block_kwargs))

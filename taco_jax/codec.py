@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import Literal
 
 import jax
@@ -49,7 +48,7 @@ class CompressionConfig:
     link: compress only the message sizes measured to pay on this kind of link:
       "nvlink", "p2p_disabled" (traffic through host memory), "auto" (on GPU
       "p2p_disabled" when NCCL_P2P_DISABLE=1, else "nvlink"; off GPU every message), or
-      None (every message from min_bytes on). See `pays_for`.
+      None (every message from min_bytes on). See `taco_jax.policy.pays_for`.
   """
 
   format: Format = "e4m3"  # FP8 format of the codes: e4m3 (max 448) or e5m2 (max 57344).
@@ -63,8 +62,9 @@ class CompressionConfig:
   lam: float = 1e-6  # Added to mean(x^2) before the RMS pre-scale's square root.
   implementation: Implementation = "auto"  # auto: Pallas on GPU, the jnp reference elsewhere.
   min_bytes: int = 0  # Collectives send messages smaller than this (per device) uncompressed.
-  # Compress only the sizes measured to pay on this link (`pays_for`): "nvlink",
-  # "p2p_disabled", None (no measured sizes: min_bytes alone), or "auto" (`resolved_link`).
+  # Compress only the sizes measured to pay on this link (`policy.pays_for`): "nvlink",
+  # "p2p_disabled", None (no measured sizes: min_bytes alone), or "auto"
+  # (`policy.resolved_link`).
   link: str | None = "auto"
 
   def __post_init__(self):
@@ -84,44 +84,6 @@ class CompressionConfig:
     if self.link not in (None, "auto", *_measured.MIN_BYTES):
       raise ValueError(f"link must be None, 'auto' or one of {sorted(_measured.MIN_BYTES)} "
                        f"(links benchmarked in benchmarks/results), got {self.link!r}")
-
-  def resolved_link(self) -> str | None:
-    """``link``, with "auto" read from where this process runs: on GPU "p2p_disabled" when
-    NCCL_P2P_DISABLE=1 (traffic through host memory) and "nvlink" otherwise (the
-    benchmarked GPUs; the cautious choice for other intra-node links too: it compresses
-    from larger sizes); no link off GPU, where nothing was measured (CPU runs compress
-    every message, as the tests need)."""
-    if self.link != "auto":
-      return self.link
-    if jax.default_backend() != "gpu":
-      return None
-    return "p2p_disabled" if os.environ.get("NCCL_P2P_DISABLE") == "1" else "nvlink"
-
-  def pays_for(self, collective: str, nbytes: int, axis_size: int | None = None, *,
-               kernel: bool = False) -> bool:
-    """Whether ``collective`` over ``axis_size`` devices should compress ``nbytes`` per device.
-
-    Without a link: from ``min_bytes`` on. With one (``resolved_link``: the label of a
-    collective benchmark run, "nvlink" or "p2p_disabled"): from the size at which the
-    measured compressed collective beat bf16, never where it never did. An axis size that was not
-    measured on that link takes the most cautious of the measured ones; a collective that
-    was not measured (ppermute) falls back to ``min_bytes``. The larger bound wins.
-    ``kernel``: for the fused collective-matmul kernel of ``collective`` (its compressed
-    kernel against its plain one, ``_measured.KERNEL_MIN_BYTES``), ``nbytes`` being what the
-    plain collective would send.
-    """
-    if nbytes < self.min_bytes:
-      return False
-    link = self.resolved_link()
-    table = _measured.KERNEL_MIN_BYTES if kernel else _measured.MIN_BYTES
-    by_size = table.get(link, {}) if link else {}
-    rows = [by_size[axis_size]] if axis_size in by_size else list(by_size.values())
-    found = [r[collective] for r in rows if collective in r]
-    if not found:
-      return True
-    if any(t is None for t in found):
-      return False
-    return nbytes >= max(found)
 
   @property
   def fp8_dtype(self):

@@ -21,7 +21,10 @@ scattering along the last axis never makes a group straddle two ranks.
 Messages for which compression does not pay go through the plain collective: smaller than
 ``compression.min_bytes`` per device (the local input's bytes) or below the size measured
 for that collective on the link (``compression.link``, by default the one this process
-runs on; ``CompressionConfig.pays_for``).
+runs on; ``taco_jax.policy.pays_for``).
+
+``free_communication(axis)``: while tracing inside it, the collectives over ``axis`` are
+local stand-ins of the same shapes (for measuring a step whose communication costs nothing).
 
 Compressed, these functions are forward-only (differentiating one raises a TypeError):
 use ``taco_jax.mappings`` for regions with gradients. Uncompressed, they are the lax ops
@@ -36,6 +39,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from taco_jax import policy
 from taco_jax.codec import CompressionConfig, from_wire, sum_from_wire, to_wire
 
 AxisName = str | tuple[str, ...]
@@ -81,6 +85,29 @@ def _forward_only(fn: str, f, x):
 
 
 _decisions: list | None = None  # see `recording_decisions`
+_free: list = []  # see `free_communication`: the axes whose collectives are stand-ins
+
+
+@contextlib.contextmanager
+def free_communication(axis_name: AxisName):
+  """While tracing inside, ``all_gather``, ``reduce_scatter`` and ``all_reduce`` over
+  exactly ``axis_name`` send nothing: they are local stand-ins with the outputs' shapes (the
+  local shard broadcast, the local slice, the input), compressed or not; other axes and
+  ``ppermute`` are untouched. The program computes nonsense with the same FLOPs: the step
+  time of free communication over that axis (``benchmarks.bench_train``'s "ideal")."""
+  _free.append(_axes(axis_name))
+  try:
+    yield
+  finally:
+    _free.pop()
+
+
+def _axes(axis_name: AxisName) -> tuple:
+  return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+
+
+def _is_free(axis_name: AxisName) -> bool:
+  return _axes(axis_name) in _free
 
 
 @contextlib.contextmanager
@@ -114,8 +141,8 @@ def compresses(collective: str, x, compression: CompressionConfig | None,
       raise ValueError(f"{collective}: compression needs an array with at least one "
                        "dimension (groups run along the last), got a scalar")
   nbytes = x.size * x.dtype.itemsize
-  decision = compression is not None and compression.pays_for(collective, nbytes, axis_size,
-                                                              kernel=kernel)
+  decision = compression is not None and policy.pays_for(compression, collective, nbytes,
+                                                         axis_size, kernel=kernel)
   if _decisions is not None and compression is not None:
     _decisions.append((collective, nbytes, decision))
   return decision
@@ -168,6 +195,9 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   if not -ndim <= axis < ndim:
     raise ValueError(f"{fn}: axis={axis} is out of range for an input of shape {x.shape}")
   axis %= ndim
+  if _is_free(axis_name):
+    y = jnp.broadcast_to(jnp.expand_dims(x, axis), (*x.shape[:axis], n, *x.shape[axis:]))
+    return y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:]) if tiled else y
   if not compresses(fn, x, compression, n):
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
   return _forward_only(fn, lambda x: _all_gather(
@@ -194,6 +224,8 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   fn = "reduce_scatter"
   n = axis_size(axis_name, fn, x.shape)
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
+  if _is_free(axis_name):
+    return jax.lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
   if not compresses(fn, x, compression, n):
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
   return _forward_only(fn, lambda x: _reduce_scatter(
@@ -221,6 +253,8 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   if algorithm not in ("one_shot", "two_shot"):
     raise ValueError(f"{fn}: algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
   n = axis_size(axis_name, fn, x.shape)
+  if _is_free(axis_name):
+    return x
   if not compresses(fn, x, compression, n):
     return jax.lax.psum(x, axis_name)
   return _forward_only(fn, lambda x: _all_reduce(x, axis_name, compression, algorithm, n), x)
@@ -250,7 +284,6 @@ def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | N
   return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
 
 
-def _ppermute(x, axis_name, perm, compression, out_dtype=None):
-  """Compressed ppermute (no gradient of its own), decoded to `out_dtype` (default x's)."""
+def _ppermute(x, axis_name, perm, compression):
   w = jax.lax.ppermute(to_wire(x, compression), axis_name, perm)
-  return from_wire(w, compression, x.shape[-1], out_dtype or x.dtype)  # zero bytes -> zeros
+  return from_wire(w, compression, x.shape[-1], x.dtype)  # zero bytes -> zeros

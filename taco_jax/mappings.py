@@ -12,9 +12,8 @@ With ``check_vma=True`` the regions keep JAX's varying-manual-axes types right:
 whose transpose would be an uncompressed psum), and the backward pass of every region
 returns a cotangent with its primal's type.
 
-Every public region runs through ``monitor.region``: with no monitor active (always, except
-while a step is traced with ``compression.log_errors`` or by ``taco_jax.apps.calibrate``) that
-is a plain call, so the program is the same as without it.
+The regions are pure: they know no sites and no monitor. The callers that know which site a
+region is (``taco_jax.tp.layers``) wrap it in ``monitor.region``.
 
 The forward outputs of the regions that communicate (``reduce_from_tp``,
 ``gather_from_sp``, ``reduce_scatter_to_sp``) carry the checkpoint name ``TP_OUTPUT``: a
@@ -28,7 +27,7 @@ import functools
 import jax
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax import collectives, monitor
+from taco_jax import collectives
 from taco_jax.codec import CompressionConfig
 
 Compression = CompressionConfig | None
@@ -86,9 +85,7 @@ def copy_to_tp(x, axis_name, *, bwd_compression: Compression = None,
 
   Put before a column-parallel matmul whose input is replicated over the TP axis.
   """
-  return monitor.region(lambda x: _copy_to_tp(x, axis_name, bwd_compression, algorithm), x,
-                        fwd=None, bwd=bwd_compression, fwd_site="", bwd_site="copy_to_tp/bwd",
-                        axis_name=axis_name)
+  return _copy_to_tp(x, axis_name, bwd_compression, algorithm)
 
 
 # --- reduce_from_tp --------------------------------------------------------------------
@@ -116,10 +113,8 @@ def reduce_from_tp(x, axis_name, *, fwd_compression: Compression = None,
 
   Put after a row-parallel matmul (tensor parallelism without sequence parallelism).
   """
-  return checkpoint_name(monitor.region(
-      lambda x: _reduce_from_tp(x, axis_name, fwd_compression, algorithm, _vma(x)), x,
-      fwd=fwd_compression, bwd=None, fwd_site="reduce_from_tp/fwd", bwd_site="",
-      axis_name=axis_name), TP_OUTPUT)
+  return checkpoint_name(_reduce_from_tp(x, axis_name, fwd_compression, algorithm, _vma(x)),
+                         TP_OUTPUT)
 
 
 # --- gather_from_sp ---------------------------------------------------------------------
@@ -148,10 +143,8 @@ def gather_from_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compression 
   """forward: all-gather along ``axis`` (the sequence; 1 for [B, T, D]), backward:
   reduce-scatter along it. Put before a column-parallel matmul in sequence parallelism.
   """
-  return checkpoint_name(monitor.region(
-      lambda x: _gather_from_sp(x, axis_name, axis, fwd_compression, bwd_compression, _vma(x)),
-      x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="gather_from_sp/fwd",
-      bwd_site="gather_from_sp/bwd", axis_name=axis_name), TP_OUTPUT)
+  return checkpoint_name(
+      _gather_from_sp(x, axis_name, axis, fwd_compression, bwd_compression, _vma(x)), TP_OUTPUT)
 
 
 # --- reduce_scatter_to_sp -----------------------------------------------------------------
@@ -179,7 +172,5 @@ def reduce_scatter_to_sp(x, axis_name, *, axis: int = 1, fwd_compression: Compre
   """forward: reduce-scatter along ``axis`` (the sequence; 1 for [B, T, D]), backward:
   all-gather along it. Put after a row-parallel matmul in sequence parallelism.
   """
-  return checkpoint_name(monitor.region(
-      lambda x: _reduce_scatter_to_sp(x, axis_name, axis, fwd_compression, bwd_compression),
-      x, fwd=fwd_compression, bwd=bwd_compression, fwd_site="reduce_scatter_to_sp/fwd",
-      bwd_site="reduce_scatter_to_sp/bwd", axis_name=axis_name), TP_OUTPUT)
+  return checkpoint_name(
+      _reduce_scatter_to_sp(x, axis_name, axis, fwd_compression, bwd_compression), TP_OUTPUT)

@@ -19,8 +19,10 @@ cotangents like any other, so d(loss)/d(probe)[site] = (sum of relative errors, 
 non-zero messages) of that site on this device. Capture taps the forward message in the
 backward pass too (as a residual), so remat's recomputation does not record it twice.
 
-Sites (`SITES`): each region of `taco_jax.mappings`, per direction, plus the pipeline shift
-and the data-parallel gradient all-reduce; each belongs to one compression family.
+Sites (`taco_jax.plan.SITES`): each region of `taco_jax.mappings`, per direction, plus the
+pipeline shift and the data-parallel gradient all-reduce; each belongs to one compression
+family. The callers that know a site (the TP layers, the pipeline, the step's DP
+all-reduce) call the hooks; the regions themselves are pure.
 """
 from __future__ import annotations
 
@@ -34,21 +36,8 @@ import numpy as np
 
 from taco_jax import collectives
 from taco_jax.codec import CompressionConfig
+from taco_jax.plan import COLLECTIVES, SITES
 
-# site -> (family, collective). "/fwd": the region's input as its forward collective sends
-# it; "/bwd": the cotangent of its output as the backward (transposed) collective sends it.
-_SITES = {
-    "gather_from_sp/fwd": ("tp_forward", "all_gather"),            # the sequence shard
-    "gather_from_sp/bwd": ("tp_backward", "reduce_scatter"),       # its gradient
-    "reduce_scatter_to_sp/fwd": ("tp_forward", "reduce_scatter"),  # partial sums
-    "reduce_scatter_to_sp/bwd": ("tp_backward", "all_gather"),     # their gradient
-    "reduce_from_tp/fwd": ("tp_forward", "all_reduce"),            # TP without SP
-    "copy_to_tp/bwd": ("tp_backward", "all_reduce"),
-    "pp/fwd": ("pp", "ppermute"),                                  # pipeline activations
-    "pp/bwd": ("pp", "ppermute"),                                  # ... and their gradients
-    "dp": ("dp", "all_reduce"),                                    # gradient all-reduce
-}
-SITES = {s: fam for s, (fam, _) in _SITES.items()}  # site -> family
 _ROW = {s: i for i, s in enumerate(SITES)}
 
 
@@ -56,10 +45,7 @@ def _sends_compressed(site: str, x, cfg: CompressionConfig | None, axis_name) ->
   """Whether the site's collective over `axis_name` compresses x (not below `min_bytes` or
   the link's measured threshold): only compressed messages are logged or captured."""
   return cfg is not None and collectives.compresses(
-      _SITES[site][1], x, cfg, collectives.axis_size(axis_name, site, x.shape))
-
-
-FAMILIES = ("tp_forward", "tp_backward", "pp", "dp")
+      COLLECTIVES[site], x, cfg, collectives.axis_size(axis_name, site, x.shape))
 
 
 def relative_error(x, cfg: CompressionConfig):

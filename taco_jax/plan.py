@@ -6,7 +6,7 @@
     compression.pp            pipeline ppermute of activations (forward and backward)
     compression.dp            data-parallel gradient all-reduce
     compression.sites         optional per-collective overrides: `sites.<site>` (a
-                              `site_key` of a `monitor.SITES` name, e.g. gather_from_sp_fwd)
+                              `site_key` of a `SITES` name, e.g. gather_from_sp_fwd)
                               is a codec section (or enabled=False) that replaces its
                               family's codec for that one collective; `taco_jax.apps.calibrate`
                               writes them where a collective's own best setting differs
@@ -23,19 +23,36 @@ from __future__ import annotations
 
 import dataclasses
 
-from taco_jax import monitor
 from taco_jax.codec import CompressionConfig
 
-FAMILIES = monitor.FAMILIES
+FAMILIES = ("tp_forward", "tp_backward", "pp", "dp")
+
+# site -> (family, collective): each region of `taco_jax.mappings` per direction, the
+# pipeline shift and the data-parallel gradient all-reduce. "/fwd": the region's input as
+# its forward collective sends it; "/bwd": the cotangent of its output as the backward
+# (transposed) collective sends it.
+_SITES = {
+    "gather_from_sp/fwd": ("tp_forward", "all_gather"),            # the sequence shard
+    "gather_from_sp/bwd": ("tp_backward", "reduce_scatter"),       # its gradient
+    "reduce_scatter_to_sp/fwd": ("tp_forward", "reduce_scatter"),  # partial sums
+    "reduce_scatter_to_sp/bwd": ("tp_backward", "all_gather"),     # their gradient
+    "reduce_from_tp/fwd": ("tp_forward", "all_reduce"),            # TP without SP
+    "copy_to_tp/bwd": ("tp_backward", "all_reduce"),
+    "pp/fwd": ("pp", "ppermute"),                                  # pipeline activations
+    "pp/bwd": ("pp", "ppermute"),                                  # ... and their gradients
+    "dp": ("dp", "all_reduce"),                                    # gradient all-reduce
+}
+SITES = {s: fam for s, (fam, _) in _SITES.items()}  # site -> family
+COLLECTIVES = {s: coll for s, (_, coll) in _SITES.items()}  # site -> collective
 _CODEC_FIELDS = {f.name for f in dataclasses.fields(CompressionConfig)}
 
 
 def site_key(site: str) -> str:
-  """The config key of a `monitor.SITES` name: "gather_from_sp/fwd" -> "gather_from_sp_fwd"."""
+  """The config key of a `SITES` name: "gather_from_sp/fwd" -> "gather_from_sp_fwd"."""
   return site.replace("/", "_")
 
 
-_SITE_OF_KEY = {site_key(s): s for s in monitor.SITES}
+_SITE_OF_KEY = {site_key(s): s for s in SITES}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,21 +68,21 @@ class CompressionPlan:
   sites: tuple[tuple[str, CompressionConfig | None], ...] = ()
 
   def __post_init__(self):
-    unknown = sorted(s for s, _ in self.sites if s not in monitor.SITES)
+    unknown = sorted(s for s, _ in self.sites if s not in SITES)
     if unknown:
       raise ValueError(f"CompressionPlan.sites: unknown site(s) {unknown}; known: "
-                       f"{list(monitor.SITES)}")
+                       f"{list(SITES)}")
 
   def codec(self, site: str) -> CompressionConfig | None:
-    """The codec of one collective (`monitor.SITES` name): its override, else its family's."""
+    """The codec of one collective (`SITES` name): its override, else its family's."""
     for s, cfg in self.sites:
       if s == site:
         return cfg
-    return getattr(self, monitor.SITES[site])
+    return getattr(self, SITES[site])
 
   def compresses(self, family: str) -> bool:
     """Whether any collective of `family` is compressed."""
-    return any(self.codec(s) is not None for s, f in monitor.SITES.items() if f == family)
+    return any(self.codec(s) is not None for s, f in SITES.items() if f == family)
 
   @property
   def any(self) -> bool:

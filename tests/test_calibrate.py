@@ -12,7 +12,7 @@ from taco_jax import collectives, monitor
 from taco_jax.apps import calibrate
 from taco_jax.codec import CompressionConfig
 from taco_jax.train import trainer as parallel_train
-from taco_jax.plan import plan_from_config
+from taco_jax.plan import FAMILIES, SITES, plan_from_config
 from taco_jax.train import metrics
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
@@ -60,7 +60,7 @@ def test_captures_every_site_with_its_shape(run):
   (dp_shape,) = rep["shapes"]["dp"]
   assert dp_shape[1] == 2048  # the fused gradient buffer [rows, _BUCKET]
   assert set(rep["shapes"]) == set(want) | {"dp"}
-  assert {monitor.SITES[s] for s in rep["shapes"]} == set(monitor.FAMILIES)
+  assert {SITES[s] for s in rep["shapes"]} == set(FAMILIES)
 
 
 def test_choice_follows_the_rule(run):
@@ -69,7 +69,7 @@ def test_choice_follows_the_rule(run):
   for fam, choice in rep["choices"].items():
     base = choice["base_setting"]
     assert base == {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS}
-    sites = [s for s in rep["results"] if monitor.SITES[s] == fam]
+    sites = [s for s in rep["results"] if SITES[s] == fam]
     scores, bits = {}, {}
     for r in rep["results"][sites[0]]:
       key = calibrate._key(r)
@@ -132,7 +132,7 @@ def test_trainer_runs_the_written_config(run):
   assert summary["status"] == "completed"
   recs = [r for r in metrics.read_jsonl(tmp / "run" / "metrics.jsonl") if "loss" in r]
   assert len(recs) == 2
-  for fam in monitor.FAMILIES:
+  for fam in FAMILIES:
     assert all(0 < r[f"compression_error/{fam}"] < 0.2 for r in recs), fam
 
 

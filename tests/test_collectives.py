@@ -256,3 +256,60 @@ def test_compressed_collective_refuses_grad():
                     in_specs=P("x"), out_specs=P("x"))
   with pytest.raises(TypeError, match="all_gather: a compressed collective has no gradient"):
     jax.grad(lambda x: f(x).sum())(jnp.ones((8, 128)))
+
+
+def test_size_one_axis_is_the_identity_compressed_or_not():
+  """Over a mesh axis of one device nothing is sent, so a compressed collective (and a
+  mappings region, forward and gradient) returns its input bit for bit: no FP8 round trip."""
+  from taco_jax import mappings
+  mesh = jax.make_mesh((1, 8), ("one", "x"))
+  x, ct = pattern((8, 4, 256), jnp.float32), pattern((8, 4, 256), jnp.float32, seed=1)
+  cfg = E4M3
+  regions = [lambda x: mappings.gather_from_sp(x, "one", fwd_compression=cfg,
+                                               bwd_compression=cfg),
+             lambda x: mappings.reduce_scatter_to_sp(x, "one", fwd_compression=cfg,
+                                                     bwd_compression=cfg),
+             lambda x: mappings.reduce_from_tp(mappings.copy_to_tp(x, "one", bwd_compression=cfg),
+                                               "one", fwd_compression=cfg)]
+
+  def body(x, ct):
+    ys = [tc.all_gather(x, "one", axis=1, compression=cfg),
+          tc.reduce_scatter(x, "one", scatter_dimension=1, compression=cfg),
+          tc.all_reduce(x, "one", compression=cfg),
+          tc.ppermute(x, "one", [(0, 0)], compression=cfg)]
+    grads = []
+    for region in regions:
+      y, vjp = jax.vjp(region, x)
+      ys.append(y)
+      grads.append(vjp(ct)[0])
+    return jnp.stack(ys), jnp.stack(grads)
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                            out_specs=P(None, "x"), check_vma=False))
+  ys, grads = f(*jax.device_put((x, ct), jax.NamedSharding(mesh, P("x"))))
+  for y in ys:
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+  for g in grads:
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(ct))
+
+
+def test_free_communication_stands_in_locally_with_the_same_shapes():
+  """`free_communication("x")`: the collectives over "x" send nothing (no collective in the
+  program) and return the local stand-ins: the shard broadcast, the local slice, the input."""
+  mesh = mesh_1d(8)
+  x = pattern((2, 16, 128), jnp.float32)
+
+  def body(x):
+    return (tc.all_gather(x, "x", axis=1, compression=E4M3),
+            tc.reduce_scatter(x, "x", scatter_dimension=1), tc.all_reduce(x, "x"))
+
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("x"), check_vma=False))
+  with tc.free_communication("x"):
+    lowered = f.lower(x)
+  text = lowered.as_text()
+  assert not any(op in text for op in ("all_gather", "reduce_scatter", "all_reduce",
+                                       "all_to_all"))
+  gathered, scattered, reduced = lowered.compile()(x)
+  np.testing.assert_array_equal(gathered, np.tile(x, (8, 8, 1)))
+  np.testing.assert_array_equal(scattered, np.tile(x[:, :2], (8, 1, 1)))
+  np.testing.assert_array_equal(reduced, np.tile(x, (8, 1, 1)))

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import mappings, monitor, testing
 from taco_jax.codec import CompressionConfig, compress, decompress
 from taco_jax.tp import layout as layout_lib, step as step_lib
-from taco_jax.plan import CompressionPlan, plan_from_config
+from taco_jax.plan import FAMILIES, SITES, CompressionPlan, plan_from_config
 from taco_jax.tp.mesh import make_mesh
 
 CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=4,
@@ -92,15 +92,18 @@ def test_probe_carries_each_messages_error(fwd_min_bytes):
   w = jnp.asarray(rng.standard_normal((n * 2, 4 * n, 128)), jnp.float32)
 
   def body(x, w):
-    f = lambda x: jnp.sum(w * mappings.gather_from_sp(x, "x", fwd_compression=fwd,
-                                                      bwd_compression=bwd))
+    region = lambda x: mappings.gather_from_sp(x, "x", fwd_compression=fwd,
+                                               bwd_compression=bwd)
+    f = lambda x: jnp.sum(w * monitor.region(region, x, fwd=fwd, bwd=bwd,
+                                             fwd_site="gather_from_sp/fwd",
+                                             bwd_site="gather_from_sp/bwd", axis_name="x"))
     _, _, probe_ct = monitor.value_and_grad(f, x, monitor.ErrorLog())
     return probe_ct[None]
 
   shard = lambda a: jax.device_put(a, jax.NamedSharding(mesh, P("x")))
   got = np.asarray(jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                                          check_vma=False))(shard(x), shard(w)))
-  rows = {s: i for i, s in enumerate(monitor.SITES)}
+  rows = {s: i for i, s in enumerate(SITES)}
   for r in range(n):
     xr, wr = x[2 * r:2 * r + 2], w[2 * r:2 * r + 2]
     want = [_host_rel_err(xr, fwd), 1] if not fwd_min_bytes else [0, 0]
@@ -115,12 +118,12 @@ def test_step_metrics_per_family(setup):
   mesh, params, opt, tokens, tx = setup
   plan = CompressionPlan(CODEC, CODEC, CODEC, CODEC, log_errors=True)
   spec = step_lib.ParallelSpec(CFG, 2, 2, 2, 2, plan)
-  assert step_lib.logged_families(spec) == monitor.FAMILIES
+  assert step_lib.logged_families(spec) == FAMILIES
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx)).lower(params, opt, tokens).compile(
       compiler_options=FAST_COMPILE)
   _, _, metrics = step(params, opt, tokens)
   bound = rel_bound(CODEC)
-  for fam in monitor.FAMILIES:
+  for fam in FAMILIES:
     v = float(metrics[f"compression_error/{fam}"])
     assert np.isfinite(v) and 0 < v <= bound, (fam, v, bound)
   assert np.isfinite(float(metrics["loss"]))

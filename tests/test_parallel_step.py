@@ -230,7 +230,7 @@ def test_site_overrides_reach_every_collective(reference):
   """`CompressionPlan.sites`: with every site set to plain, a fully compressed plan compiles
   to the uncompressed program's collectives and computes its loss and gradients exactly;
   with every family off, one site override alone compresses that one collective."""
-  from taco_jax import monitor
+  from taco_jax.plan import SITES
   mesh = make_mesh(2, 2, 2)
   params = layout_lib.shard_params(CFG, reference[0], mesh)
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
@@ -243,7 +243,7 @@ def test_site_overrides_reach_every_collective(reference):
 
   (loss_off, grads_off), colls_off = compiled(CompressionPlan())
   all_plain = CompressionPlan(tp_forward=CODEC, tp_backward=CODEC, pp=CODEC, dp=CODEC,
-                              sites=tuple((s, None) for s in monitor.SITES))
+                              sites=tuple((s, None) for s in SITES))
   (loss, grads), colls = compiled(all_plain)
   assert not [c.line for c in colls if c.fp8]
   assert float(loss) == float(loss_off)

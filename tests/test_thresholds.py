@@ -1,9 +1,10 @@
-"""Measured thresholds: `CompressionConfig(link=...)` compresses only where the GPU
-benchmark found compression to pay, and what the repo states is in sync with the results."""
+"""Measured thresholds: `CompressionConfig(link=...)` compresses (`policy.pays_for`) only
+where the GPU benchmark found compression to pay, and what the repo states is in sync with the results."""
 import pytest
 
 from benchmarks import report
 from taco_jax import CompressionConfig, _measured
+from taco_jax.policy import pays_for, resolved_link
 
 MIB = 1 << 20
 MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.MIN_BYTES.items())
@@ -12,36 +13,36 @@ MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.MIN_BYTES.item
 
 def test_without_link_min_bytes_decides():
   cfg = CompressionConfig(min_bytes=MIB, link=None)
-  assert not cfg.pays_for("reduce_scatter", MIB - 1, 4)
-  assert cfg.pays_for("reduce_scatter", MIB, 4)
-  assert CompressionConfig(link=None).pays_for("all_reduce", 1)
+  assert not pays_for(cfg, "reduce_scatter", MIB - 1, 4)
+  assert pays_for(cfg, "reduce_scatter", MIB, 4)
+  assert pays_for(CompressionConfig(link=None), "all_reduce", 1)
 
 
 def test_auto_link_is_the_measured_one_on_gpu_and_none_elsewhere(monkeypatch):
   """The default (link="auto"): off GPU no measured sizes apply (CPU runs compress every
   message); on GPU the NVLink sizes, or the host-memory ones under NCCL_P2P_DISABLE=1."""
   assert CompressionConfig().link == "auto"
-  assert CompressionConfig().resolved_link() is None  # the tests run on CPU
-  assert CompressionConfig().pays_for("all_reduce", 1, 4)
+  assert resolved_link(CompressionConfig()) is None  # the tests run on CPU
+  assert pays_for(CompressionConfig(), "all_reduce", 1, 4)
   monkeypatch.setattr("jax.default_backend", lambda: "gpu")
   monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-  assert CompressionConfig().resolved_link() == "nvlink"
+  assert resolved_link(CompressionConfig()) == "nvlink"
   t = _measured.MIN_BYTES["nvlink"][4]["all_gather"]
-  assert not CompressionConfig().pays_for("all_gather", t - 1, 4)
-  assert CompressionConfig().pays_for("all_gather", t, 4)
+  assert not pays_for(CompressionConfig(), "all_gather", t - 1, 4)
+  assert pays_for(CompressionConfig(), "all_gather", t, 4)
   monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-  assert CompressionConfig().resolved_link() == "p2p_disabled"
-  assert CompressionConfig(link=None).resolved_link() is None
+  assert resolved_link(CompressionConfig()) == "p2p_disabled"
+  assert resolved_link(CompressionConfig(link=None)) is None
 
 
 @pytest.mark.parametrize("link,n,collective,threshold", MEASURED)
 def test_link_applies_the_measured_size(link, n, collective, threshold):
   cfg = CompressionConfig(link=link)
   if threshold is None:  # never paid there: always the plain collective
-    assert not any(cfg.pays_for(collective, 1 << k, n) for k in range(40))
+    assert not any(pays_for(cfg, collective, 1 << k, n) for k in range(40))
   else:
-    assert not cfg.pays_for(collective, threshold - 1, n)
-    assert cfg.pays_for(collective, threshold, n)
+    assert not pays_for(cfg, collective, threshold - 1, n)
+    assert pays_for(cfg, collective, threshold, n)
 
 
 def test_unmeasured_axis_size_takes_the_most_cautious_measured_one():
@@ -50,20 +51,20 @@ def test_unmeasured_axis_size_takes_the_most_cautious_measured_one():
     for coll in next(iter(by_n.values())):
       ts = [row[coll] for row in by_n.values()]
       if any(t is None for t in ts):
-        assert not cfg.pays_for(coll, 1 << 39, 1000)
+        assert not pays_for(cfg, coll, 1 << 39, 1000)
       else:
-        assert not cfg.pays_for(coll, max(ts) - 1, 1000) and cfg.pays_for(coll, max(ts), 1000)
+        assert not pays_for(cfg, coll, max(ts) - 1, 1000) and pays_for(cfg, coll, max(ts), 1000)
 
 
 def test_unmeasured_collective_falls_back_to_min_bytes():
   cfg = CompressionConfig(link="nvlink", min_bytes=10)
-  assert cfg.pays_for("ppermute", 10, 4) and not cfg.pays_for("ppermute", 9, 4)
+  assert pays_for(cfg, "ppermute", 10, 4) and not pays_for(cfg, "ppermute", 9, 4)
 
 
 def test_larger_bound_wins():
   cfg = CompressionConfig(link="p2p_disabled", min_bytes=64 * MIB)
   assert _measured.MIN_BYTES["p2p_disabled"][4]["all_gather"] < 64 * MIB
-  assert not cfg.pays_for("all_gather", 64 * MIB - 1, 4)
+  assert not pays_for(cfg, "all_gather", 64 * MIB - 1, 4)
 
 
 def test_unknown_link_is_a_clear_error():
@@ -80,10 +81,10 @@ def test_kernels_have_their_own_measured_sizes(link, n, collective, threshold):
   """`kernel=True` reads the collective-matmul kernels' thresholds, not the collectives'."""
   cfg = CompressionConfig(link=link)
   if threshold is None:
-    assert not any(cfg.pays_for(collective, 1 << k, n, kernel=True) for k in range(40))
+    assert not any(pays_for(cfg, collective, 1 << k, n, kernel=True) for k in range(40))
   else:
-    assert not cfg.pays_for(collective, threshold - 1, n, kernel=True)
-    assert cfg.pays_for(collective, threshold, n, kernel=True)
+    assert not pays_for(cfg, collective, threshold - 1, n, kernel=True)
+    assert pays_for(cfg, collective, threshold, n, kernel=True)
 
 
 def test_first_win_needs_every_point_from_that_size_on():

@@ -6,7 +6,7 @@
    untrained model's tensors are not the ones that matter) with a `monitor.Capture`
    watching: every message a compressed collective sends (forward activations and, in the
    backward pass, their gradients; the pipeline shift; the DP gradient buffer) is copied to
-   the host per site (`monitor.SITES`).
+   the host per site (`taco_jax.plan.SITES`).
 2. Measure: every codec setting of the grid (format x group size x Hadamard on/off) is
    applied to each site's tensors (encode -> u8 wire -> decode); per site: relative L2 error
    ||x_hat - x|| / ||x|| over all its tensors (rel_l2), max |x_hat - x|, that max / max |x|,
@@ -53,6 +53,7 @@ import numpy as np
 
 from taco_jax import collectives, data, monitor
 from taco_jax.codec import CompressionConfig
+from taco_jax.plan import FAMILIES, SITES, site_key
 
 SETTING_FIELDS = ("format", "group_size", "hadamard")  # what the grid varies
 
@@ -199,9 +200,9 @@ def choose(results: dict, plan) -> dict:
   measured sites: `score` is the mean over the family's sites of `score()`, `error` and
   `share` the means of its two parts; see the module docstring."""
   out = {}
-  for fam in monitor.FAMILIES:
+  for fam in FAMILIES:
     cfg = getattr(plan, fam)
-    sites = [s for s in results if monitor.SITES[s] == fam]
+    sites = [s for s in results if SITES[s] == fam]
     if cfg is None or not sites:
       continue
     base = {k: getattr(cfg, k) for k in SETTING_FIELDS}
@@ -257,7 +258,6 @@ def calibrated_sections(plan, choices: dict) -> dict:
 def site_sections(plan, choices: dict) -> dict:
   """{site_key: codec section} for each collective whose own best setting differs from
   its family's choice (`compression.sites`; the others follow their family)."""
-  from taco_jax.plan import site_key
   return {site_key(site): _section(plan.codec(site), c["setting"])
           for fam, choice in choices.items() for site, c in choice["sites"].items()
           if c["setting"] != choice["setting"]}
@@ -320,7 +320,7 @@ def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
   from taco_jax.plan import plan_from_config
   plan = plan_from_config(config.compression)
   settings = list(settings or grid())
-  for fam in monitor.FAMILIES:  # the config's own settings are always candidates
+  for fam in FAMILIES:  # the config's own settings are always candidates
     cfg = getattr(plan, fam)
     if cfg is not None and (s := {k: getattr(cfg, k) for k in SETTING_FIELDS}) not in settings:
       settings.append(s)

@@ -11,7 +11,7 @@ one fused kernel:
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
 
 Each kernel is compressed when the codec of its direction pays there: from the message
-size at which the FP8 kernel beat the plain one on that link (`CompressionConfig.pays_for`
+size at which the FP8 kernel beat the plain one on that link (`policy.pays_for`
 with ``kernel=True``, measured by `benchmarks/bench_collective_matmul.py`); the FP8 kernels
 take the codec's codes (the same codes as `taco_jax.codec`). A collective that falls back
 to XLA is compressed as the XLA collective would be.

@@ -1,7 +1,8 @@
 """Megatron tensor-parallel layers with sequence parallelism, for use inside the shard_map.
 
 Activations between layers are the residual stream's sequence shard x_BSD (S = T / tp, on
-mesh axis "tensor"). Every byte that crosses devices goes through `taco_jax.mappings`:
+mesh axis "tensor"). Every byte that crosses devices goes through `taco_jax.mappings`, each
+region watched by `taco_jax.monitor` as its site:
 
   ColumnParallelLinear  x_BSD --gather_from_sp--> x_BTD @ w[:, shard] + b[shard] -> y_BTF/tp
                         (forward: all-gather over sequence; backward: reduce-scatter)
@@ -31,7 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.models.layers import normal_init
-from taco_jax import collectives, mappings
+from taco_jax import collectives, mappings, monitor
 from taco_jax.codec import CompressionConfig
 from taco_jax.tp import fused, overlap
 from taco_jax.plan import CompressionPlan
@@ -58,13 +59,22 @@ class TPContext:
     return self.plan.codec(f"{region}/fwd"), self.plan.codec(f"{region}/bwd")
 
 
+def _watched(region: str, x, ctx: TPContext):
+  """``mappings.<region>`` of x along the sequence over "tensor", with the plan's codecs,
+  reported as the sites "<region>/fwd" and "<region>/bwd" to the active monitor (none: a
+  plain call)."""
+  fwd, bwd = ctx.codecs(region)
+  f = lambda x: getattr(mappings, region)(x, TENSOR, axis=SEQ, fwd_compression=fwd,
+                                          bwd_compression=bwd)
+  return monitor.region(f, x, fwd=fwd, bwd=bwd, fwd_site=f"{region}/fwd",
+                        bwd_site=f"{region}/bwd", axis_name=TENSOR)
+
+
 def gather_seq(x_BSD, ctx: TPContext):
   """Sequence shard -> full sequence. forward: all-gather, backward: reduce-scatter."""
   if ctx.tp == 1:
     return x_BSD
-  fwd, bwd = ctx.codecs("gather_from_sp")
-  return mappings.gather_from_sp(x_BSD, TENSOR, axis=SEQ, fwd_compression=fwd,
-                                 bwd_compression=bwd)
+  return _watched("gather_from_sp", x_BSD, ctx)
 
 
 def scatter_seq(x_BTD, ctx: TPContext):
@@ -72,9 +82,7 @@ def scatter_seq(x_BTD, ctx: TPContext):
   forward: reduce-scatter, backward: all-gather."""
   if ctx.tp == 1:
     return x_BTD
-  fwd, bwd = ctx.codecs("reduce_scatter_to_sp")
-  return mappings.reduce_scatter_to_sp(x_BTD, TENSOR, axis=SEQ, fwd_compression=fwd,
-                                       bwd_compression=bwd)
+  return _watched("reduce_scatter_to_sp", x_BTD, ctx)
 
 
 def _split(d: int, tp: int, what: str) -> int:

@@ -18,7 +18,7 @@ axis and this rank r, chunk c is rows [c S, (c + 1) S) of the full sequence T = 
       (about sqrt(n - 1) times the error of the direct compressed reduce-scatter).
       backward: dy_c = dout_c @ w.T with dout gathered by the ring; dw = sum_c y_c.T @ dout_c.
 
-Whether a codec is used follows `CompressionConfig.pays_for` on the message the direct
+Whether a codec is used follows `policy.pays_for` on the message the direct
 collective would send, so thresholds and `link` apply as they do there.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ SEQ = 1  # the sequence axis of [B, T, D] activations
 def codec_if_pays(codec: CompressionConfig | None, collective: str, shape, dtype, n: int, *,
                   kernel: bool = False):
   """`codec` if the direct `collective` would send a [shape] `dtype` message with it; with
-  `kernel`, if its fused collective-matmul kernel would (`CompressionConfig.pays_for`)."""
+  `kernel`, if its fused collective-matmul kernel would (`policy.pays_for`)."""
   message = jax.ShapeDtypeStruct(shape, dtype)
   return codec if collectives.compresses(collective, message, codec, n, kernel=kernel) else None
 
@@ -71,7 +71,8 @@ def _ring_reduce_scatter(part, axis_name, n: int, codec, dtype):
   def send(a):
     if codec is None:
       return jax.lax.ppermute(a, axis_name, to_next)
-    return collectives._ppermute(a, axis_name, to_next, codec, out_dtype=jnp.float32)
+    w = jax.lax.ppermute(to_wire(a, codec), axis_name, to_next)
+    return from_wire(w, codec, a.shape[-1], jnp.float32)  # decoded straight to fp32
 
   acc = part((r - 1) % n).astype(dtype)
   for k in range(1, n):

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives, mappings, monitor
 from taco_jax.tp import layers, layout as layout_lib, one_f_one_b, pipeline
-from taco_jax.plan import CompressionPlan
+from taco_jax.plan import FAMILIES, CompressionPlan
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors
 
 _BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
@@ -307,7 +307,7 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
   size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp}
-  return tuple(f for f in monitor.FAMILIES if spec.plan.compresses(f) and size[f] > 1)
+  return tuple(f for f in FAMILIES if spec.plan.compresses(f) and size[f] > 1)
 
 
 def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
