@@ -142,6 +142,7 @@ def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
   assert "sent plain, below the size from which compression pays" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # covered: test_parallel_step's remat-policy tests, test_train's meshes
 def test_entry_point_runs_remat_policies_on_a_mesh(tmp_path, tmp_path_factory):
   c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2,
               save_tp_outputs=True, save_dots=True)

@@ -93,7 +93,8 @@ def test_readme_cpu_commands_in_order(tmp_path, tmp_path_factory):
 
   # Quickstart: the tiny GPT on one device, then again in --workdir
   for proc, workdir in ((tiny, tmp_path / "workdir" / "tiny"), (tiny_run, tmp_path / "run")):
-    assert re.search(rf"^tiny: [\d,]+ params on 1 cpu device; workdir .*{workdir.name}$",
+    assert re.search(rf"^tiny: [\d,]+ params on 1 cpu device, mesh data=1 x pipeline=1 x "
+                     rf"tensor=1; workdir .*{workdir.name}$",
                      proc.stdout, re.M), proc.stdout
     assert "note: optim.warmup_steps=50 > train.steps=4: the warm-up is clamped" in proc.stderr
     assert "step 2: val_loss" in proc.stdout + proc.stderr
