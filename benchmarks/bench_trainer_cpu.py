@@ -17,15 +17,11 @@ import tempfile
 import time
 
 import jax
-import optax
-from flax import nnx
 
 from benchmarks.common import write_results
 from taco_jax import data
 from taco_jax.configs import tiny
-from taco_jax.models import model_config
-from taco_jax.models.decoder import loss_fn
-from taco_jax.models.gpt import GPT
+from taco_jax.testing import reference
 from taco_jax.train import metrics, optim, trainer
 
 
@@ -50,21 +46,13 @@ def reference_tokens_per_s(steps: int) -> list[float]:
   """The same for the former single-device trainer's step: `models.gpt` under jax.jit."""
   c = _config(steps, False)
   d, t = c.data, c.train
-  graphdef, params = nnx.split(GPT(model_config(c.model), rngs=nnx.Rngs(params=c.seed)))
   tx = optim.make_optimizer(c.optim, t.steps)
-
-  def step(params, opt_state, tokens):
-    (loss, _), grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens),
-                                          has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            {'loss': loss, 'grad_norm': optax.tree.norm(grads)})
-
+  graphdef, params, opt_state = reference.init_state(c.model, c.seed, tx)
   corpus = trainer.load_data(c)
   batch = lambda i: data.batch_at(corpus.train, i, seed=c.seed, batch_size=d.batch_size,
                                   seq_len=d.seq_len)
-  opt_state = tx.init(params)
-  step = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt_state, batch(0)).compile()
+  step = jax.jit(reference.train_step(graphdef, tx), donate_argnums=(0, 1)).lower(
+      params, opt_state, batch(0)).compile()
   rates, pending, clock = [], [], time.perf_counter()
   for i in range(t.steps):
     params, opt_state, m = step(params, opt_state, batch(i))

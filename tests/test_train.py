@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from taco_jax.configs import tiny
-from taco_jax import data
-from taco_jax.apps import sample
 from flax import nnx
 
+from taco_jax import data
+from taco_jax.apps import sample
+from taco_jax.configs import tiny
 from taco_jax.models import model_config
 from taco_jax.models.decoder import loss_fn
 from taco_jax.models.gpt import GPT
+from taco_jax.testing import reference
 from taco_jax.tp import layout as layout_lib, step as step_lib
 from taco_jax.tp.mesh import make_mesh
 from taco_jax.train import checkpoint, optim, trainer
@@ -196,23 +196,13 @@ def test_loss_curve_is_the_single_device_models(tmp_path, cache_dir):
   the loss curve of `models.gpt` trained by a plain jitted step with the same optimizer."""
   c = micro(cache_dir, steps=6)
   train(c, tmp_path)
-  model = GPT(model_config(c.model), rngs=nnx.Rngs(params=c.seed))
-  graphdef, params = nnx.split(model)
   tx = optim.make_optimizer(c.optim, c.train.steps)  # decays ndim >= 2: the same leaves
-
-  @jax.jit
-  def step(params, opt_state, tokens):
-    loss, grads = jax.value_and_grad(lambda p: loss_fn(nnx.merge(graphdef, p), tokens)[0])(
-        params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  corpus, opt_state, want = data.load_corpus('', cache_dir=cache_dir, max_corpus_bytes=
-                                             c.data.max_corpus_bytes), tx.init(params), []
+  graphdef, params, opt_state = reference.init_state(c.model, c.seed, tx)
+  step, corpus, want = jax.jit(reference.train_step(graphdef, tx)), trainer.load_data(c), []
   for i in range(c.train.steps):
-    params, opt_state, loss = step(params, opt_state, data.batch_at(
+    params, opt_state, m = step(params, opt_state, data.batch_at(
         corpus.train, i, seed=c.seed, batch_size=c.data.batch_size, seq_len=c.data.seq_len))
-    want.append(float(loss))
+    want.append(float(m['loss']))
   got = [losses(tmp_path)[s][0] for s in range(1, c.train.steps + 1)]
   np.testing.assert_allclose(got, want, rtol=2e-5)
 
@@ -241,7 +231,7 @@ def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsy
   assert ckpt.stored_shapes(1) == jax.tree.map(lambda x: tuple(x.shape), one_device)
   ckpt.close()
   model = GPT(model_config(c.model), rngs=nnx.Rngs(params=c.seed))
-  corpus = data.load_corpus('', cache_dir=cache_dir, max_corpus_bytes=c.data.max_corpus_bytes)
+  corpus = trainer.load_data(c)
   loss0 = loss_fn(model, data.batch_at(corpus.train, 0, seed=c.seed, batch_size=8,
                                        seq_len=c.data.seq_len))[0]
   np.testing.assert_allclose(first['train_loss'], float(loss0), rtol=1e-5)
