@@ -17,8 +17,8 @@ Compressed (``fp8=True``), what travels is the codec's FP8 codes ``[B, S, K]`` a
 multiplier per group of G codes, ``scale / alpha`` (``decode.group_multiplier``), laid out
 ``[K / G, B S]`` so that a row tile's multipliers are one TMA copy into shared memory. Each
 compute warpgroup decodes its A tile (``codes * multiplier`` in fp32, then the compute
-dtype: exactly ``decode_reference`` without the Hadamard transform) right before the wgmma. The encode is the
-codec's own kernel, run by the caller. Every chunk is decoded, this rank's too, as in the
+dtype: exactly ``decode_reference`` without the Hadamard transform) right before the
+wgmma. The encode is the codec's own kernel, run by the caller. Every chunk is decoded, this rank's too, as in the
 compressed all-gather (``all_gather_matmul_reference``).
 
 ``local=True`` runs this rank's part without peers, for the CPU tests (jax's GPU interpret
@@ -39,19 +39,27 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.pallas_kernels import gemm
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
-from taco_jax.pallas_kernels.encode import encode_reference
+from taco_jax.pallas_kernels.encode import encode
 
-FP8_TILING = gemm.Tiling(split="m")  # warpgroups split the rows: each decodes its own half
+# The FP8 kernel's warpgroups split the rows: each decodes its own A rows before its wgmma.
+# Tiles of 64 x 256 per warpgroup decode half as many A elements per multiply-add as
+# 128 x 128 ones: on one H200 at the 1.3B / 2.7B TP=2 shapes the kernel ran 1.06-1.12x the
+# plain kernel with them, 1.27-1.30x with 128 x 128
+# (bench_collective_matmul_fp8sweep_1gpu_20261123.json). The narrower tiles are the fallback
+# for widths that 256 does not divide.
+FP8_TILINGS = (gemm.Tiling(tile_m=64, tile_n=256, split="m"), gemm.Tiling(split="m"))
+FP8_TILING = FP8_TILINGS[0]
 
 
 def all_gather_matmul_reference(x_BSK, w_KN, axis_name, *, fp8=None, out_dtype=None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence (axis 1), with XLA: the plain
   collective, then the matmul. ``fp8``: a dict of codec settings (``group_size``, ``fmt``,
-  ``dual_scale``, ``lam``): the compressed all-gather (encode, gather codes and scales,
-  decode every chunk) then the matmul."""
+  ``dual_scale``, ``lam``, optionally the encode's ``implementation``: the compressed
+  path's, for the same codes): the compressed all-gather (encode, gather codes and
+  scales, decode every chunk) then the matmul."""
   if fp8 is not None:
     b, s, k = x_BSK.shape
-    enc = encode_reference(x_BSK.reshape(b * s, k), hadamard=False, **fp8)
+    enc = encode(x_BSK.reshape(b * s, k), hadamard=False, **fp8)
     gathered = [lax.all_gather(a.reshape(b, s, -1), axis_name, axis=1, tiled=True)
                 for a in enc]
     t = gathered[0].shape[1]
@@ -77,6 +85,15 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None)
     if tiling.split != "m":
       return "the FP8 kernel splits the rows between its warpgroups (Tiling.split='m')"
   return tiling.misfit(rows_per_seq=s, m=b * s, n=w_shape[1], k=k)
+
+
+def fp8_tiling(x_shape, w_shape, group_size: int) -> gemm.Tiling:
+  """The first of ``FP8_TILINGS`` that fits these shapes, else the last (whose ``misfit``
+  then says why none does)."""
+  for tiling in FP8_TILINGS:
+    if misfit(x_shape, w_shape, tiling, group_size) is None:
+      return tiling
+  return FP8_TILINGS[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,13 +284,15 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = gemm.Tili
 
 
 def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
-                          dtype=jnp.bfloat16, tiling: gemm.Tiling = FP8_TILING, num_sms: int,
+                          dtype=jnp.bfloat16, tiling: gemm.Tiling | None = None, num_sms: int,
                           out_dtype=None, rank=None, local_gathered=None):
   """The compressed kernel: ``codes_BSK`` are x's FP8 codes and ``mult_GR`` ``[K / G,
   B S]`` their groups' multipliers (``multipliers``); x is decoded to ``dtype`` tile by tile
   before each wgmma. Returns ``y [B, T, N]`` and the gathered codes ``[B, T, K]`` and
   multipliers ``[K / G, B T]`` (``decode_gathered`` makes the gathered x of them).
-  ``rank`` and ``local_gathered`` (gathered codes and multipliers): local mode."""
+  ``tiling``: default ``fp8_tiling``'s. ``rank`` and ``local_gathered`` (gathered codes
+  and multipliers): local mode."""
+  tiling = tiling or fp8_tiling(codes_BSK.shape, w_KN.shape, group_size)
   reason = misfit(codes_BSK.shape, w_KN.shape, tiling, group_size)
   if reason:
     raise ValueError(f"all_gather_matmul_fp8: {reason}")

@@ -207,6 +207,14 @@ def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
     call()
 
 
+def test_fp8_all_gather_takes_the_wide_tiles_where_they_divide():
+  wide, narrow = ag_matmul.FP8_TILINGS
+  assert ag_matmul.fp8_tiling((2, 256, 256), (256, 512), 128) == wide
+  assert ag_matmul.fp8_tiling((2, 256, 256), (256, 384), 128) == narrow
+  assert ag_matmul.misfit((2, 256, 256), (256, 384), wide, 128) is not None
+  assert ag_matmul.misfit((2, 256, 256), (256, 384), narrow, 128) is None
+
+
 def _lowers_for_hopper(f, *args) -> str:
   """The kernel's sm_90 lowering (Mosaic GPU's layout inference and dialect lowering), on
   a (2, 2, 2) mesh with TP as one of its axes; needs jax-cuda13-plugin's Mosaic GPU
@@ -230,8 +238,9 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                              num_sms=132)[0]
     fn = smap(ag, in_specs=(P(None, "tensor"), P(None, "tensor"), P()),
               out_specs=P())
-    text = _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
-                              sd((d // g, b * t), jnp.float32), sd((d, f), jnp.bfloat16))
+    for width in (f, 3 * 128):  # the wide tiles, and the narrow ones 256 does not divide
+      text = _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
+                                sd((d // g, b * t), jnp.float32), sd((d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
   else:
     fn = smap(lambda x, w: ag_matmul.all_gather_matmul(x, w, "tensor", num_sms=132)[0],

@@ -81,17 +81,18 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   if kcodec is None:
     misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling())
   else:
-    misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, ag_matmul.FP8_TILING,
-                              kcodec.group_size)
+    tiling = ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, kcodec.group_size)
+    misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, kcodec.group_size)
   problem = _kernel_problem(misfit, kcodec)
   if problem is None and kcodec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, num_sms=gemm.num_sms())
   if problem is None:
     b, s, d = x_BSD.shape
-    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(kcodec))
+    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(kcodec),
+                                 **kcodec.kernel_kwargs())
     y, codes_full, mult = ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
-        group_size=kcodec.group_size, dtype=x_BSD.dtype, num_sms=gemm.num_sms())
+        group_size=kcodec.group_size, dtype=x_BSD.dtype, tiling=tiling, num_sms=gemm.num_sms())
     return y, ag_matmul.decode_gathered(codes_full, mult, group_size=kcodec.group_size,
                                         dtype=x_BSD.dtype)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
