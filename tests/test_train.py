@@ -191,6 +191,16 @@ def test_short_runs_clamp_the_warm_up_and_mfu_needs_a_known_peak():
   assert metrics.mfu(1e3, 1e6, metrics.configured_peak(c.train, 'cpu')) == pytest.approx(1e-3)
 
 
+def test_metrics_go_to_jsonl_without_tensorboardx(tmp_path, monkeypatch):
+  from taco_jax.train import metrics
+  monkeypatch.setitem(sys.modules, 'tensorboardX', None)  # import fails as if not installed
+  w = metrics.MetricsWriter(tmp_path)
+  w.write(1, loss=2.5)
+  w.close()
+  assert read_jsonl(tmp_path / 'metrics.jsonl') == [{'step': 1, 'loss': 2.5}]
+  assert not (tmp_path / 'tb').exists()
+
+
 def test_loss_curve_is_the_single_device_models(tmp_path, cache_dir):
   """From the same seed and batches, the trainer (one device: the mesh (1, 1, 1)) follows
   the loss curve of `models.gpt` trained by a plain jitted step with the same optimizer."""

@@ -6,7 +6,7 @@ import json
 import math
 import pathlib
 
-from tensorboardX import SummaryWriter
+from absl import logging
 
 # Dense bf16 tensor-core peak FLOP/s (no sparsity) per GPU, from NVIDIA's data sheets, by a
 # substring of JAX's device_kind ("NVIDIA H100 80GB HBM3"); the first match wins, so more
@@ -57,9 +57,21 @@ def write_summary(path: pathlib.Path, summary: dict) -> None:
   path.write_text(json.dumps(clean, indent=2))
 
 
+def _tensorboard_writer(logdir: pathlib.Path, purge_step: int | None):
+  """tensorboardX's writer, or None (with a warning) where tensorboardX is not installed:
+  a run keeps its metrics.jsonl rather than failing over a missing event-file writer."""
+  try:
+    from tensorboardX import SummaryWriter
+  except ImportError:
+    logging.warning('tensorboardX is not installed: no TensorBoard event files; the metrics '
+                    'still go to metrics.jsonl (pip install tensorboardX)')
+    return None
+  return SummaryWriter(str(logdir), purge_step=purge_step)
+
+
 class MetricsWriter:
   """Appends one JSON object per record to metrics.jsonl; the same scalars go to
-  TensorBoard event files under <workdir>/tb."""
+  TensorBoard event files under <workdir>/tb where tensorboardX is installed."""
 
   def __init__(self, workdir: str | pathlib.Path, start_step: int = 0):
     """`start_step`: the step a resumed run starts from; records a run wrote after it (after
@@ -67,15 +79,17 @@ class MetricsWriter:
     self.path = pathlib.Path(workdir) / 'metrics.jsonl'
     truncate_after(self.path, start_step)
     self._file = open(self.path, 'a', buffering=1)
-    self._tb = SummaryWriter(str(pathlib.Path(workdir) / 'tb'),
-                             purge_step=start_step + 1 if start_step else None)
+    self._tb = _tensorboard_writer(pathlib.Path(workdir) / 'tb',
+                                   start_step + 1 if start_step else None)
 
   def write(self, step: int, **scalars) -> None:
     record = {'step': step, **{k: float(v) for k, v in scalars.items()}}
     self._file.write(json.dumps(record) + '\n')
-    for k, v in scalars.items():
-      self._tb.add_scalar(k, float(v), step)
+    if self._tb is not None:
+      for k, v in scalars.items():
+        self._tb.add_scalar(k, float(v), step)
 
   def close(self) -> None:
     self._file.close()
-    self._tb.close()
+    if self._tb is not None:
+      self._tb.close()
