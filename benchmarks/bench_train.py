@@ -300,7 +300,9 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                                         mesh))
   tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
                                      seq_len=args.seq)
-  step_interleaved(runs, tokens_at, args, until(sum(r["compile_s"] for r in runs.values())))
+  stepped = step_interleaved(runs, tokens_at, args,
+                             until(sum(r["compile_s"] for r in runs.values())))
+  failed += [dict(layout=f"{dp},{pp},{tp}", variant=v, error=e) for v, e in stepped.items()]
   out = []
   for name, r in runs.items():
     out.append(dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, variant=name,

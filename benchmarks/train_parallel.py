@@ -168,31 +168,44 @@ def run_layout(layout, args, cfg, tx, corpus, step_until):
                       batch=batch, plan=plan,
                       comm_static=comm_summary(hlo.collectives(exe.as_text(), mesh)))
   t_end = step_until(sum(r["compile_s"] for r in runs.values()))
-  step_interleaved(runs, tokens_at, args, t_end)
+  failed = step_interleaved(runs, tokens_at, args, t_end)
+  if failed:  # off and on are a pair: one alone compares nothing
+    raise RuntimeError(f"layout {dp},{pp},{tp}: {failed}")
   m = args.microbatches if pp > 1 else 1
   return [dict(layout=f"{dp},{pp},{tp}", dp=dp, pp=pp, tp=tp, microbatches=m, compression=name,
                plan=dataclasses.asdict(r["plan"]), **timing_record(r, args))
           for name, r in runs.items()]
 
 
-def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> None:
+def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> dict[str, str]:
   """Steps every run on the same batches, rotating their order every step, until
   `args.steps` or (after warm-up) `t_end`; records each step's time and loss in the run.
   A run holds `exe` (compiled step), `state` (params, opt_state) and `batch` (tokens ->
-  the program's input)."""
+  the program's input). A run whose step fails on the device (e.g. out of memory beside
+  the others) is taken out of `runs`, freeing its buffers, and the rest go on; returns
+  {name: error} of those."""
   import jax
   from benchmarks import common
-  names = list(runs)
+  names, failed = list(runs), {}
   for r in runs.values():
     r["times"], r["losses"] = [], []
   for i in range(args.steps):
+    if not names:
+      break
     tokens = tokens_at(i)
     for name in names[i % len(names):] + names[:i % len(names)]:
       r = runs[name]
       b = r["batch"](tokens)
       t0 = time.perf_counter()
-      params, opt_state, met = r["exe"](*r["state"], b)
-      loss = float(jax.block_until_ready(met["loss"]))
+      try:
+        params, opt_state, met = r["exe"](*r["state"], b)
+        loss = float(jax.block_until_ready(met["loss"]))
+      except jax.errors.JaxRuntimeError as e:
+        failed[name] = f"{type(e).__name__} at step {i}: {str(e)[:2000]}"
+        print(f"{name}: {failed[name][:300]}", flush=True)
+        names.remove(name)
+        del runs[name]
+        continue
       r["times"].append(time.perf_counter() - t0)
       r["losses"].append(loss)
       if i == 0:  # memory_stats: the process's peak so far (None on CPU)
@@ -200,6 +213,7 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> None:
       r["state"] = (params, opt_state)
     if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
       break
+  return failed
 
 
 def timing_record(r: dict, args) -> dict:
