@@ -81,3 +81,22 @@ def test_indivisible_sequence_is_a_clear_error():
                       mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"), check_vma=False)
   with pytest.raises(ValueError, match="sequence length 6 .* not divisible by the size 4"):
     run(y, w)
+
+
+def test_head_logits_backward_runs_its_matmuls_in_the_compute_dtype():
+  from taco_jax.tp.layers import head_logits
+  kh, kw, kg = jax.random.split(jax.random.key(0), 3)
+  h, w = jax.random.normal(kh, (2, 8, 32)), jax.random.normal(kw, (48, 32))
+  g = jax.random.normal(kg, (2, 8, 48))
+  plain = lambda h, w: jnp.einsum("btd,vd->btv", h, w)  # noqa: E731
+  got = jax.vjp(head_logits, h, w)[1](g)
+  want = jax.vjp(plain, h, w)[1](g)
+  for a, b in zip(got, want):  # fp32 operands: autodiff's own result
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  hb, wb = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+  jaxpr = jax.make_jaxpr(lambda h, w: jax.grad(lambda h, w: head_logits(h, w).sum(),
+                                               argnums=(0, 1))(h, w))(hb, wb)
+  dots = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dot_general"]
+  assert len(dots) == 2, jaxpr  # the backward's two (the forward's sits in the custom_vjp)
+  assert all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+  assert head_logits(hb, wb).dtype == jnp.float32
