@@ -34,8 +34,9 @@ from jax.ad_checkpoint import checkpoint_name
 from taco_jax.models.layers import normal_init
 from taco_jax import collectives, mappings, monitor
 from taco_jax.codec import CompressionConfig
+from taco_jax.collectives import Decided
 from taco_jax.tp import fused, overlap
-from taco_jax.plan import CompressionPlan
+from taco_jax.plan import COLLECTIVES, CompressionPlan
 from taco_jax.tp.mesh import TENSOR, TP_OVERLAP
 from taco_jax.mappings import TP_OUTPUT
 from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activations
@@ -59,15 +60,26 @@ class TPContext:
     return self.plan.codec(f"{region}/fwd"), self.plan.codec(f"{region}/bwd")
 
 
+def _decided(region: str, x, ctx: TPContext):
+  """(forward, backward) codecs that ``mappings.<region>`` of x sends with, each decided
+  once (`collectives.decide`): the forward message is x, the backward one the cotangent of
+  the region's output (x with its sequence gathered, or scattered, over "tensor")."""
+  n = collectives.axis_size(TENSOR, region, x.shape)
+  t = x.shape[SEQ] * n if region == "gather_from_sp" else x.shape[SEQ] // n
+  y = jax.ShapeDtypeStruct((*x.shape[:SEQ], t, *x.shape[SEQ + 1:]), x.dtype)
+  return tuple(collectives.decide(COLLECTIVES[site], msg, ctx.plan.codec(site), n)
+               for site, msg in ((f"{region}/fwd", x), (f"{region}/bwd", y)))
+
+
 def _watched(region: str, x, ctx: TPContext):
-  """``mappings.<region>`` of x along the sequence over "tensor", with the plan's codecs,
-  reported as the sites "<region>/fwd" and "<region>/bwd" to the active monitor (none: a
-  plain call)."""
-  fwd, bwd = ctx.codecs(region)
-  f = lambda x: getattr(mappings, region)(x, TENSOR, axis=SEQ, fwd_compression=fwd,
-                                          bwd_compression=bwd)
+  """``mappings.<region>`` of x along the sequence over "tensor", with the plan's codecs
+  decided once and given both to the region and to the active monitor, which sees the
+  sites "<region>/fwd" and "<region>/bwd" (none: a plain call)."""
+  fwd, bwd = _decided(region, x, ctx)
+  f = lambda x: getattr(mappings, region)(x, TENSOR, axis=SEQ, fwd_compression=Decided(fwd),
+                                          bwd_compression=Decided(bwd))
   return monitor.region(f, x, fwd=fwd, bwd=bwd, fwd_site=f"{region}/fwd",
-                        bwd_site=f"{region}/bwd", axis_name=TENSOR)
+                        bwd_site=f"{region}/bwd")
 
 
 def gather_seq(x_BSD, ctx: TPContext):

@@ -280,8 +280,10 @@ def _fused_all_reduce(leaves, axis, compression, site: str = ""):
   flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
   n = flat.shape[0]
   flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
-  monitor.sent(flat, compression, site, axis)  # no-op unless watched (and compressed)
-  flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
+  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis))
+  monitor.sent(flat, codec, site)  # no-op unless watched (and compressed)
+  flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
+  flat = flat.reshape(-1)[:n]
   out, i = [], 0
   for x in leaves:
     out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))
