@@ -165,11 +165,17 @@ class TensorParallelFactory:
     return RowParallelLinear(d_in, d_out, init_std=init_std, ctx=self.ctx, rngs=rngs)
 
 
+def tensor_rank(ctx: TPContext):
+  """This device's index on "tensor"; 0 at tp = 1 without asking the mesh, so that the
+  layers run where no "tensor" axis is manual (under GSPMD: `benchmarks.gspmd`)."""
+  return 0 if ctx.tp == 1 else jax.lax.axis_index(TENSOR)
+
+
 def vocab_parallel_embed(w_VD: jax.Array, tokens_BT: jax.Array, ctx: TPContext) -> jax.Array:
   """Lookup in this rank's rows [r V/tp, (r+1) V/tp) of the table, summed and scattered
   over sequence: returns the sequence shard h_BSD (compute dtype)."""
   v_local = w_VD.shape[0]
-  local_BT = tokens_BT - jax.lax.axis_index(TENSOR) * v_local
+  local_BT = tokens_BT - tensor_rank(ctx) * v_local
   mine_BT = (local_BT >= 0) & (local_BT < v_local)
   e_BTD = jnp.take(w_VD, jnp.clip(local_BT, 0, v_local - 1), axis=0)
   e_BTD = jnp.where(mine_BT[..., None], e_BTD, 0).astype(ctx.dtype)
@@ -197,7 +203,7 @@ def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array
   if ctx.tp > 1:  # any common shift >= each local max keeps exp() finite; no gradient
     m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
   sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1), ctx)
-  local_BT = targets_BT - jax.lax.axis_index(TENSOR) * v_local
+  local_BT = targets_BT - tensor_rank(ctx) * v_local
   mine_BT = (local_BT >= 0) & (local_BT < v_local)
   tgt_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, v_local - 1)[..., None],
                                axis=-1)[..., 0]
