@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import collectives, mappings, monitor, testing
+from taco_jax.configs.common import base_config
 from taco_jax.codec import CompressionConfig, compress, decompress
 from taco_jax.collectives import Decided
 from taco_jax.tp import layers, layout as layout_lib, step as step_lib
@@ -65,11 +66,11 @@ def test_without_flag_the_program_is_unchanged(plan, setup, monkeypatch):
 
 
 def test_plan_reads_the_flag():
-  section = dict(enabled=True, log_errors=True, tp_forward=dict(group_size=32))
-  assert plan_from_config(section).log_errors
-  assert not plan_from_config(dict(enabled=True)).log_errors
+  section = lambda **kw: base_config("t").compression.to_dict() | dict(enabled=True, **kw)
+  assert plan_from_config(section(log_errors=True)).log_errors
+  assert not plan_from_config(section()).log_errors
   with pytest.raises(ValueError, match="log_errors"):
-    plan_from_config(dict(enabled=True, log_errors="yes"))
+    plan_from_config(section(log_errors="yes"))
 
 
 def _host_rel_err(x, cfg):

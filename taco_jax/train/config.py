@@ -17,8 +17,9 @@ import sys
 import jax
 import ml_collections
 
+from taco_jax.configs.common import base_config
 from taco_jax.models import model_config
-from taco_jax.plan import plan_from_config
+from taco_jax.plan import FAMILIES, plan_from_config
 from taco_jax.tp import mesh as mesh_lib
 from taco_jax.tp.step import ParallelSpec
 
@@ -168,8 +169,12 @@ RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim', 'compression')
 # Fields that change nothing a run computes: where the corpus cache lives, whether the
 # compression error is also measured.
 _RESUME_IGNORED = {('data', 'cache_dir'), ('compression', 'log_errors')}
-# Fields added after runs were stored: a config.json without them had their default.
-_ADDED_LATER = {('data', 'include'): '*'}
+# Fields added after runs were stored: a config.json without them had their default. A
+# compression section without families compressed TP with the codec defaults, as
+# base_config's families say now.
+_ADDED_LATER = {('data', 'include'): '*', **{
+    ('compression', k): v for k, v in base_config('').compression.to_dict().items()
+    if k in (*FAMILIES, 'sites')}}
 
 
 def _resume_view(c: dict) -> dict:
