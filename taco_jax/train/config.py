@@ -98,7 +98,8 @@ def devices(c: ml_collections.ConfigDict) -> list:
 
 def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
                     ) -> list[str]:
-  """Every way `c.parallel` does not fit the model, the batch or the devices."""
+  """Every way `c.parallel` does not fit the model (a valid section: `model_config`), the
+  batch or the devices."""
   p, z = c.parallel, c.compression
   if 'overlap' in p:
     return [f'parallel.overlap={p.overlap!r} was replaced by parallel.tp_overlap: use '
@@ -111,7 +112,7 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
                 "their messages; set it to 'none' to log compression errors "
                 '(compression.log_errors)')
   return errs + mesh_lib.layout_errors(
-      c.model, dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=p.tp_overlap,
+      model_config(c.model), dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=p.tp_overlap,
       microbatches=p.microbatches, interleave=p.interleave, schedule=p.schedule,
       virtual_stages=p.virtual_stages, log_errors=log_errors,
       save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
