@@ -1,8 +1,10 @@
 """The GSPMD baseline: what a JAX user would otherwise write for tensor parallelism.
 
-The single-device GPT (its `Block`, dense linears, stacked on a leading layer axis exactly
-as in `taco_jax.tp.layout`) under plain `jax.jit` on a ("data", "tensor") mesh, with
-Megatron-style NamedSharding annotations and nothing manual: parameters enter with
+The trainer's stacked forward (`taco_jax.tp.step.stacked_loss`) at tp = 1, where its
+layers communicate nothing and compute the single-device model's math, with the parameters
+stacked on a leading layer axis as in `taco_jax.tp.layout`, under plain `jax.jit` on a
+("data", "tensor") mesh, with Megatron-style NamedSharding annotations and nothing manual:
+parameters enter with
 `in_shardings` (QKV / MLP-in column-parallel on "tensor", out-projections row-parallel,
 vocab-parallel embedding; the same PartitionSpecs as `model.param_specs` without the
 pipeline axis) and the residual stream between blocks is pinned with
@@ -22,15 +24,14 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 from flax.linen import partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from taco_jax import models
 from taco_jax.tp import layout as layout_lib
 from taco_jax.tp import mesh as mesh_lib
+from taco_jax.tp import step as step_lib
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR
 
 AXES = (DATA, TENSOR)
@@ -74,43 +75,19 @@ def batch_sharding(mesh):
   return NamedSharding(mesh, P(DATA, None))
 
 
-def _templates(cfg):
-  make_block = lambda: models.block_class(cfg)(cfg, rngs=nnx.Rngs(0))  # dense linears
-  block_gd, _ = nnx.split(nnx.eval_shape(make_block))
-  norm_gd, _ = layout_lib.norm_template(cfg)
-  return block_gd, norm_gd
-
-
 def loss_fn(cfg, mesh, activation: str = "sp") -> Callable:
-  """(params, tokens_BT1) -> mean next-token loss (fp32), the single-device model's math."""
+  """(params, tokens_BT1) -> mean next-token loss (fp32), the single-device model's math:
+  the trainer's stacked forward at tp = 1 (`step.stacked_loss`, which communicates nothing
+  itself), the residual stream pinned after the embedding and after every block."""
   if activation not in ("sp", "replicated"):
     raise ValueError(f"activation must be 'sp' or 'replicated', got {activation!r}")
-  block_gd, norm_gd = _templates(cfg)
-  dt = cfg.compute_dtype
+  spec = step_lib.ParallelSpec(cfg, dp=1, pp=1, tp=1)  # one program; XLA partitions it
   h_spec = NamedSharding(mesh, P(DATA, TENSOR if activation == "sp" else None, None))
   pin = lambda h: jax.lax.with_sharding_constraint(h, h_spec)
 
   def loss(params, tokens_BT1):
     with partitioning.axis_rules(LOGICAL_RULES), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return _loss(params, tokens_BT1)
-
-  def _loss(params, tokens_BT1):
-    inputs, targets = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
-    h = jnp.take(params["wte"], inputs, axis=0).astype(dt)
-    if "wpe" in params:
-      h = h + params["wpe"][:inputs.shape[1]].astype(dt)
-
-    def layer(h, p):
-      return pin(nnx.merge(block_gd, p)(h)), None
-
-    if cfg.remat:
-      layer = jax.checkpoint(layer)
-    h = jax.lax.scan(layer, pin(h), params["blocks"])[0]
-    h = nnx.merge(norm_gd, params["ln_f"])(h)
-    logits = jnp.einsum("btd,vd->btv", h.astype(dt), params["wte"].astype(dt),
-                        preferred_element_type=jnp.float32)
-    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - tgt)
+      return step_lib.stacked_loss(spec, params, tokens_BT1, constrain=pin)
 
   return loss
 

@@ -5,6 +5,25 @@ Override any field from the command line: `--config.optim.lr=1e-3 --config.data.
 import ml_collections
 
 
+def codec(**kw) -> ml_collections.ConfigDict:
+  """A codec section (taco_jax.codec.CompressionConfig fields, at its defaults unless `kw`
+  says otherwise) plus an on/off switch."""
+  c = ml_collections.ConfigDict()
+  c.enabled = True         # False: this collective family sends plain values
+  c.format = 'e4m3'        # e4m3 (max 448) | e5m2 (max 57344)
+  c.group_size = 128       # elements per scale group along the last (hidden) axis
+  c.hadamard = False       # Walsh-Hadamard transform of each group before quantizing (off:
+  #                          measured to cost accuracy; see taco_jax.codec.CompressionConfig)
+  c.dual_scale = True      # RMS pre-scale before the transform
+  c.min_bytes = 0          # smaller messages (per device) go uncompressed
+  c.link = ml_collections.FieldReference('auto', field_type=str)  # compress only the sizes
+  #                          measured to pay on this link: 'auto' (on GPU 'p2p_disabled' if
+  #                          NCCL_P2P_DISABLE=1 else 'nvlink'; none off GPU) | 'nvlink' |
+  #                          'p2p_disabled' | None (every message from min_bytes on)
+  c.update(kw)
+  return c
+
+
 def base_config(name: str) -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.name = name                  # experiment name; default workdir is ./workdir/<name>
@@ -82,7 +101,14 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                unrolls them (no per-layer stacking of saved activations:
   #                                faster on CPU, compiles longer)
 
-  c.compression = z = ml_collections.ConfigDict()
-  z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1
+  c.compression = z = ml_collections.ConfigDict()  # taco_jax.plan: one codec per family
+  z.enabled = False              # one switch for the families below; a family whose mesh axis
+  #                                has size 1 sends nothing either way
+  z.tp_forward = codec()         # TP+SP all-gather / reduce-scatter of activations
+  z.tp_backward = codec()        # their transposes (activation gradients)
+  z.pp = codec(enabled=False)    # pipeline ppermute of activations, both directions
+  z.dp = codec(enabled=False)    # data-parallel gradient all-reduce (off: fp32)
+  z.sites = ml_collections.ConfigDict()  # sites.<site>: one collective's own codec section
+  #                                (taco_jax.plan.SITES; written by taco_jax.apps.calibrate)
   z.log_errors = False           # log each family's round-trip error of what it sent (metrics)
   return c

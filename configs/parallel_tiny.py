@@ -2,27 +2,7 @@
 
 On CPU: `python -m taco_jax.train --config=configs/parallel_tiny.py --cpu_devices=8`.
 """
-import ml_collections
-
-from taco_jax.configs.common import base_config
-
-
-def codec(**kw) -> ml_collections.ConfigDict:
-  """A codec section (taco_jax.codec.CompressionConfig fields) plus an on/off switch."""
-  c = ml_collections.ConfigDict()
-  c.enabled = True         # False: this collective family sends plain values
-  c.format = 'e4m3'        # e4m3 (max 448) | e5m2 (max 57344)
-  c.group_size = 64        # elements per scale group along the last (hidden) axis
-  c.hadamard = False       # Walsh-Hadamard transform of each group before quantizing (off:
-  #                          measured to cost accuracy; see taco_jax.codec.CompressionConfig)
-  c.dual_scale = True      # RMS pre-scale before the transform
-  c.min_bytes = 0          # smaller messages (per device) go uncompressed
-  c.link = ml_collections.FieldReference('auto', field_type=str)  # compress only the sizes
-  #                          measured to pay on this link: 'auto' (on GPU 'p2p_disabled' if
-  #                          NCCL_P2P_DISABLE=1 else 'nvlink'; none off GPU) | 'nvlink' |
-  #                          'p2p_disabled' | None (every message from min_bytes on)
-  c.update(kw)
-  return c
+from taco_jax.configs.common import base_config, codec
 
 
 def add_parallel_sections(c, *, dp, pp, tp, microbatches, compression=True):
@@ -35,10 +15,10 @@ def add_parallel_sections(c, *, dp, pp, tp, microbatches, compression=True):
   c.model.rope_theta = 10000.0            # rotary base (qwen block only)
   z = c.compression
   z.enabled = compression                 # one switch for all four families below
-  z.tp_forward = codec()                  # TP+SP all-gather / reduce-scatter of activations
-  z.tp_backward = codec()                 # their transposes (activation gradients)
-  z.pp = codec()                          # pipeline ppermute of activations, both directions
-  z.dp = codec(enabled=False)             # data-parallel gradient all-reduce (off: fp32)
+  z.tp_forward = codec(group_size=64)     # TP+SP all-gather / reduce-scatter of activations
+  z.tp_backward = codec(group_size=64)    # their transposes (activation gradients)
+  z.pp = codec(group_size=64)             # pipeline ppermute of activations, both directions
+  z.dp = codec(group_size=64, enabled=False)  # data-parallel gradient all-reduce (off: fp32)
   return c
 
 

@@ -21,7 +21,9 @@ scattering along the last axis never makes a group straddle two ranks.
 Messages for which compression does not pay go through the plain collective: smaller than
 ``compression.min_bytes`` per device (the local input's bytes) or below the size measured
 for that collective on the link (``compression.link``, by default the one this process
-runs on; ``taco_jax.policy.pays_for``).
+runs on; ``taco_jax.policy.pays_for``). `decide` makes that choice, once per message:
+inside the collective for a bare ``CompressionConfig``, or beforehand by a caller that
+passes ``compression=Decided(codec)`` (the TP layers, which give the monitor the same one).
 
 ``free_communication(axis)``: while tracing inside it, the collectives over ``axis`` are
 local stand-ins of the same shapes (for measuring a step whose communication costs nothing).
@@ -33,6 +35,7 @@ and differentiate as those do.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Literal
 
@@ -112,7 +115,7 @@ def _is_free(axis_name: AxisName) -> bool:
 
 @contextlib.contextmanager
 def recording_decisions():
-  """Collects every compression decision `compresses` makes while tracing inside, as
+  """Collects every compression decision `decide` makes while tracing inside, as
   ``(collective, bytes per device, compressed)``: e.g. around a step's lowering, to tell
   which messages a codec was asked for but a measured threshold (``link``) left plain."""
   global _decisions
@@ -123,29 +126,50 @@ def recording_decisions():
     _decisions = outer
 
 
-def compresses(collective: str, x, compression: CompressionConfig | None,
-               axis_size: int | None = None, *, kernel: bool = False) -> bool:
-  """Whether ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute") sends
-  x (the local input, as passed to it) compressed: static, from shapes and the config.
+def decide(collective: str, x, compression: CompressionConfig | None,
+           axis_size: int | None = None, *, kernel: bool = False) -> CompressionConfig | None:
+  """The codec ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
+  sends x with (the local input as passed to it; an array or a ``jax.ShapeDtypeStruct``):
+  ``compression`` where it pays, else None (plain). Static, from shapes and the config.
   Without ``axis_size``, a ``link`` threshold is the most cautious measured one. ``kernel``:
   inside a fused collective-matmul kernel (its own measured thresholds).
 
-  With a codec, x must be a floating-point array of at least one dimension whatever its
-  size (a TypeError / ValueError naming the collective otherwise), so that whether a call
-  is accepted never depends on the message size."""
-  if compression is not None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{collective}: compression needs a floating-point input, got dtype "
-                      f"{x.dtype}; send it with compression=None")
-    if not x.ndim:
-      raise ValueError(f"{collective}: compression needs an array with at least one "
-                       "dimension (groups run along the last), got a scalar")
-  nbytes = x.size * x.dtype.itemsize
-  decision = compression is not None and policy.pays_for(compression, collective, nbytes,
-                                                         axis_size, kernel=kernel)
-  if _decisions is not None and compression is not None:
-    _decisions.append((collective, nbytes, decision))
-  return decision
+  The one decision per message: a caller that also tells the monitor decides here and
+  passes ``Decided(codec)`` to the collective; a collective given a bare config decides
+  itself. With a codec, x must be a floating-point array of at least one dimension
+  whatever its size (a TypeError / ValueError naming the collective otherwise), so that
+  whether a call is accepted never depends on the message size."""
+  if compression is None:
+    return None
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{collective}: compression needs a floating-point input, got dtype "
+                    f"{x.dtype}; send it with compression=None")
+  if not x.shape:
+    raise ValueError(f"{collective}: compression needs an array with at least one "
+                     "dimension (groups run along the last), got a scalar")
+  nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  pays = policy.pays_for(compression, collective, nbytes, axis_size, kernel=kernel)
+  if _decisions is not None:
+    _decisions.append((collective, nbytes, pays))
+  return compression if pays else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Decided:
+  """A codec already chosen by `decide` for one message (None: plain). As a collective's
+  ``compression`` it is sent with as it is, without deciding again: for callers that hand
+  the same decision to `taco_jax.monitor`. Hashable, so a static argument like the config."""
+  codec: CompressionConfig | None
+
+
+Compression = CompressionConfig | Decided | None
+
+
+def _codec(collective: str, x, compression: Compression, n: int) -> CompressionConfig | None:
+  """The codec this message is sent with: the caller's decision, else `decide`'s."""
+  if isinstance(compression, Decided):
+    return compression.codec
+  return decide(collective, x, compression, n)
 
 
 def decision_summary(decisions) -> dict:
@@ -184,7 +208,7 @@ def _reduce_stacked(chunks, axis_name, cfg, out_dtype):
 
 
 def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
-               compression: CompressionConfig | None = None):
+               compression: Compression = None):
   """All-gather of ``x`` over ``axis_name`` (``lax.all_gather``; note ``tiled=True`` default).
 
   forward: all-gather, backward (its transpose): reduce-scatter (see ``mappings``).
@@ -198,10 +222,11 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   if _is_free(axis_name):
     y = jnp.broadcast_to(jnp.expand_dims(x, axis), (*x.shape[:axis], n, *x.shape[axis:]))
     return y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:]) if tiled else y
-  if not compresses(fn, x, compression, n):
+  codec = _codec(fn, x, compression, n)
+  if codec is None:
     return jax.lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
-  return _forward_only(fn, lambda x: _all_gather(
-      x, axis_name, axis, tiled, compression, "varying", n), x)
+  return _forward_only(fn, lambda x: _all_gather(x, axis_name, axis, tiled, codec, "varying", n),
+                       x)
 
 
 def _all_gather(x, axis_name, axis, tiled, compression, to, n, out_dtype=None):
@@ -214,7 +239,7 @@ def _all_gather(x, axis_name, axis, tiled, compression, to, n, out_dtype=None):
 
 
 def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
-                   compression: CompressionConfig | None = None):
+                   compression: Compression = None):
   """Sum over ``axis_name``, rank i keeping chunk i of ``scatter_dimension`` (tiled
   ``lax.psum_scatter``). forward: reduce-scatter, backward (transpose): all-gather.
 
@@ -226,10 +251,10 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
   if _is_free(axis_name):
     return jax.lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
-  if not compresses(fn, x, compression, n):
+  codec = _codec(fn, x, compression, n)
+  if codec is None:
     return jax.lax.psum_scatter(x, axis_name, scatter_dimension=d, tiled=True)
-  return _forward_only(fn, lambda x: _reduce_scatter(
-      x, axis_name, d, compression, x.dtype, n), x)
+  return _forward_only(fn, lambda x: _reduce_scatter(x, axis_name, d, codec, x.dtype, n), x)
 
 
 def _reduce_scatter(x, axis_name, d, compression, out_dtype, n):
@@ -238,7 +263,7 @@ def _reduce_scatter(x, axis_name, d, compression, out_dtype, n):
   return _reduce_stacked(chunks, axis_name, compression, out_dtype)
 
 
-def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None = None,
+def all_reduce(x, axis_name: AxisName, *, compression: Compression = None,
                algorithm: Algorithm = "two_shot"):
   """Sum of ``x`` over ``axis_name`` on every rank (``lax.psum``; the result is invariant).
 
@@ -255,9 +280,10 @@ def all_reduce(x, axis_name: AxisName, *, compression: CompressionConfig | None 
   n = axis_size(axis_name, fn, x.shape)
   if _is_free(axis_name):
     return x
-  if not compresses(fn, x, compression, n):
+  codec = _codec(fn, x, compression, n)
+  if codec is None:
     return jax.lax.psum(x, axis_name)
-  return _forward_only(fn, lambda x: _all_reduce(x, axis_name, compression, algorithm, n), x)
+  return _forward_only(fn, lambda x: _all_reduce(x, axis_name, codec, algorithm, n), x)
 
 
 def _all_reduce(x, axis_name, compression, algorithm, n):
@@ -274,14 +300,15 @@ def _all_reduce(x, axis_name, compression, algorithm, n):
   return out[:r].reshape(x.shape)
 
 
-def ppermute(x, axis_name: AxisName, perm, *, compression: CompressionConfig | None = None):
+def ppermute(x, axis_name: AxisName, perm, *, compression: Compression = None):
   """``lax.ppermute``: rank src sends x to rank dst for each (src, dst) in ``perm``; ranks
   that receive nothing get zeros. forward: ppermute, backward: ppermute with perm inverted.
   """
   n = axis_size(axis_name, "ppermute", x.shape)
-  if not compresses("ppermute", x, compression, n):
+  codec = _codec("ppermute", x, compression, n)
+  if codec is None:
     return jax.lax.ppermute(x, axis_name, perm)
-  return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, compression), x)
+  return _forward_only("ppermute", lambda x: _ppermute(x, axis_name, perm, codec), x)
 
 
 def _ppermute(x, axis_name, perm, compression):

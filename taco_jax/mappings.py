@@ -4,7 +4,8 @@ Each region is one collective in the forward pass and its transpose in the backw
 (all-gather <-> reduce-scatter, all-reduce <-> identity), both through
 ``taco_jax.collectives`` so each can be compressed on its own: ``fwd_compression`` for
 activations, ``bwd_compression`` for gradients (which may want E5M2, or nothing).
-Configs are static (``CompressionConfig`` is hashable); ``None`` means uncompressed.
+Configs are static (``CompressionConfig`` is hashable); ``None`` means uncompressed; a
+``collectives.Decided`` codec is sent with as the caller decided it (not decided again).
 
 Use inside a fully manual ``jax.shard_map``; ``check_vma=True`` and ``False`` both work.
 With ``check_vma=True`` the regions keep JAX's varying-manual-axes types right:
@@ -28,9 +29,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax import collectives
-from taco_jax.codec import CompressionConfig
-
-Compression = CompressionConfig | None
+from taco_jax.collectives import Compression
 
 TP_OUTPUT = "taco_tp_output"  # checkpoint name of the communicating regions' forward outputs
 

@@ -22,7 +22,9 @@ backward pass too (as a residual), so remat's recomputation does not record it t
 Sites (`taco_jax.plan.SITES`): each region of `taco_jax.mappings`, per direction, plus the
 pipeline shift and the data-parallel gradient all-reduce; each belongs to one compression
 family. The callers that know a site (the TP layers, the pipeline, the step's DP
-all-reduce) call the hooks; the regions themselves are pure.
+all-reduce) call the hooks with the codec each message is sent with, the decision they
+also pass to the collective (`collectives.decide`, once per message); the regions
+themselves are pure.
 """
 from __future__ import annotations
 
@@ -36,16 +38,9 @@ import numpy as np
 
 from taco_jax import collectives
 from taco_jax.codec import CompressionConfig
-from taco_jax.plan import COLLECTIVES, SITES
+from taco_jax.plan import SITES
 
 _ROW = {s: i for i, s in enumerate(SITES)}
-
-
-def _sends_compressed(site: str, x, cfg: CompressionConfig | None, axis_name) -> bool:
-  """Whether the site's collective over `axis_name` compresses x (not below `min_bytes` or
-  the link's measured threshold): only compressed messages are logged or captured."""
-  return cfg is not None and collectives.compresses(
-      COLLECTIVES[site], x, cfg, collectives.axis_size(axis_name, site, x.shape))
 
 
 def relative_error(x, cfg: CompressionConfig):
@@ -144,30 +139,32 @@ def value_and_grad(f, params, monitor):
 
 
 def region(f, x, *, fwd: CompressionConfig | None, bwd: CompressionConfig | None,
-           fwd_site: str, bwd_site: str, axis_name):
-  """`f(x)` for a region that sends x forward (codec `fwd`) and its output's cotangent
-  backward (codec `bwd`); the active monitor sees the compressed ones. No monitor: f(x)."""
+           fwd_site: str, bwd_site: str):
+  """`f(x)` for a region that sends x forward with codec `fwd` and its output's cotangent
+  backward with codec `bwd`, as the caller decided them (`collectives.decide`; None: sent
+  plain, not watched); the active monitor sees the compressed ones. No monitor: f(x)."""
   m = _monitor()
   if m is None:
     return f(x)
-  if _sends_compressed(fwd_site, x, fwd, axis_name):
+  if fwd is not None:
     x = (_log_value(x, m.probe, fwd_site, fwd) if isinstance(m, ErrorLog)
          else _capture(x, m, fwd_site, False))
   y = f(x)
-  if _sends_compressed(bwd_site, y, bwd, axis_name):  # the cotangent: y's shape and dtype
+  if bwd is not None:
     y = (_log_cotangent(y, m.probe, bwd_site, bwd) if isinstance(m, ErrorLog)
          else _capture(y, m, bwd_site, True))
   return y
 
 
-def sent(x, cfg: CompressionConfig | None, site: str, axis_name) -> None:
-  """Reports x, sent with `cfg` by a forward-only collective at the trace level of the
-  `watching` block itself (not under a gradient, scan or remat inside it)."""
+def sent(x, codec: CompressionConfig | None, site: str) -> None:
+  """Reports x, sent with `codec` (as decided: `collectives.decide`; None: plain, not
+  reported) by a forward-only collective at the trace level of the `watching` block itself
+  (not under a gradient, scan or remat inside it)."""
   m = _monitor()
-  if m is None or not _sends_compressed(site, x, cfg, axis_name):
+  if m is None or codec is None:
     return
   if isinstance(m, ErrorLog):
-    m.direct.append(_at_row(site, relative_error(x, cfg)))
+    m.direct.append(_at_row(site, relative_error(x, codec)))
   else:
     jax.debug.callback(functools.partial(m.add, site), x)
 

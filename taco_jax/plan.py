@@ -5,19 +5,19 @@
     compression.tp_backward   their transposes in the backward pass (gradients of activations)
     compression.pp            pipeline ppermute of activations (forward and backward)
     compression.dp            data-parallel gradient all-reduce
-    compression.sites         optional per-collective overrides: `sites.<site>` (a
+    compression.sites         per-collective overrides (none: empty): `sites.<site>` (a
                               `site_key` of a `SITES` name, e.g. gather_from_sp_fwd)
                               is a codec section (or enabled=False) that replaces its
                               family's codec for that one collective; `taco_jax.apps.calibrate`
                               writes them where a collective's own best setting differs
     compression.log_errors    also report the relative error of what each family sent as
                               step metrics "compression_error/<family>" (taco_jax.monitor);
-                              off (absent or False) compiles to exactly the plain program
+                              off (False) compiles to exactly the plain program
 
 Each family section is a codec section (format, group_size, hadamard, dual_scale, min_bytes,
-optionally enabled/implementation/lam) or None / enabled=False for "off". A config that has
-no family sections at all (configs.common) compresses TP forward and backward with the
-codec's defaults when enabled, and leaves pp and dp uncompressed.
+optionally enabled/implementation/lam) or None / enabled=False for "off". Every key is in
+`configs.common.base_config`: TP forward and backward with the codec's defaults, pp and dp
+off, no overrides.
 """
 from __future__ import annotations
 
@@ -132,19 +132,25 @@ def _codec(section, where: str) -> CompressionConfig | None:
     raise ValueError(f"compression.{where}: {e}") from e
 
 
+_SECTION_KEYS = ("enabled", *FAMILIES, "sites", "log_errors")  # of a `compression` section
+
+
 def plan_from_config(section) -> CompressionPlan:
-  """The plan for a `compression` config section (None or enabled=False: all off)."""
-  if section is None or not section.get("enabled", False):
+  """The plan for a `compression` config section with every key of `_SECTION_KEYS`, as
+  `configs.common.base_config` has them (None or enabled=False: all off)."""
+  if section is None:
     return CompressionPlan()
-  log = section.get("log_errors", False)
+  missing = [k for k in _SECTION_KEYS if k not in section]
+  if missing:
+    raise ValueError(f"compression: no {', '.join(missing)}; start from "
+                     "configs.common.base_config, which has every key")
+  if not section["enabled"]:
+    return CompressionPlan()
+  log = section["log_errors"]
   if not isinstance(log, bool):
     raise ValueError(f"compression.log_errors must be True or False, got {log!r}")
-  sites = _site_overrides(section.get("sites", None))
-  if not any(f in section for f in FAMILIES):
-    return CompressionPlan(tp_forward=CompressionConfig(), tp_backward=CompressionConfig(),
-                           log_errors=log, sites=sites)
-  return CompressionPlan(**{f: _codec(section.get(f, None), f) for f in FAMILIES},
-                         log_errors=log, sites=sites)
+  return CompressionPlan(**{f: _codec(section[f], f) for f in FAMILIES}, log_errors=log,
+                         sites=_site_overrides(section["sites"]))
 
 
 def _site_overrides(section) -> tuple:

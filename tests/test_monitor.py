@@ -15,11 +15,13 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import mappings, monitor, testing
+from taco_jax import collectives, mappings, monitor, testing
+from taco_jax.configs.common import base_config
 from taco_jax.codec import CompressionConfig, compress, decompress
-from taco_jax.tp import layout as layout_lib, step as step_lib
+from taco_jax.collectives import Decided
+from taco_jax.tp import layers, layout as layout_lib, step as step_lib
 from taco_jax.plan import FAMILIES, SITES, CompressionPlan, plan_from_config
-from taco_jax.tp.mesh import make_mesh
+from taco_jax.tp.mesh import TENSOR, make_mesh
 
 CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=64, n_heads=4,
                                   d_ff=128, max_seq_len=32, dtype="float32"))
@@ -64,11 +66,11 @@ def test_without_flag_the_program_is_unchanged(plan, setup, monkeypatch):
 
 
 def test_plan_reads_the_flag():
-  section = dict(enabled=True, log_errors=True, tp_forward=dict(group_size=32))
-  assert plan_from_config(section).log_errors
-  assert not plan_from_config(dict(enabled=True)).log_errors
+  section = lambda **kw: base_config("t").compression.to_dict() | dict(enabled=True, **kw)
+  assert plan_from_config(section(log_errors=True)).log_errors
+  assert not plan_from_config(section()).log_errors
   with pytest.raises(ValueError, match="log_errors"):
-    plan_from_config(dict(enabled=True, log_errors="yes"))
+    plan_from_config(section(log_errors="yes"))
 
 
 def _host_rel_err(x, cfg):
@@ -92,11 +94,13 @@ def test_probe_carries_each_messages_error(fwd_min_bytes):
   w = jnp.asarray(rng.standard_normal((n * 2, 4 * n, 128)), jnp.float32)
 
   def body(x, w):
-    region = lambda x: mappings.gather_from_sp(x, "x", fwd_compression=fwd,
-                                               bwd_compression=bwd)
-    f = lambda x: jnp.sum(w * monitor.region(region, x, fwd=fwd, bwd=bwd,
+    sends = (collectives.decide("all_gather", x, fwd, n),  # once per message, for both
+             collectives.decide("reduce_scatter", w, bwd, n))  # w: the output's cotangent
+    region = lambda x: mappings.gather_from_sp(x, "x", fwd_compression=Decided(sends[0]),
+                                               bwd_compression=Decided(sends[1]))
+    f = lambda x: jnp.sum(w * monitor.region(region, x, fwd=sends[0], bwd=sends[1],
                                              fwd_site="gather_from_sp/fwd",
-                                             bwd_site="gather_from_sp/bwd", axis_name="x"))
+                                             bwd_site="gather_from_sp/bwd"))
     _, _, probe_ct = monitor.value_and_grad(f, x, monitor.ErrorLog())
     return probe_ct[None]
 
@@ -112,6 +116,30 @@ def test_probe_carries_each_messages_error(fwd_min_bytes):
                                rtol=1e-5)
     others = np.delete(got[r], [rows["gather_from_sp/fwd"], rows["gather_from_sp/bwd"]], 0)
     assert not others.any()
+
+
+def test_each_message_is_decided_once():
+  """A compressed sequence-parallel layer pair (gather, matmul, scatter) traced forward
+  and backward with the monitor on: each of its four messages is decided once
+  (`collectives.decide`), that one decision serving its collective and the monitor."""
+  n, ctx = 2, layers.TPContext(tp=2, dtype=jnp.float32, plan=CompressionPlan(CODEC, CODEC))
+  x, w = jnp.ones((2, 8, 64)), jnp.ones((64, 64))
+
+  def body(x, w):
+    f = lambda x: jnp.sum(layers.scatter_seq(layers.gather_seq(x, ctx) @ w, ctx) ** 2)
+    return monitor.value_and_grad(f, x, monitor.ErrorLog())[2][None]
+
+  step = jax.jit(jax.shard_map(body, mesh=make_mesh(1, 1, n, jax.devices()[:n]),
+                               in_specs=(P(None, TENSOR), P()), out_specs=P(TENSOR),
+                               check_vma=False))
+  with collectives.recording_decisions() as decisions:
+    probe_ct = step.trace(x, w).lower().compile(compiler_options=FAST_COMPILE)(x, w)
+  shard, full = 2 * 4 * 64 * 4, 2 * 8 * 64 * 4  # bytes of [B, T/n, D] and [B, T, D], fp32
+  assert decisions == [("all_gather", shard, True), ("reduce_scatter", full, True),  # gather
+                       ("reduce_scatter", full, True), ("all_gather", shard, True)]  # scatter
+  counted = {s: float(probe_ct[0, i, 1]) for i, s in enumerate(SITES) if probe_ct[0, i, 1]}
+  assert counted == {f"{r}/{d}": 1.0 for r in ("gather_from_sp", "reduce_scatter_to_sp")
+                     for d in ("fwd", "bwd")}
 
 
 def test_step_metrics_per_family(setup):

@@ -290,12 +290,9 @@ def config_source(config, sections: dict, base_module: str | None, header: str,
   body.append("  # calibrated codec per collective family (taco_jax.apps.calibrate)")
   for fam, sec in sections.items():
     body.append(f"  c.compression.{fam} = ml_collections.ConfigDict({sec!r})")
-  if sites or "sites" in config.compression:
+  if sites or config.compression.sites:  # new ones, or none instead of the config's
     body.append("  # collectives whose own best setting differs from their family's")
     body.append(f"  c.compression.sites = ml_collections.ConfigDict({sites!r})")
-  if "log_errors" not in config.compression:  # so that --config.compression.log_errors=True works
-    body.append("  c.compression.log_errors = False  # True: step metrics "
-                "compression_error/<family>")
   body.append("  return c")
   return "\n".join(lines + ["", "def get_config():"] + body) + "\n"
 

@@ -51,9 +51,10 @@ def load_model(workdir: str | pathlib.Path) -> tuple[GPT, int]:
   mesh = mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])
   target = layout_lib.abstract_params(cfg, mesh)
   try:
-    if 'mesh' in ckpt.restore_meta(step):
+    meta = ckpt.restore_meta(step)
+    if 'mesh' in meta:  # the stacked layout: its shapes are the target's
       _check_shapes(ckpt.stored_shapes(step), target)
-    restored, _ = checkpoint.restore_state(ckpt, step, cfg, target)
+    restored, _ = checkpoint.restore_state(ckpt, step, cfg, target, meta=meta)
   except Exception as e:  # noqa: BLE001 - orbax explains a mismatch in hundreds of lines
     lines = str(e).strip().splitlines() or [type(e).__name__]
     raise ValueError(f'cannot read checkpoint {ckpt.directory / str(step)} as the model of '

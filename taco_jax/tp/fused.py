@@ -11,10 +11,10 @@ one fused kernel:
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
 
 Each kernel is compressed when the codec of its direction pays there: from the message
-size at which the FP8 kernel beat the plain one on that link (`policy.pays_for`
+size at which the FP8 kernel beat the plain one on that link (`collectives.decide`
 with ``kernel=True``, measured by `benchmarks/bench_collective_matmul.py`); the FP8 kernels
 take the codec's codes (the same codes as `taco_jax.codec`). A collective that falls back
-to XLA is compressed as the XLA collective would be.
+to XLA is compressed as the XLA collective would be (decided once, for that collective).
 
 Where a kernel cannot run (no Hopper GPU; ``NCCL_P2P_DISABLE=1``, which marks runs without
 peer access; shapes its tiles do not divide; a codec with the Hadamard transform, which
@@ -36,8 +36,9 @@ from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
-from taco_jax.tp.overlap import SEQ, codec_if_pays
+from taco_jax.tp.overlap import SEQ
 from taco_jax.codec import CompressionConfig
+from taco_jax.collectives import Decided
 
 _said: set[str] = set()
 
@@ -67,37 +68,48 @@ def _fp8(codec: CompressionConfig) -> dict:
               lam=codec.lam)
 
 
-def _kernel_problem(misfit: str | None, codec) -> str | None:
-  if codec is not None and codec.hadamard:
-    return "the kernels do not apply the codec's Hadamard transform"
-  return platform_problem() or misfit
+def _kernel_or_xla(collective: str, message, codec, n: int, misfit):
+  """``(codec, None)`` where the fused kernel of `collective` runs, else ``(codec, why
+  not)`` for the XLA collective: the codec decided once for the transport that sends
+  `message` (`collectives.decide`, the kernel's thresholds or the collective's). Off a
+  platform that runs kernels only the collective is asked; on one where the chosen kernel
+  cannot take the shapes (``misfit(kernel codec)``: why not, or None) or the codec,
+  the XLA collective is asked again, as it is then a different transport."""
+  problem = platform_problem()
+  if problem is None:
+    kcodec = collectives.decide(collective, message, codec, n, kernel=True)
+    if kcodec is not None and kcodec.hadamard:
+      problem = "the kernels do not apply the codec's Hadamard transform"
+    else:
+      problem = misfit(kcodec)
+    if problem is None:
+      return kcodec, None
+  return collectives.decide(collective, message, codec, n), problem
 
 
 def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
-  kcodec = codec_if_pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n, kernel=True)
-  if kcodec is None:
-    misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling())
-  else:
-    tiling = ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, kcodec.group_size)
-    misfit = ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, kcodec.group_size)
-  problem = _kernel_problem(misfit, kcodec)
-  if problem is None and kcodec is None:
+  misfit = lambda k: (ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling()) if k is None
+                      else ag_matmul.misfit(x_BSD.shape, w_DF.shape,
+                                            ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape,
+                                                                 k.group_size), k.group_size))
+  codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit)
+  if problem is None and codec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, num_sms=gemm.num_sms())
   if problem is None:
     b, s, d = x_BSD.shape
-    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(kcodec),
-                                 **kcodec.kernel_kwargs())
+    codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
+                                 **codec.kernel_kwargs())
     y, codes_full, mult = ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
-        group_size=kcodec.group_size, dtype=x_BSD.dtype, tiling=tiling, num_sms=gemm.num_sms())
-    return y, ag_matmul.decode_gathered(codes_full, mult, group_size=kcodec.group_size,
+        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=gemm.num_sms())
+    return y, ag_matmul.decode_gathered(codes_full, mult, group_size=codec.group_size,
                                         dtype=x_BSD.dtype)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
-  codec = codec_if_pays(codec, "all_gather", x_BSD.shape, x_BSD.dtype, n)
-  x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True, compression=codec)
+  x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True,
+                                  compression=Decided(codec))
   return jnp.einsum("btd,df->btf", x_full, w_DF), x_full
 
 
@@ -108,21 +120,19 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
   if y_BTF.shape[SEQ] % n:
     raise ValueError(f"matmul_scatter: sequence length {y_BTF.shape[SEQ]} of {y_BTF.shape} "
                      f"is not divisible by the size {n} of axis {axis_name!r}")
-  dtype = jnp.result_type(y_BTF, w_FD)
-  partial = (*y_BTF.shape[:-1], w_FD.shape[1])
-  kcodec = codec_if_pays(codec, "reduce_scatter", partial, dtype, n, kernel=True)
-  tiling = matmul_rs.TILING if kcodec is None else matmul_rs.FP8_TILING
-  misfit = matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling,
-                            kcodec and kcodec.group_size)
-  problem = _kernel_problem(misfit, kcodec)
+  partial = jax.ShapeDtypeStruct((*y_BTF.shape[:-1], w_FD.shape[1]),
+                                 jnp.result_type(y_BTF, w_FD))  # y @ w, the message
+  tiling = lambda k: matmul_rs.TILING if k is None else matmul_rs.FP8_TILING
+  misfit = lambda k: matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling(k),
+                                      k and k.group_size)
+  codec, problem = _kernel_or_xla("reduce_scatter", partial, codec, n, misfit)
   if problem is None:
-    return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling,
+    return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling(codec),
                                            num_sms=gemm.num_sms(),
-                                           fp8=kcodec and _fp8(kcodec))
+                                           fp8=codec and _fp8(codec))
   _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_FD.shape}")
-  codec = codec_if_pays(codec, "reduce_scatter", partial, dtype, n)
   return collectives.reduce_scatter(jnp.einsum("btf,fd->btd", y_BTF, w_FD), axis_name,
-                                    scatter_dimension=SEQ, compression=codec)
+                                    scatter_dimension=SEQ, compression=Decided(codec))
 
 
 # --- all-gather -> matmul ------------------------------------------------------------------

@@ -34,8 +34,9 @@ from jax.ad_checkpoint import checkpoint_name
 from taco_jax.models.layers import normal_init
 from taco_jax import collectives, mappings, monitor
 from taco_jax.codec import CompressionConfig
+from taco_jax.collectives import Decided
 from taco_jax.tp import fused, overlap
-from taco_jax.plan import CompressionPlan
+from taco_jax.plan import COLLECTIVES, CompressionPlan
 from taco_jax.tp.mesh import TENSOR, TP_OVERLAP
 from taco_jax.mappings import TP_OUTPUT
 from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activations
@@ -59,15 +60,26 @@ class TPContext:
     return self.plan.codec(f"{region}/fwd"), self.plan.codec(f"{region}/bwd")
 
 
+def _decided(region: str, x, ctx: TPContext):
+  """(forward, backward) codecs that ``mappings.<region>`` of x sends with, each decided
+  once (`collectives.decide`): the forward message is x, the backward one the cotangent of
+  the region's output (x with its sequence gathered, or scattered, over "tensor")."""
+  n = collectives.axis_size(TENSOR, region, x.shape)
+  t = x.shape[SEQ] * n if region == "gather_from_sp" else x.shape[SEQ] // n
+  y = jax.ShapeDtypeStruct((*x.shape[:SEQ], t, *x.shape[SEQ + 1:]), x.dtype)
+  return tuple(collectives.decide(COLLECTIVES[site], msg, ctx.plan.codec(site), n)
+               for site, msg in ((f"{region}/fwd", x), (f"{region}/bwd", y)))
+
+
 def _watched(region: str, x, ctx: TPContext):
-  """``mappings.<region>`` of x along the sequence over "tensor", with the plan's codecs,
-  reported as the sites "<region>/fwd" and "<region>/bwd" to the active monitor (none: a
-  plain call)."""
-  fwd, bwd = ctx.codecs(region)
-  f = lambda x: getattr(mappings, region)(x, TENSOR, axis=SEQ, fwd_compression=fwd,
-                                          bwd_compression=bwd)
+  """``mappings.<region>`` of x along the sequence over "tensor", with the plan's codecs
+  decided once and given both to the region and to the active monitor, which sees the
+  sites "<region>/fwd" and "<region>/bwd" (none: a plain call)."""
+  fwd, bwd = _decided(region, x, ctx)
+  f = lambda x: getattr(mappings, region)(x, TENSOR, axis=SEQ, fwd_compression=Decided(fwd),
+                                          bwd_compression=Decided(bwd))
   return monitor.region(f, x, fwd=fwd, bwd=bwd, fwd_site=f"{region}/fwd",
-                        bwd_site=f"{region}/bwd", axis_name=TENSOR)
+                        bwd_site=f"{region}/bwd")
 
 
 def gather_seq(x_BSD, ctx: TPContext):
@@ -153,11 +165,17 @@ class TensorParallelFactory:
     return RowParallelLinear(d_in, d_out, init_std=init_std, ctx=self.ctx, rngs=rngs)
 
 
+def tensor_rank(ctx: TPContext):
+  """This device's index on "tensor"; 0 at tp = 1 without asking the mesh, so that the
+  layers run where no "tensor" axis is manual (under GSPMD: `benchmarks.gspmd`)."""
+  return 0 if ctx.tp == 1 else jax.lax.axis_index(TENSOR)
+
+
 def vocab_parallel_embed(w_VD: jax.Array, tokens_BT: jax.Array, ctx: TPContext) -> jax.Array:
   """Lookup in this rank's rows [r V/tp, (r+1) V/tp) of the table, summed and scattered
   over sequence: returns the sequence shard h_BSD (compute dtype)."""
   v_local = w_VD.shape[0]
-  local_BT = tokens_BT - jax.lax.axis_index(TENSOR) * v_local
+  local_BT = tokens_BT - tensor_rank(ctx) * v_local
   mine_BT = (local_BT >= 0) & (local_BT < v_local)
   e_BTD = jnp.take(w_VD, jnp.clip(local_BT, 0, v_local - 1), axis=0)
   e_BTD = jnp.where(mine_BT[..., None], e_BTD, 0).astype(ctx.dtype)
@@ -208,7 +226,7 @@ def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array
   if ctx.tp > 1:  # any common shift >= each local max keeps exp() finite; no gradient
     m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
   sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1), ctx)
-  local_BT = targets_BT - jax.lax.axis_index(TENSOR) * v_local
+  local_BT = targets_BT - tensor_rank(ctx) * v_local
   mine_BT = (local_BT >= 0) & (local_BT < v_local)
   tgt_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, v_local - 1)[..., None],
                                axis=-1)[..., 0]

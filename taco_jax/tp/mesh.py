@@ -14,7 +14,7 @@ import os
 import jax
 import numpy as np
 
-from taco_jax.models.qwen import QwenConfig
+from taco_jax import models
 
 AXES = ("data", "pipeline", "tensor")
 TP_OVERLAP = ("none", "ring", "kernel")  # parallel.tp_overlap
@@ -23,10 +23,9 @@ DATA, PIPE, TENSOR = AXES
 
 
 def _model_sizes(m) -> dict:
-  """The model sizes that must split evenly, from a model config (GPT or Qwen) or a config's
-  model section (where Qwen's n_kv_heads may be left at its default)."""
-  qwen = getattr(m, "block", "gpt") == "qwen"
-  n_kv = getattr(m, "n_kv_heads", QwenConfig.n_kv_heads) if qwen else None
+  """The model sizes that must split evenly, from a model config (GPT or Qwen); KV heads
+  only where the model groups queries (Qwen), as GPT's are its n_heads."""
+  n_kv = m.n_kv_heads if models.kind(m) == "qwen" else None
   return dict(n_heads=m.n_heads, d_model=m.d_model, d_ff=m.d_ff, vocab_size=m.vocab_size,
               n_layers=m.n_layers, n_kv_heads=n_kv)
 
@@ -39,7 +38,8 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
                   ) -> list[str]:
   """Every way a (dp, pp, tp) layout does not fit the model, the batch and the devices.
 
-  ``model``: a model config (``GPTConfig`` / ``QwenConfig``) or a config's model section.
+  ``model``: a model config (``GPTConfig`` / ``QwenConfig``; ``models.model_config`` of a
+  config's model section).
   The batch (``batch_size`` sequences of ``seq_len`` tokens) and the devices are checked
   when given. Messages name the config fields (``parallel.*``, ``model.*``, ``data.*``),
   which ``ParallelSpec``'s fields and the model config's mirror: the config path
@@ -57,7 +57,7 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
   if tp_overlap not in TP_OVERLAP:
     errs.append(f"parallel.tp_overlap={tp_overlap!r} must be one of {TP_OVERLAP}")
   for name, on in (("save_tp_outputs", save_tp_outputs), ("save_dots", save_dots)):
-    if on and not getattr(model, "remat", False):
+    if on and not model.remat:
       errs.append(f"parallel.{name}=True keeps what model.remat would recompute, but "
                   f"model.remat is off; set model.remat=True or leave {name} off")
   if n_devices is not None and dp * pp * tp != n_devices:

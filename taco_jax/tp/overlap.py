@@ -18,8 +18,8 @@ axis and this rank r, chunk c is rows [c S, (c + 1) S) of the full sequence T = 
       (about sqrt(n - 1) times the error of the direct compressed reduce-scatter).
       backward: dy_c = dout_c @ w.T with dout gathered by the ring; dw = sum_c y_c.T @ dout_c.
 
-Whether a codec is used follows `policy.pays_for` on the message the direct
-collective would send, so thresholds and `link` apply as they do there.
+Whether a codec is used is `collectives.decide`'s decision on the message the direct
+collective would send, once per message, so thresholds and `link` apply as they do there.
 """
 from __future__ import annotations
 
@@ -32,14 +32,6 @@ from taco_jax import collectives
 from taco_jax.codec import CompressionConfig, from_wire, to_wire
 
 SEQ = 1  # the sequence axis of [B, T, D] activations
-
-
-def codec_if_pays(codec: CompressionConfig | None, collective: str, shape, dtype, n: int, *,
-                  kernel: bool = False):
-  """`codec` if the direct `collective` would send a [shape] `dtype` message with it; with
-  `kernel`, if its fused collective-matmul kernel would (`policy.pays_for`)."""
-  message = jax.ShapeDtypeStruct(shape, dtype)
-  return codec if collectives.compresses(collective, message, codec, n, kernel=kernel) else None
 
 
 def _chunk(a, c, size: int):
@@ -98,7 +90,7 @@ def _gather_matmul_fwd(x, w, axis_name, fwd, bwd, out_dtype):
   out_dtype = out_dtype or jnp.result_type(x, w)
   y = jnp.zeros((x.shape[0], n * s, w.shape[1]), out_dtype)
   x_full = jnp.zeros((x.shape[0], n * s, x.shape[2]), x.dtype)
-  codec = codec_if_pays(fwd, "all_gather", x.shape, x.dtype, n)
+  codec = collectives.decide("all_gather", x, fwd, n)
   for c, x_c in _ring_gather(x, axis_name, n, codec):
     y_c = jnp.einsum("bsd,df->bsf", x_c, w, preferred_element_type=out_dtype)
     y = jax.lax.dynamic_update_slice_in_dim(y, y_c, c * s, axis=SEQ)
@@ -110,7 +102,7 @@ def _gather_matmul_bwd(axis_name, fwd, bwd, out_dtype, res, dy):
   x_full, w = res
   n = collectives.axis_size(axis_name, "gather_matmul", x_full.shape)
   s = x_full.shape[SEQ] // n
-  rs_codec = codec_if_pays(bwd, "reduce_scatter", x_full.shape, x_full.dtype, n)
+  rs_codec = collectives.decide("reduce_scatter", x_full, bwd, n)
   dx = _ring_reduce_scatter(lambda c: jnp.einsum("bsf,df->bsd", _chunk(dy, c, s), w),
                             axis_name, n, rs_codec, x_full.dtype)
   dw = jnp.einsum("btd,btf->df", x_full, dy, preferred_element_type=jnp.float32)
@@ -137,7 +129,8 @@ def _matmul_scatter_fwd(y, w, axis_name, fwd, bwd):
                      f"divisible by the size {n} of axis {axis_name!r}")
   s = y.shape[SEQ] // n
   dtype = jnp.result_type(y, w)
-  codec = codec_if_pays(fwd, "reduce_scatter", (*y.shape[:-1], w.shape[1]), dtype, n)
+  partial = jax.ShapeDtypeStruct((*y.shape[:-1], w.shape[1]), dtype)  # y @ w
+  codec = collectives.decide("reduce_scatter", partial, fwd, n)
   out = _ring_reduce_scatter(lambda c: jnp.einsum("bsf,fd->bsd", _chunk(y, c, s), w),
                              axis_name, n, codec, dtype)
   return out, (y, w)
@@ -149,7 +142,7 @@ def _matmul_scatter_bwd(axis_name, fwd, bwd, res, dout):
   s = dout.shape[SEQ]
   dy = jnp.zeros(y.shape, jnp.result_type(dout, w))
   dw = jnp.zeros(w.shape, jnp.float32)
-  codec = codec_if_pays(bwd, "all_gather", dout.shape, dout.dtype, n)
+  codec = collectives.decide("all_gather", dout, bwd, n)
   for c, d_c in _ring_gather(dout, axis_name, n, codec):
     dy = jax.lax.dynamic_update_slice_in_dim(dy, jnp.einsum("bsd,fd->bsf", d_c, w), c * s,
                                              axis=SEQ)

@@ -19,12 +19,12 @@ import jax.numpy as jnp
 
 from taco_jax import collectives, monitor
 from taco_jax.codec import CompressionConfig
+from taco_jax.collectives import Compression, Decided
 from taco_jax.tp.mesh import PIPE
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def shift_to_next_stage(x, pp: int, fwd: CompressionConfig | None = None,
-                        bwd: CompressionConfig | None = None):
+def shift_to_next_stage(x, pp: int, fwd: Compression = None, bwd: Compression = None):
   """Stage s sends x to stage s + 1; stage 0 receives zeros.
   forward: ppermute s -> s+1 (codec `fwd`), backward: ppermute s+1 -> s (codec `bwd`)."""
   perm = [(i, i + 1) for i in range(pp - 1)]
@@ -59,10 +59,13 @@ def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
   pad = jnp.zeros((pp - 1, *x_MBSD.shape[1:]), x_MBSD.dtype)
   xs = jnp.concatenate([x_MBSD, pad])  # stage 0's input at each of the m + pp - 1 ticks
 
+  # each direction's message has x's shape: decided once, for the shift and the monitor
+  sends = [collectives.decide("ppermute", x_MBSD[0], c, pp) for c in (fwd, bwd)]
+  shift = lambda x: shift_to_next_stage(x, pp, *map(Decided, sends))
+
   def tick(prev_out, x_in):
-    recv = monitor.region(lambda x: shift_to_next_stage(x, pp, fwd, bwd), prev_out,
-                          fwd=fwd, bwd=bwd, fwd_site="pp/fwd",
-                          bwd_site="pp/bwd", axis_name=PIPE)
+    recv = monitor.region(shift, prev_out, fwd=sends[0], bwd=sends[1], fwd_site="pp/fwd",
+                          bwd_site="pp/bwd")
     out = stage_fn(jnp.where(first, x_in, recv))
     return out, out
 

@@ -170,14 +170,15 @@ def _embed(spec: ParallelSpec, params, tokens_BT):
   h_BSD = layers.vocab_parallel_embed(params["wte"], tokens_BT, ctx)
   if "wpe" in params:
     s = h_BSD.shape[1]
-    pos_SD = jax.lax.dynamic_slice_in_dim(params["wpe"], jax.lax.axis_index(TENSOR) * s, s)
+    pos_SD = jax.lax.dynamic_slice_in_dim(params["wpe"], layers.tensor_rank(ctx) * s, s)
     h_BSD = h_BSD + pos_SD.astype(ctx.dtype)
   return h_BSD
 
 
-def _trunk(spec: ParallelSpec):
+def _trunk(spec: ParallelSpec, constrain: Callable | None = None):
   """(stacked blocks [n, ...], h_BSD) -> h_BSD: the n blocks in order (a scan, or unrolled
-  without `spec.scan_layers`).
+  without `spec.scan_layers`); `constrain`, if given, is applied to each block's output
+  (GSPMD's sharding constraint on the residual stream: `stacked_loss`).
 
   With `spec.interleave` = k > 1 each micro-batch is split into k sub-batches and every
   layer of the scan runs its block on each of them: k independent chains in one loop body,
@@ -190,10 +191,11 @@ def _trunk(spec: ParallelSpec):
   """
   cfg, k = spec.cfg, spec.interleave
   block_gd, _ = layout_lib.block_template(cfg, spec.ctx)
+  constrain = constrain or (lambda h: h)
 
   def layer(hs, p):  # one block on each sub-batch: k chains with no data between them
     block = nnx.merge(block_gd, p)
-    return tuple(block(h) for h in hs), None
+    return tuple(constrain(block(h)) for h in hs), None
 
   if cfg.remat:
     layer = jax.checkpoint(layer, policy=remat_policy(spec))
@@ -215,6 +217,19 @@ def _head_loss(spec: ParallelSpec, params, h_BSD, tgt_BT):
   norm_gd, _ = layout_lib.norm_template(spec.cfg)
   h_BSD = nnx.merge(norm_gd, params["ln_f"])(h_BSD)
   return jnp.mean(layers.vocab_parallel_xent(h_BSD, params["wte"], tgt_BT, spec.ctx))
+
+
+def stacked_loss(spec: ParallelSpec, params, tokens_BT1, *,
+                 constrain: Callable | None = None):
+  """Mean token loss of [b, T + 1] token ids through the stacked forward (embedding,
+  blocks, head) in one piece: no pipeline stages, no micro-batches. At tp = 1 nothing in it
+  communicates, so it is the whole model's math and runs outside a shard_map too:
+  `benchmarks.gspmd` jits it and lets XLA partition it. `constrain` is applied to the
+  residual stream after the embedding and after each block (its sharding constraint)."""
+  constrain = constrain or (lambda h: h)
+  inputs_BT, targets_BT = tokens_BT1[:, :-1], tokens_BT1[:, 1:]
+  h_BSD = _trunk(spec, constrain)(params["blocks"], constrain(_embed(spec, params, inputs_BT)))
+  return _head_loss(spec, params, h_BSD, targets_BT)
 
 
 def _microbatches(spec: ParallelSpec, tokens_BT1):
@@ -280,8 +295,10 @@ def _fused_all_reduce(leaves, axis, compression, site: str = ""):
   flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
   n = flat.shape[0]
   flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
-  monitor.sent(flat, compression, site, axis)  # no-op unless watched (and compressed)
-  flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
+  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis))
+  monitor.sent(flat, codec, site)  # no-op unless watched (and compressed)
+  flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
+  flat = flat.reshape(-1)[:n]
   out, i = [], 0
   for x in leaves:
     out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))

@@ -57,15 +57,16 @@ class Checkpoints:
 
 
 def restore_state(ckpt: Checkpoints, step: int, cfg, params_target, opt_state_target=None,
-                  tx=None):
+                  tx=None, *, meta: dict | None = None):
   """(params, opt_state or None) of checkpoint `step`, placed like the targets (any mesh).
 
   Also reads the checkpoints of the single-device trainer of taco-jax 0.1 (one nnx state
   per model, recognized by metadata without a mesh): their layers are stacked into today's
   layout (`taco_jax.tp.layout.to_parallel`), and so are the moments (`tx`: the optimizer,
-  needed with `opt_state_target`).
+  needed with `opt_state_target`). `meta`: the checkpoint's metadata, if the caller has
+  read it already (`Checkpoints.restore_meta`).
   """
-  if 'mesh' in ckpt.restore_meta(step):
+  if 'mesh' in (ckpt.restore_meta(step) if meta is None else meta):
     params, opt_state, _ = ckpt.restore(step, params_target, opt_state_target)
     return params, opt_state
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

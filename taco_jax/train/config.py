@@ -17,8 +17,9 @@ import sys
 import jax
 import ml_collections
 
+from taco_jax.configs.common import base_config
 from taco_jax.models import model_config
-from taco_jax.plan import plan_from_config
+from taco_jax.plan import FAMILIES, plan_from_config
 from taco_jax.tp import mesh as mesh_lib
 from taco_jax.tp.step import ParallelSpec
 
@@ -97,7 +98,8 @@ def devices(c: ml_collections.ConfigDict) -> list:
 
 def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None = None
                     ) -> list[str]:
-  """Every way `c.parallel` does not fit the model, the batch or the devices."""
+  """Every way `c.parallel` does not fit the model (a valid section: `model_config`), the
+  batch or the devices."""
   p, z = c.parallel, c.compression
   if 'overlap' in p:
     return [f'parallel.overlap={p.overlap!r} was replaced by parallel.tp_overlap: use '
@@ -110,7 +112,7 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
                 "their messages; set it to 'none' to log compression errors "
                 '(compression.log_errors)')
   return errs + mesh_lib.layout_errors(
-      c.model, dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=p.tp_overlap,
+      model_config(c.model), dp=p.dp, pp=p.pp, tp=p.tp, tp_overlap=p.tp_overlap,
       microbatches=p.microbatches, interleave=p.interleave, schedule=p.schedule,
       virtual_stages=p.virtual_stages, log_errors=log_errors,
       save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
@@ -168,8 +170,12 @@ RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim', 'compression')
 # Fields that change nothing a run computes: where the corpus cache lives, whether the
 # compression error is also measured.
 _RESUME_IGNORED = {('data', 'cache_dir'), ('compression', 'log_errors')}
-# Fields added after runs were stored: a config.json without them had their default.
-_ADDED_LATER = {('data', 'include'): '*'}
+# Fields added after runs were stored: a config.json without them had their default. A
+# compression section without families compressed TP with the codec defaults, as
+# base_config's families say now.
+_ADDED_LATER = {('data', 'include'): '*', **{
+    ('compression', k): v for k, v in base_config('').compression.to_dict().items()
+    if k in (*FAMILIES, 'sites')}}
 
 
 def _resume_view(c: dict) -> dict:
