@@ -31,12 +31,11 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import collectives, mappings, monitor
-from taco_jax.tp import layers, layout as layout_lib, one_f_one_b, pipeline
+from taco_jax import mappings, monitor
+from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline
 from taco_jax.plan import FAMILIES, CompressionPlan
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors
 
-_BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
 
 # XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
@@ -273,22 +272,6 @@ def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
   return loss, dict(grads, blocks=one_f_one_b.from_chunks(grads["blocks"], pp, v))
 
 
-def _fused_all_reduce(leaves, axis, compression, site: str = ""):
-  """Sum of every leaf over `axis`, as one collective on a [rows, _BUCKET] buffer."""
-  if not leaves:
-    return []
-  flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
-  n = flat.shape[0]
-  flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
-  monitor.sent(flat, compression, site, axis)  # no-op unless watched (and compressed)
-  flat = collectives.all_reduce(flat, axis, compression=compression).reshape(-1)[:n]
-  out, i = [], 0
-  for x in leaves:
-    out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))
-    i += x.size
-  return out
-
-
 def reduce_grads(spec: ParallelSpec, grads, specs):
   """Sums each gradient over the axes its parameter is replicated on; means over "data"."""
   leaves, treedef = jax.tree.flatten(grads)
@@ -297,10 +280,10 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
     if size == 1:
       continue
     idx = [i for i, s in enumerate(spec_leaves) if axis not in jax.tree.leaves(tuple(s))]
-    for i, g in zip(idx, _fused_all_reduce([leaves[i] for i in idx], axis, None)):
+    for i, g in zip(idx, buckets.all_reduce([leaves[i] for i in idx], axis, None)):
       leaves[i] = g
   if spec.dp > 1:
-    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
+    leaves = [g / spec.dp for g in buckets.all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
   return treedef.unflatten(leaves)
 
 
