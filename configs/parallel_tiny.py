@@ -34,11 +34,14 @@ def add_parallel_sections(c, *, dp, pp, tp, microbatches, compression=True):
   c.model.n_kv_heads = c.model.n_heads    # KV heads (qwen block only)
   c.model.rope_theta = 10000.0            # rotary base (qwen block only)
   z = c.compression
-  z.enabled = compression                 # one switch for all four families below
+  z.enabled = compression                 # one switch for all five families below
   z.tp_forward = codec()                  # TP+SP all-gather / reduce-scatter of activations
   z.tp_backward = codec()                 # their transposes (activation gradients)
   z.pp = codec()                          # pipeline ppermute of activations, both directions
-  z.dp = codec(enabled=False)             # data-parallel gradient all-reduce (off: fp32)
+  z.dp = codec(enabled=False)             # data-parallel gradient all-reduce or, with
+  #                                         parallel.shard_optimizer, reduce-scatter (off: fp32)
+  z.dp_params = codec(enabled=False)      # shard_optimizer's parameter all-gather, as weight
+  #                                         differences (off: the fp32 parameters)
   return c
 
 
