@@ -81,8 +81,13 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.scan_layers = True           # run the layers as one lax.scan (fast to compile); False
   #                                unrolls them (no per-layer stacking of saved activations:
   #                                faster on CPU, compiles longer)
+  p.shard_optimizer = False      # ZeRO-1/2: Adam moments (and master weights) sharded over
+  #                                "data"; gradients reduce-scattered, params all-gathered
+  #                                (taco_jax.tp.zero); at dp=1 nothing is sharded or sent
 
   c.compression = z = ml_collections.ConfigDict()
   z.enabled = False              # FP8 (TACO) compression of TP communication; no-op when tp == 1
+  #                                (families: tp_forward, tp_backward, pp, dp, dp_params;
+  #                                see taco_jax.plan and configs/parallel_tiny.py)
   z.log_errors = False           # log each family's round-trip error of what it sent (metrics)
   return c

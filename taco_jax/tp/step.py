@@ -15,7 +15,9 @@ micro-batches:
             shard), "pipeline" (embedding, final norm: used by the first and last stage),
             and averaged over "data" (compressible by `compression.dp`).
 
-The optimizer update runs on the global arrays outside the shard_map, in the same jit.
+The optimizer update runs on the global arrays outside the shard_map, in the same jit; with
+`parallel.shard_optimizer` the gradients leave it reduce-scattered over "data" instead, and
+`taco_jax.tp.zero` updates the chunks and all-gathers the parameters.
 With `compression.log_errors` the step's metrics also hold "compression_error/<family>"
 (`taco_jax.monitor`: mean relative error of the family's compressed messages, over sites,
 layers, micro-batches and devices); without it the program is exactly the plain one.
@@ -32,7 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import mappings, monitor
-from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline
+from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline, zero
 from taco_jax.plan import FAMILIES, CompressionPlan
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors
 
@@ -84,9 +86,14 @@ class ParallelSpec:
   # run the stacked layers as one lax.scan (one compiled body, residuals stacked per
   # layer), or one after another (unrolled: a longer compile, no stacking copies)
   scan_layers: bool = True
+  # the optimizer state (and master weights) sharded over "data" (ZeRO-1/2,
+  # parallel.shard_optimizer; `taco_jax.tp.zero`): gradients reduce-scattered, parameters
+  # all-gathered after the update
+  shard_optimizer: bool = False
 
   def __post_init__(self):
-    _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors())
+    _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors()
+           + zero.errors(self.shard_optimizer, self.plan))
 
   def layout_errors(self, tokens_BT1=None) -> list[str]:
     """`mesh.layout_errors` of this layout; with `tokens_BT1` ([batch, seq_len + 1] token
@@ -273,7 +280,8 @@ def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
 
 
 def reduce_grads(spec: ParallelSpec, grads, specs):
-  """Sums each gradient over the axes its parameter is replicated on; means over "data"."""
+  """Sums each gradient over the axes its parameter is replicated on; means over "data"
+  (with `spec.shard_optimizer`, each rank keeping its chunk: `zero.scatter_mean`)."""
   leaves, treedef = jax.tree.flatten(grads)
   spec_leaves = treedef.flatten_up_to(specs)
   for axis, size in ((TENSOR, spec.tp), (PIPE, spec.pp)):
@@ -282,14 +290,17 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
     idx = [i for i, s in enumerate(spec_leaves) if axis not in jax.tree.leaves(tuple(s))]
     for i, g in zip(idx, buckets.all_reduce([leaves[i] for i in idx], axis, None)):
       leaves[i] = g
-  if spec.dp > 1:
+  if spec.shard_optimizer:
+    leaves = zero.scatter_mean(spec, leaves)
+  elif spec.dp > 1:
     leaves = [g / spec.dp for g in buckets.all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
   return treedef.unflatten(leaves)
 
 
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
-  size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp}
+  size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp,
+          "dp_params": spec.dp if spec.shard_optimizer else 1}
   return tuple(f for f in FAMILIES if spec.plan.compresses(f) and size[f] > 1)
 
 
@@ -299,6 +310,7 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   compressed collective sends instead."""
   _check_mesh(spec, mesh)
   specs = layout_lib.param_specs(spec.cfg)
+  grad_specs = zero.state_specs(spec) if spec.shard_optimizer else specs
   if spec.tp_overlap != "none" and spec.tp > 1 and (spec.plan.log_errors
                                                     or capture is not None):
     raise ValueError(f"parallel.tp_overlap={spec.tp_overlap!r}: the collective matmuls do not "
@@ -328,13 +340,14 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
     return loss.reshape(1, 1), grads, stats
 
   f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
-                    out_specs=(P(DATA, PIPE), specs) + ((P(),) if log else ()),
+                    out_specs=(P(DATA, PIPE), grad_specs) + ((P(),) if log else ()),
                     check_vma=False)
 
   def loss_and_grads(params, tokens_BT1):
     _check_batch(spec, tokens_BT1)
     loss_DP, grads, *stats = f(params, tokens_BT1)
-    metrics = monitor.family_metrics(stats[0], logged_families(spec)) if log else {}
+    families = [f for f in logged_families(spec) if f != "dp_params"]  # the update's
+    metrics = monitor.family_metrics(stats[0], families) if log else {}
     # the last stage's loss, mean over data
     return jnp.mean(jnp.sum(loss_DP, axis=1)), grads, metrics
 
@@ -342,7 +355,8 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
 
 
 def loss_and_grads_fn(spec: ParallelSpec, mesh) -> Callable:
-  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out."""
+  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out (with
+  `spec.shard_optimizer` the gradients are sharded over "data" too: `zero.state_specs`)."""
   f = _loss_grads_metrics(spec, mesh)
 
   def loss_and_grads(params, tokens_BT1):
@@ -356,11 +370,16 @@ def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, 
   """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics); jit it with donation.
   `capture`: a `monitor.Capture` that records what the compressed collectives send."""
   loss_and_grads = _loss_grads_metrics(spec, mesh, capture)
+  sharded_update = zero.make_update(spec, mesh, tx, capture) if spec.shard_optimizer else None
 
   def train_step(params, opt_state, tokens_BT1):
     loss, grads, errors = loss_and_grads(params, tokens_BT1)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    if sharded_update is not None:
+      params, opt_state, more = sharded_update(params, opt_state, grads)
+      errors = {**errors, **more}
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **errors}
 
   return train_step
