@@ -123,14 +123,13 @@ def _split(x, k: int, dp: int):
   return jnp.moveaxis(x.reshape(*s[:k], dp, s[k] // dp, *s[k + 1:]), k, 0).reshape(dp, -1)
 
 
-def _join(rows, shape, k: int, dp: int):
-  """Inverse of `_split`: [dp, n / dp * rest] -> `shape`."""
-  chunk = (*shape[:k], shape[k] // dp, *shape[k + 1:])
-  return jnp.moveaxis(rows.reshape(dp, *chunk), 0, k).reshape(shape)
-
-
 def _chunk_shape(shape, k: int, dp: int) -> tuple:
   return (*shape[:k], shape[k] // dp, *shape[k + 1:])
+
+
+def _join(rows, shape, k: int, dp: int):
+  """Inverse of `_split`: [dp, n / dp * rest] -> `shape`."""
+  return jnp.moveaxis(rows.reshape(dp, *_chunk_shape(shape, k, dp)), 0, k).reshape(shape)
 
 
 def scatter_mean(spec, leaves: list) -> list:
