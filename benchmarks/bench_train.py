@@ -41,6 +41,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           the backward pass recomputes each block without communicating again
   _dots   the layer remat keeps the blocks' weight-matmul outputs too (`parallel.save_dots`):
           the backward pass recomputes only norms, activation and attention
+  _zero   the optimizer sharded over "data" (`parallel.shard_optimizer`, ZeRO-1/2): the
+          gradients reduce-scattered, the parameters all-gathered; `on_zero` compresses them
+          where --compress lists dp (gradients) and dp_params (weight differences)
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _pgle   (GSPMD too) compiled twice: the second time with the instruction times
@@ -52,7 +55,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
 (`DecoderConfig.attention_backend`) and, on one random batch of the run's attention shapes,
 cuDNN's error against XLA's (`benchmarks/attention_numerics.py`; on CPU: why cuDNN could
-not run). Memory per variant: the compiled step's peak and temporaries per device
+not run). Memory per variant: the parameters' and the optimizer state's bytes per device
+(`params_bytes_per_device`, `opt_state_bytes_per_device`: the state's shards, so `_zero`
+shows the sharded optimizer's saving); the compiled step's peak and temporaries per device
 (`common.compiled_memory`: XLA's buffer assignment); the device's `peak_bytes_in_use`
 (`memory_stats()`) after each variant's first step (`device_peak_bytes`; the process-wide
 peak so far: every variant's state is live at once, and the attention check ran before,
@@ -95,7 +100,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "noremat",
+MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "noremat",
              "pgle")  # in this order: off_cm_1f1b_save_pgle
 GSPMD_MODIFIERS = ("noremat", "pgle")
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
@@ -115,6 +120,7 @@ class Variant:
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
+  shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -139,16 +145,19 @@ def parse_variant(name: str) -> Variant:
   if base is None or -1 in order or order != sorted(set(order)) or (
       base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
       "noremat" in mods and set(mods) & set(REMAT_SAVES)) or (
-      "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods):
+      "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods) or (
+      "zero" in mods and base == "ideal"):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on; _1f1b or _vs2)")
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on; _1f1b or _vs2; "
+                     "no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
-                 "gpipe", virtual_stages=2 if "vs2" in mods else 1)
+                 "gpipe", virtual_stages=2 if "vs2" in mods else 1,
+                 shard_optimizer="zero" in mods)
 
 
 def parse_args(argv=None):
@@ -247,13 +256,16 @@ def _program(variant: Variant, layout, args, cfg, tx):
     plan, ctx = None, contextlib.nullcontext()
   else:
     plan = compression_plan(args, link=args.link) if variant.compressed else CompressionPlan()
+    if not variant.shard_optimizer:  # nothing to gather: the replicated optimizer
+      plan = dataclasses.replace(plan, dp_params=None)
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
                                           tp_overlap=variant.tp_overlap,
                                           interleave=variant.interleave,
                                           schedule=variant.schedule,
                                           virtual_stages=variant.virtual_stages,
                                           save_tp_outputs=variant.save_tp_outputs,
-                                          save_dots=variant.save_dots)
+                                          save_dots=variant.save_dots,
+                                          shard_optimizer=variant.shard_optimizer)
     ctx = (collectives.free_communication(TENSOR) if variant.base == "ideal" else
            contextlib.nullcontext())
   return step, state, batch, mesh, plan, ctx
@@ -275,6 +287,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
   from benchmarks import common
   from taco_jax import data
   from taco_jax.testing import hlo
+  from taco_jax.tp.zero import bytes_per_device
 
   runs, failed = {}, []
   dp, pp, tp = layout
@@ -295,6 +308,8 @@ def run_layout(layout, args, cfg, tx, corpus, until):
       print(f"wrote {dest}", flush=True)
     runs[v] = dict(exe=exe, state=state, batch=batch, compile_s=time.perf_counter() - t0,
                    variant=variant, memory=common.compiled_memory(exe),
+                   state_bytes=dict(params_bytes_per_device=bytes_per_device(state[0]),
+                                    opt_state_bytes_per_device=bytes_per_device(state[1])),
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
@@ -311,7 +326,9 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     plan=r["plan"], xla_options=xla_options(r["variant"], args),
                     remat=cfg.remat and r["variant"].remat,
                     save_tp_outputs=r["variant"].save_tp_outputs,
-                    save_dots=r["variant"].save_dots, **r["memory"],
+                    save_dots=r["variant"].save_dots,
+                    shard_optimizer=r["variant"].shard_optimizer, **r["memory"],
+                    **r["state_bytes"],
                     pgle_profiled=r["pgle_profiled"], schedule=r["variant"].schedule,
                     virtual_stages=r["variant"].virtual_stages,
                     device_peak_bytes=r["device_peak_bytes"],
@@ -452,16 +469,18 @@ def main(argv=None) -> pathlib.Path:
         f"NCCL_P2P_DISABLE={os.environ.get('NCCL_P2P_DISABLE')}")
   print(f"mfu: against the spec peak ({common.peak_tflops(env['device_kind'])} "
         f"TFLOP/s); mfu_of_measured: against the bf16 matmul ceiling measured above; "
+        f"opt_gib: the optimizer state per device; "
         f"peak_gib, temp_gib: the compiled step's peak memory and temporaries per device; "
         f"dev_peak_gib: the device's peak bytes in use (memory_stats) after the variant's "
         f"first step, process-wide")
   gib = lambda b: None if b is None else b / 2**30  # noqa: E731
   print(common.table([dict(r, peak_gib=gib(r["memory_peak_bytes"]),
                            temp_gib=gib(r["memory_temp_bytes"]),
-                           dev_peak_gib=gib(r["device_peak_bytes"])) for r in rows],
+                           dev_peak_gib=gib(r["device_peak_bytes"]),
+                           opt_gib=gib(r["opt_state_bytes_per_device"])) for r in rows],
                      ["layout", "variant", "steps", "compile_s", "step_ms", "tokens_per_s",
-                      "mfu", "mfu_of_measured", "peak_gib", "temp_gib", "dev_peak_gib",
-                      "final_loss"]))
+                      "mfu", "mfu_of_measured", "opt_gib", "peak_gib", "temp_gib",
+                      "dev_peak_gib", "final_loss"]))
   print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",
                                "comm_share", "recovered", "speedup_on_vs_off",
                                "off_vs_gspmd"]))

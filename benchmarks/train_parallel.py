@@ -60,7 +60,8 @@ def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps:
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--lr", type=float, default=6e-4)
   p.add_argument("--compress", default="tp_forward,tp_backward,pp",
-                 help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp)")
+                 help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp,"
+                      "dp_params; dp_params needs a sharded optimizer: bench_train's _zero)")
   p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])
   p.add_argument("--group-size", type=int, default=128)
   p.add_argument("--hadamard", action=argparse.BooleanOptionalAction, default=False,
@@ -131,7 +132,7 @@ def build_step(layout, args, cfg, tx, plan, **spec_fields):
   seed 0, so every variant of a layout starts from the same ones. `spec_fields`: further
   `ParallelSpec` fields (tp_overlap, interleave). Shared with bench_train."""
   import jax
-  from taco_jax.tp import layout as layout_lib, step as step_lib
+  from taco_jax.tp import layout as layout_lib, step as step_lib, zero
   from taco_jax.tp.mesh import make_mesh
   from taco_jax.train.trainer import global_batch, opt_state_target
 
@@ -141,9 +142,9 @@ def build_step(layout, args, cfg, tx, plan, **spec_fields):
   spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, **spec_fields)
   p_abs = layout_lib.abstract_params(cfg, mesh)
   p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
-  o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
+  o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh, spec))
   params = layout_lib.init_params(cfg, mesh, seed=0)
-  opt_state = jax.jit(tx.init, out_shardings=o_sh)(params)
+  opt_state = jax.jit(zero.init(spec, tx), out_shardings=o_sh)(params)
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                  out_shardings=(p_sh, o_sh, None))
   return step, (params, opt_state), lambda tokens: global_batch(tokens, mesh), mesh

@@ -100,6 +100,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.scan_layers = True           # run the layers as one lax.scan (fast to compile); False
   #                                unrolls them (no per-layer stacking of saved activations:
   #                                faster on CPU, compiles longer)
+  p.shard_optimizer = False      # ZeRO-1/2: Adam moments (and master weights) sharded over
+  #                                "data"; gradients reduce-scattered, params all-gathered
+  #                                (taco_jax.tp.zero); at dp=1 nothing is sharded or sent
 
   c.compression = z = ml_collections.ConfigDict()  # taco_jax.plan: one codec per family
   z.enabled = False              # one switch for the families below; a family whose mesh axis
@@ -107,7 +110,10 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   z.tp_forward = codec()         # TP+SP all-gather / reduce-scatter of activations
   z.tp_backward = codec()        # their transposes (activation gradients)
   z.pp = codec(enabled=False)    # pipeline ppermute of activations, both directions
-  z.dp = codec(enabled=False)    # data-parallel gradient all-reduce (off: fp32)
+  z.dp = codec(enabled=False)    # data-parallel gradients: all-reduce, or with
+  #                                parallel.shard_optimizer reduce-scatter (off: fp32)
+  z.dp_params = codec(enabled=False)  # shard_optimizer's parameter all-gather, as weight
+  #                                differences (off: the fp32 parameters)
   z.sites = ml_collections.ConfigDict()  # sites.<site>: one collective's own codec section
   #                                (taco_jax.plan.SITES; written by taco_jax.apps.calibrate)
   z.log_errors = False           # log each family's round-trip error of what it sent (metrics)

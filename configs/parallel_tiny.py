@@ -14,11 +14,14 @@ def add_parallel_sections(c, *, dp, pp, tp, microbatches, compression=True):
   c.model.n_kv_heads = c.model.n_heads    # KV heads (qwen block only)
   c.model.rope_theta = 10000.0            # rotary base (qwen block only)
   z = c.compression
-  z.enabled = compression                 # one switch for all four families below
+  z.enabled = compression                 # one switch for all five families below
   z.tp_forward = codec(group_size=64)     # TP+SP all-gather / reduce-scatter of activations
   z.tp_backward = codec(group_size=64)    # their transposes (activation gradients)
   z.pp = codec(group_size=64)             # pipeline ppermute of activations, both directions
-  z.dp = codec(group_size=64, enabled=False)  # data-parallel gradient all-reduce (off: fp32)
+  z.dp = codec(group_size=64, enabled=False)  # data-parallel gradient all-reduce or, with
+  #                                         parallel.shard_optimizer, reduce-scatter (off: fp32)
+  z.dp_params = codec(group_size=64, enabled=False)  # shard_optimizer's parameter all-gather,
+  #                                         as weight differences (off: the fp32 parameters)
   return c
 
 

@@ -4,7 +4,10 @@
     compression.tp_forward    TP activations: all-gather / reduce-scatter of the residual stream
     compression.tp_backward   their transposes in the backward pass (gradients of activations)
     compression.pp            pipeline ppermute of activations (forward and backward)
-    compression.dp            data-parallel gradient all-reduce
+    compression.dp            data-parallel gradients: the all-reduce, or with
+                              parallel.shard_optimizer the reduce-scatter
+    compression.dp_params     parallel.shard_optimizer's parameter all-gather, sent as the
+                              differences to the previous step's gathered weights
     compression.sites         per-collective overrides (none: empty): `sites.<site>` (a
                               `site_key` of a `SITES` name, e.g. gather_from_sp_fwd)
                               is a codec section (or enabled=False) that replaces its
@@ -16,8 +19,8 @@
 
 Each family section is a codec section (format, group_size, hadamard, dual_scale, min_bytes,
 optionally enabled/implementation/lam) or None / enabled=False for "off". Every key is in
-`configs.common.base_config`: TP forward and backward with the codec's defaults, pp and dp
-off, no overrides.
+`configs.common.base_config`: TP forward and backward with the codec's defaults, pp, dp and
+dp_params off, no overrides.
 """
 from __future__ import annotations
 
@@ -25,10 +28,11 @@ import dataclasses
 
 from taco_jax.codec import CompressionConfig
 
-FAMILIES = ("tp_forward", "tp_backward", "pp", "dp")
+FAMILIES = ("tp_forward", "tp_backward", "pp", "dp", "dp_params")
 
 # site -> (family, collective): each region of `taco_jax.mappings` per direction, the
-# pipeline shift and the data-parallel gradient all-reduce. "/fwd": the region's input as
+# pipeline shift, the data-parallel gradient all-reduce (or, sharding the optimizer,
+# reduce-scatter) and the sharded optimizer's parameter all-gather. "/fwd": the region's input as
 # its forward collective sends it; "/bwd": the cotangent of its output as the backward
 # (transposed) collective sends it.
 _SITES = {
@@ -41,6 +45,8 @@ _SITES = {
     "pp/fwd": ("pp", "ppermute"),                                  # pipeline activations
     "pp/bwd": ("pp", "ppermute"),                                  # ... and their gradients
     "dp": ("dp", "all_reduce"),                                    # gradient all-reduce
+    "dp/scatter": ("dp", "reduce_scatter"),                        # ... or reduce-scatter
+    "dp_params": ("dp_params", "all_gather"),                      # weight differences
 }
 SITES = {s: fam for s, (fam, _) in _SITES.items()}  # site -> family
 COLLECTIVES = {s: coll for s, (_, coll) in _SITES.items()}  # site -> collective
@@ -62,7 +68,8 @@ class CompressionPlan:
   tp_forward: CompressionConfig | None = None   # forward all-gather / reduce-scatter (TP+SP)
   tp_backward: CompressionConfig | None = None  # their transposes in the backward pass
   pp: CompressionConfig | None = None           # pipeline ppermute, both directions
-  dp: CompressionConfig | None = None           # data-parallel gradient all-reduce
+  dp: CompressionConfig | None = None           # data-parallel gradient reduction
+  dp_params: CompressionConfig | None = None    # sharded optimizer: weight-difference gather
   log_errors: bool = False  # step metrics: relative error of what each family sent
   # (site, codec or None) pairs: one collective's codec instead of its family's
   sites: tuple[tuple[str, CompressionConfig | None], ...] = ()

@@ -83,8 +83,12 @@ def test_bench_train_variant_names():
   assert (v.save_tp_outputs, v.save_dots, v.remat) == (True, True, True)
   assert [bench_train.parse_variant(n).remat for n in ("off_noremat", "gspmd_noremat_pgle")] == [
       False, False]
+  v = bench_train.parse_variant("on_save_zero_pgle")
+  assert (v.shard_optimizer, v.save_tp_outputs, v.pgle) == (True, True, True)
+  assert not bench_train.parse_variant("on_save").shard_optimizer
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
-              "off_save_noremat", "off_dots_noremat", "gspmd_dots"):
+              "off_save_noremat", "off_dots_noremat", "gspmd_dots", "gspmd_zero", "ideal_zero",
+              "off_zero_save"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

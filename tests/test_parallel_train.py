@@ -50,6 +50,9 @@ def _config(cache_dir="", **parallel):
     (dict(model=dict(block="llama")), ["model.block='llama' is unknown"]),
     (dict(compression=dict(tp_forward=dict(group_size=48))), ["compression.tp_forward",
                                                              "group_size"]),
+    (dict(compression=dict(dp_params=dict(enabled=True))),
+     ["compression.dp_params compresses the sharded optimizer's parameter all-gather: set "
+      "parallel.shard_optimizer=True"]),
 ])
 def test_validation_names_the_fields(change, messages):
   c = _config()

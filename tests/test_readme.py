@@ -114,7 +114,7 @@ def test_readme_cpu_commands_in_order(tmp_path, tmp_path_factory):
   # the parallel config on 8 fake CPU devices: the same output as the single-device trainer
   assert re.search(r"^parallel_tiny: [\d,]+ params on 8 cpu devices, mesh data=2 x "
                    r"pipeline=2 x tensor=2; workdir \S+$", par.stdout, re.M), par.stdout
-  assert "compression tp_forward, tp_backward, pp: e4m3 G=64; dp: off" in par.stdout
+  assert "compression tp_forward, tp_backward, pp: e4m3 G=64; dp, dp_params: off" in par.stdout
   assert "step 2: val_loss" in par.stdout + par.stderr and "parallel_tiny: 100%" in par.stderr
   assert _summary(par)["step"] == 4
   assert (tmp_path / "workdir" / "tiny" / "loss.png").stat().st_size > 10_000

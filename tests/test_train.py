@@ -227,15 +227,20 @@ def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsy
   """Every mesh prints the same lines, writes the same checkpoint layout (global arrays),
   computes the single-device model's first loss and is read by `sample`; on eight devices
   the run resumes with the message test_interrupt_then_resume_equals_uninterrupted checks
-  on one."""
+  on one. (4, 1, 2) shards its optimizer over "data" (`parallel.shard_optimizer`)."""
   c = micro(cache_dir, steps=1, eval_batches=1)
-  c.parallel.update(dp=dp, pp=pp, tp=tp, microbatches=2 if pp > 1 else 1)
+  c.parallel.update(dp=dp, pp=pp, tp=tp, microbatches=2 if pp > 1 else 1,
+                    shard_optimizer=(dp, pp, tp) == (4, 1, 2))
   first = train(c, tmp_path)
   out = capsys.readouterr().out.splitlines()
   n = dp * pp * tp
   assert out[0].startswith(f'micro: 34,688 params on {n} cpu device{"s" if n > 1 else ""}, '
                            f'mesh data={dp} x pipeline={pp} x tensor={tp}; workdir ')
   assert out[1].startswith('  python stdlib') and 'step compiled in' in out[1]
+  how = 'sharded' if c.parallel.shard_optimizer else 'replicated'
+  assert out[2].startswith('  memory per device: params ') and f'({how} over data)' in out[2]
+  assert first['opt_state_bytes_per_device'] < 2.1 * first['params_bytes_per_device'] / (
+      dp if c.parallel.shard_optimizer else 1)
   ckpt = checkpoint.Checkpoints(tmp_path)
   assert ckpt.restore_meta(1) == {'step': 1, 'mesh': {'data': dp, 'pipeline': pp, 'tensor': tp}}
   one_device = layout_lib.abstract_params(layout_lib.model_config(c.model),

@@ -113,12 +113,16 @@ def shard_params(cfg, params: dict, mesh) -> dict:
   return jax.device_put(params, shardings(cfg, mesh))
 
 
+def param_shapes(cfg) -> dict:
+  """ShapeDtypeStructs of the global parameters (no mesh, nothing allocated)."""
+  return jax.eval_shape(lambda: to_parallel(
+      nnx.to_pure_dict(nnx.state(single_device_model(cfg), nnx.Param))))
+
+
 def abstract_params(cfg, mesh) -> dict:
   """ShapeDtypeStructs with shardings: a restore target on `mesh`, nothing allocated."""
-  shapes = jax.eval_shape(lambda: to_parallel(
-      nnx.to_pure_dict(nnx.state(single_device_model(cfg), nnx.Param))))
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      shapes, shardings(cfg, mesh))
+                      param_shapes(cfg), shardings(cfg, mesh))
 
 
 def decay_mask(params: dict) -> dict:

@@ -15,7 +15,9 @@ micro-batches:
             shard), "pipeline" (embedding, final norm: used by the first and last stage),
             and averaged over "data" (compressible by `compression.dp`).
 
-The optimizer update runs on the global arrays outside the shard_map, in the same jit.
+The optimizer update runs on the global arrays outside the shard_map, in the same jit; with
+`parallel.shard_optimizer` the gradients leave it reduce-scattered over "data" instead, and
+`taco_jax.tp.zero` updates the chunks and all-gathers the parameters.
 With `compression.log_errors` the step's metrics also hold "compression_error/<family>"
 (`taco_jax.monitor`: mean relative error of the family's compressed messages, over sites,
 layers, micro-batches and devices); without it the program is exactly the plain one.
@@ -31,12 +33,11 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from taco_jax import collectives, mappings, monitor
-from taco_jax.tp import layers, layout as layout_lib, one_f_one_b, pipeline
+from taco_jax import mappings, monitor
+from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline, zero
 from taco_jax.plan import FAMILIES, CompressionPlan
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors
 
-_BUCKET = 2048  # gradients are flattened into rows of this width for the fused reductions
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
 
 # XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
@@ -85,9 +86,14 @@ class ParallelSpec:
   # run the stacked layers as one lax.scan (one compiled body, residuals stacked per
   # layer), or one after another (unrolled: a longer compile, no stacking copies)
   scan_layers: bool = True
+  # the optimizer state (and master weights) sharded over "data" (ZeRO-1/2,
+  # parallel.shard_optimizer; `taco_jax.tp.zero`): gradients reduce-scattered, parameters
+  # all-gathered after the update
+  shard_optimizer: bool = False
 
   def __post_init__(self):
-    _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors())
+    _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors()
+           + zero.errors(self.shard_optimizer, self.plan))
 
   def layout_errors(self, tokens_BT1=None) -> list[str]:
     """`mesh.layout_errors` of this layout; with `tokens_BT1` ([batch, seq_len + 1] token
@@ -288,42 +294,28 @@ def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
   return loss, dict(grads, blocks=one_f_one_b.from_chunks(grads["blocks"], pp, v))
 
 
-def _fused_all_reduce(leaves, axis, compression, site: str = ""):
-  """Sum of every leaf over `axis`, as one collective on a [rows, _BUCKET] buffer."""
-  if not leaves:
-    return []
-  flat = jnp.concatenate([x.reshape(-1).astype(jnp.float32) for x in leaves])
-  n = flat.shape[0]
-  flat = jnp.pad(flat, (0, -n % _BUCKET)).reshape(-1, _BUCKET)
-  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis))
-  monitor.sent(flat, codec, site)  # no-op unless watched (and compressed)
-  flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
-  flat = flat.reshape(-1)[:n]
-  out, i = [], 0
-  for x in leaves:
-    out.append(flat[i:i + x.size].reshape(x.shape).astype(x.dtype))
-    i += x.size
-  return out
-
-
 def reduce_grads(spec: ParallelSpec, grads, specs):
-  """Sums each gradient over the axes its parameter is replicated on; means over "data"."""
+  """Sums each gradient over the axes its parameter is replicated on; means over "data"
+  (with `spec.shard_optimizer`, each rank keeping its chunk: `zero.scatter_mean`)."""
   leaves, treedef = jax.tree.flatten(grads)
   spec_leaves = treedef.flatten_up_to(specs)
   for axis, size in ((TENSOR, spec.tp), (PIPE, spec.pp)):
     if size == 1:
       continue
     idx = [i for i, s in enumerate(spec_leaves) if axis not in jax.tree.leaves(tuple(s))]
-    for i, g in zip(idx, _fused_all_reduce([leaves[i] for i in idx], axis, None)):
+    for i, g in zip(idx, buckets.all_reduce([leaves[i] for i in idx], axis, None)):
       leaves[i] = g
-  if spec.dp > 1:
-    leaves = [g / spec.dp for g in _fused_all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
+  if spec.shard_optimizer:
+    leaves = zero.scatter_mean(spec, leaves)
+  elif spec.dp > 1:
+    leaves = [g / spec.dp for g in buckets.all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
   return treedef.unflatten(leaves)
 
 
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
-  size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp}
+  size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp,
+          "dp_params": spec.dp if spec.shard_optimizer else 1}
   return tuple(f for f in FAMILIES if spec.plan.compresses(f) and size[f] > 1)
 
 
@@ -333,6 +325,7 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
   compressed collective sends instead."""
   _check_mesh(spec, mesh)
   specs = layout_lib.param_specs(spec.cfg)
+  grad_specs = zero.state_specs(spec) if spec.shard_optimizer else specs
   if spec.tp_overlap != "none" and spec.tp > 1 and (spec.plan.log_errors
                                                     or capture is not None):
     raise ValueError(f"parallel.tp_overlap={spec.tp_overlap!r}: the collective matmuls do not "
@@ -362,13 +355,14 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
     return loss.reshape(1, 1), grads, stats
 
   f = jax.shard_map(local, mesh=mesh, in_specs=(specs, P(DATA, None)),
-                    out_specs=(P(DATA, PIPE), specs) + ((P(),) if log else ()),
+                    out_specs=(P(DATA, PIPE), grad_specs) + ((P(),) if log else ()),
                     check_vma=False)
 
   def loss_and_grads(params, tokens_BT1):
     _check_batch(spec, tokens_BT1)
     loss_DP, grads, *stats = f(params, tokens_BT1)
-    metrics = monitor.family_metrics(stats[0], logged_families(spec)) if log else {}
+    families = [f for f in logged_families(spec) if f != "dp_params"]  # the update's
+    metrics = monitor.family_metrics(stats[0], families) if log else {}
     # the last stage's loss, mean over data
     return jnp.mean(jnp.sum(loss_DP, axis=1)), grads, metrics
 
@@ -376,7 +370,8 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
 
 
 def loss_and_grads_fn(spec: ParallelSpec, mesh) -> Callable:
-  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out."""
+  """(params, tokens_BT1) -> (loss, grads): global arrays in, global arrays out (with
+  `spec.shard_optimizer` the gradients are sharded over "data" too: `zero.state_specs`)."""
   f = _loss_grads_metrics(spec, mesh)
 
   def loss_and_grads(params, tokens_BT1):
@@ -390,11 +385,16 @@ def make_train_step(spec: ParallelSpec, mesh, tx: optax.GradientTransformation, 
   """(params, opt_state, tokens_BT1) -> (params, opt_state, metrics); jit it with donation.
   `capture`: a `monitor.Capture` that records what the compressed collectives send."""
   loss_and_grads = _loss_grads_metrics(spec, mesh, capture)
+  sharded_update = zero.make_update(spec, mesh, tx, capture) if spec.shard_optimizer else None
 
   def train_step(params, opt_state, tokens_BT1):
     loss, grads, errors = loss_and_grads(params, tokens_BT1)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
+    if sharded_update is not None:
+      params, opt_state, more = sharded_update(params, opt_state, grads)
+      errors = {**errors, **more}
+    else:
+      updates, opt_state = tx.update(grads, opt_state, params)
+      params = optax.apply_updates(params, updates)
     return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), **errors}
 
   return train_step

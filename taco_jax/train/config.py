@@ -20,7 +20,7 @@ import ml_collections
 from taco_jax.configs.common import base_config
 from taco_jax.models import model_config
 from taco_jax.plan import FAMILIES, plan_from_config
-from taco_jax.tp import mesh as mesh_lib
+from taco_jax.tp import mesh as mesh_lib, zero
 from taco_jax.tp.step import ParallelSpec
 
 
@@ -78,7 +78,7 @@ def validate(c: ml_collections.ConfigDict, n_devices: int | None = None,
     except ValueError as e:
       errs.append(str(e))
   try:
-    plan_from_config(c.compression)
+    errs += zero.errors(c.parallel.shard_optimizer, plan_from_config(c.compression))
   except (TypeError, ValueError) as e:
     errs.append(str(e))
   if all(isinstance(c.parallel[n], int) and c.parallel[n] > 0 for n in ('dp', 'pp', 'tp')):
@@ -127,7 +127,8 @@ def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
                       plan_from_config(c.compression), schedule=p.schedule,
                       virtual_stages=p.virtual_stages, tp_overlap=p.tp_overlap,
                       interleave=p.interleave, save_tp_outputs=p.save_tp_outputs,
-                      save_dots=p.save_dots, scan_layers=p.scan_layers)
+                      save_dots=p.save_dots, scan_layers=p.scan_layers,
+                      shard_optimizer=p.shard_optimizer)
 
 
 def notes(c: ml_collections.ConfigDict) -> list[str]:

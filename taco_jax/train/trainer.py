@@ -28,7 +28,7 @@ from tqdm import tqdm
 from taco_jax import collectives, data
 from taco_jax.models.decoder import flops_per_token
 from taco_jax.plan import describe_plan
-from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib
+from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib, zero
 from taco_jax.train import checkpoint, metrics, optim
 from taco_jax.train.config import devices, parallel_spec, store_config, validate
 from taco_jax.train.runner import (NonFiniteLossError, Steps, corpus_line,  # noqa: F401
@@ -50,15 +50,28 @@ def make_optimizer(optim_cfg, total_steps: int) -> optax.GradientTransformation:
   return optim.make_optimizer(optim_cfg, total_steps, decay_mask=layout_lib.decay_mask)
 
 
-def opt_state_target(tx, params_target, mesh):
-  """ShapeDtypeStructs of tx.init(params) on `mesh`: moments sharded like their params,
-  everything else (step counts) replicated."""
-  shapes = jax.eval_shape(tx.init, params_target)
+def opt_state_target(tx, params_target, mesh, spec=None):
+  """ShapeDtypeStructs of the optimizer state on `mesh`: moments sharded like their params,
+  everything else (step counts) replicated. With `spec.shard_optimizer` the moments are
+  sharded over "data" as well, and the master weights come with them where the step keeps
+  them (`taco_jax.tp.zero`)."""
+  sharded = spec is not None and spec.shard_optimizer
+  like = zero.state_target(spec, params_target, mesh) if sharded else params_target
+  shapes = jax.eval_shape(tx.init, like)
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return optax.tree_map_params(
+  tx_state = optax.tree_map_params(
       tx, lambda x, p: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=p.sharding), shapes,
-      params_target, transform_non_params=lambda x: jax.ShapeDtypeStruct(
+      like, transform_non_params=lambda x: jax.ShapeDtypeStruct(
           x.shape, x.dtype, sharding=rep))
+  return zero.opt_state(spec, tx_state, like) if sharded else tx_state
+
+
+def memory_line(params, opt_state, spec) -> str:
+  """'memory per device: params 1.00 MiB, optimizer state 0.50 MiB (sharded over data)'."""
+  mib = lambda tree: zero.bytes_per_device(tree) / 2**20
+  how = 'sharded over data' if spec.shard_optimizer and spec.dp > 1 else 'replicated over data'
+  return (f'memory per device: params {mib(params):.2f} MiB, optimizer state '
+          f'{mib(opt_state):.2f} MiB ({how})')
 
 
 def global_batch(tokens_BT1: np.ndarray, mesh) -> jax.Array:
@@ -91,7 +104,7 @@ def train(config, workdir) -> dict:
           file=sys.stderr)
   tx = make_optimizer(config.optim, t.steps)
   p_abs = layout_lib.abstract_params(spec.cfg, mesh)
-  o_abs = opt_state_target(tx, p_abs, mesh)
+  o_abs = opt_state_target(tx, p_abs, mesh, spec)
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   n_params = sum(x.size for x in jax.tree.leaves(p_abs))
   if lead:
@@ -102,7 +115,7 @@ def train(config, workdir) -> dict:
       tqdm.write(start_message(workdir, start, t.steps))
   else:
     params = layout_lib.init_params(spec.cfg, mesh, config.seed)
-    opt_state = jax.jit(tx.init, out_shardings=shardings(o_abs))(params)
+    opt_state = jax.jit(zero.init(spec, tx), out_shardings=shardings(o_abs))(params)
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
   xla = step_lib.compiler_options(spec.interleave)
@@ -121,6 +134,7 @@ def train(config, workdir) -> dict:
   if lead:
     tqdm.write(f'  {corpus_line(corpus)}, {fpt:.3g} FLOPs/token, {attention} attention, '
                f'compression {describe_plan(spec.plan)}; step compiled in {compile_s:.1f}s')
+    tqdm.write(f'  {memory_line(p_abs, o_abs, spec)}')
     _report_plain_messages(compressed)
   writer = metrics.MetricsWriter(workdir, start) if lead else None
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
@@ -133,7 +147,10 @@ def train(config, workdir) -> dict:
       ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)}, tokens_per_step=tok,
       mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size), writer=writer, pbar=pbar)
   summary = dict(workdir=str(workdir), start_step=start, n_params=n_params,
-                 mesh=dict(mesh.shape), attention=attention, compile_s=compile_s,
+                 mesh=dict(mesh.shape), shard_optimizer=spec.shard_optimizer,
+                 params_bytes_per_device=zero.bytes_per_device(p_abs),
+                 opt_state_bytes_per_device=zero.bytes_per_device(o_abs),
+                 attention=attention, compile_s=compile_s,
                  compressed_messages=compressed, train_loss=outcome.train_loss,
                  val_loss=outcome.val_loss, tokens_per_s=outcome.tokens_per_s,
                  mfu=outcome.mfu, status=outcome.status, step=outcome.step,

@@ -1,0 +1,50 @@
+"""Many gradient or parameter pieces as one fp32 buffer of whole rows, for one collective.
+
+The step reduces its gradients, and the sharded optimizer gathers its parameters, in one
+collective each instead of one per leaf: the pieces are flattened along their last axis,
+concatenated and cut into rows of `BUCKET` values (the codec's groups, at most 512 wide, run
+along the rows and never straddle two of them).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from taco_jax import collectives, monitor
+
+BUCKET = 2048  # values per row of a fused buffer
+
+
+def pack(parts, align: int = 1):
+  """[*lead, n_i] arrays (the same `lead`) -> one fp32 [*lead, rows, BUCKET] buffer.
+
+  Each part starts at a multiple of `align` values (zeros between), so that with
+  `align` = the codec's group size no group holds values of two parts: a group's scales
+  then follow one tensor's magnitude."""
+  lead = parts[0].shape[:-1]
+  pad = lambda x, n: jnp.pad(x, [(0, 0)] * len(lead) + [(0, n)])
+  flat = jnp.concatenate([pad(p.astype(jnp.float32), -p.shape[-1] % align) for p in parts],
+                         axis=-1)
+  return pad(flat, -flat.shape[-1] % BUCKET).reshape(*lead, -1, BUCKET)
+
+
+def unpack(buf, sizes, align: int = 1) -> list:
+  """The parts of `pack(parts, align)` back, from their sizes (`n_i`): [*lead, n_i] fp32."""
+  flat = buf.reshape(*buf.shape[:-2], -1)
+  out, i = [], 0
+  for n in sizes:
+    out.append(flat[..., i:i + n])
+    i += n + (-n % align)
+  return out
+
+
+def all_reduce(leaves, axis, compression, site: str = "") -> list:
+  """Sum of every leaf over `axis`, as one collective on a [rows, BUCKET] buffer; the
+  compressed message is reported to the active monitor as `site`'s."""
+  if not leaves:
+    return []
+  flat = pack([x.reshape(-1) for x in leaves])
+  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis))
+  monitor.sent(flat, codec, site)  # no-op unless watched (and compressed)
+  flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
+  return [y.reshape(x.shape).astype(x.dtype)
+          for y, x in zip(unpack(flat, [x.size for x in leaves]), leaves)]
