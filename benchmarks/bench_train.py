@@ -287,6 +287,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
   from benchmarks import common
   from taco_jax import data
   from taco_jax.testing import hlo
+  from taco_jax.tp.schedules import bubble_fraction
   from taco_jax.tp.zero import bytes_per_device
 
   runs, failed = {}, []
@@ -331,6 +332,11 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     **r["state_bytes"],
                     pgle_profiled=r["pgle_profiled"], schedule=r["variant"].schedule,
                     virtual_stages=r["variant"].virtual_stages,
+                    # the schedule's idle share in theory (backward = 2 forwards), beside
+                    # the measured step; None without a pipeline
+                    bubble_fraction=(bubble_fraction(r["variant"].schedule, pp, args.microbatches,
+                                                     r["variant"].virtual_stages)
+                                     if pp > 1 and r["variant"].ours else None),
                     device_peak_bytes=r["device_peak_bytes"],
                     **timing_record(r, args)))
     del r["exe"], r["state"]

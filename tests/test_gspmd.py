@@ -118,6 +118,9 @@ def test_bench_train_smoke(tmp_path):
     assert "tensor" in by[lay, "gspmd"]["comm_bytes_static"]
     assert abs(by[lay, "gspmd"]["loss_curve"][0] - by[lay, "off"]["loss_curve"][0]) < 1e-4
   assert {s["layout"] for s in rep["summary"]} == {"2,1,4", "2,2,2"}
+  m = rep["config"]["microbatches"]
+  assert by["2,2,2", "off"]["bubble_fraction"] == pytest.approx(1 / (m + 1))  # GPipe, pp = 2
+  assert by["2,1,4", "off"]["bubble_fraction"] is None
 
 
 def test_bench_train_modified_variants_smoke(tmp_path):
