@@ -44,6 +44,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _zero   the optimizer sharded over "data" (`parallel.shard_optimizer`, ZeRO-1/2): the
           gradients reduce-scattered, the parameters all-gathered; `on_zero` compresses them
           where --compress lists dp (gradients) and dp_params (weight differences)
+  _unroll the layers unrolled instead of a scan over the stacked blocks
+          (`parallel.scan_layers=False`)
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _pgle   (GSPMD too) compiled twice: the second time with the instruction times
@@ -100,7 +102,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "noremat",
+MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "unroll", "noremat",
              "pgle")  # in this order: off_cm_1f1b_save_pgle
 GSPMD_MODIFIERS = ("noremat", "pgle")
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
@@ -121,6 +123,7 @@ class Variant:
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
+  scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -157,7 +160,7 @@ def parse_variant(name: str) -> Variant:
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
-                 shard_optimizer="zero" in mods)
+                 shard_optimizer="zero" in mods, scan_layers="unroll" not in mods)
 
 
 def parse_args(argv=None):
@@ -265,7 +268,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           virtual_stages=variant.virtual_stages,
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots,
-                                          shard_optimizer=variant.shard_optimizer)
+                                          shard_optimizer=variant.shard_optimizer,
+                                          scan_layers=variant.scan_layers)
     ctx = (collectives.free_communication(TENSOR) if variant.base == "ideal" else
            contextlib.nullcontext())
   return step, state, batch, mesh, plan, ctx
@@ -328,7 +332,8 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     remat=cfg.remat and r["variant"].remat,
                     save_tp_outputs=r["variant"].save_tp_outputs,
                     save_dots=r["variant"].save_dots,
-                    shard_optimizer=r["variant"].shard_optimizer, **r["memory"],
+                    shard_optimizer=r["variant"].shard_optimizer,
+                    scan_layers=r["variant"].scan_layers, **r["memory"],
                     **r["state_bytes"],
                     pgle_profiled=r["pgle_profiled"], schedule=r["variant"].schedule,
                     virtual_stages=r["variant"].virtual_stages,

@@ -86,9 +86,11 @@ def test_bench_train_variant_names():
   v = bench_train.parse_variant("on_save_zero_pgle")
   assert (v.shard_optimizer, v.save_tp_outputs, v.pgle) == (True, True, True)
   assert not bench_train.parse_variant("on_save").shard_optimizer
+  assert [bench_train.parse_variant(n).scan_layers for n in ("off_dots_unroll", "off_dots")] == [
+      False, True]
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
               "off_save_noremat", "off_dots_noremat", "gspmd_dots", "gspmd_zero", "ideal_zero",
-              "off_zero_save"):
+              "off_zero_save", "gspmd_unroll", "off_unroll_dots"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):
