@@ -6,8 +6,8 @@ Layout: every function takes 2-D inputs ``[rows, groups * group_size]`` (the cod
 """
 from taco_jax.pallas_kernels import wire
 from taco_jax.pallas_kernels.common import FP8_DTYPES, FP8_MAX, hadamard_matrix
-from taco_jax.pallas_kernels.decode import (decode, decode_reference, decode_sum, decode_sum_reference,
-                                   decode_sum_wire, decode_wire)
+from taco_jax.pallas_kernels.decode import (decode, decode_reference, decode_sum,
+                                            decode_sum_reference, decode_sum_wire, decode_wire)
 from taco_jax.pallas_kernels.encode import encode, encode_reference
 
 __all__ = [

@@ -18,8 +18,8 @@ multiplier per group of G codes, ``scale / alpha`` (``decode.group_multiplier``)
 ``[K / G, B S]`` so that a row tile's multipliers are one TMA copy into shared memory. Each
 compute warpgroup decodes its A tile (``codes * multiplier`` in fp32, then the compute
 dtype: exactly ``decode_reference`` without the Hadamard transform) right before the
-wgmma. The encode is the codec's own kernel, run by the caller. Every chunk is decoded, this rank's too, as in the
-compressed all-gather (``all_gather_matmul_reference``).
+wgmma. The encode is the codec's own kernel, run by the caller. Every chunk is decoded,
+this rank's too, as in the compressed all-gather (``all_gather_matmul_reference``).
 
 ``local=True`` runs this rank's part without peers, for the CPU tests (jax's GPU interpret
 mode simulates no peer copies or semaphores): chunks c != r are read from a pre-gathered

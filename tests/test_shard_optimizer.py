@@ -1,8 +1,8 @@
 """The optimizer sharded over "data" (`parallel.shard_optimizer`, `taco_jax.tp.zero`) against
 the replicated one, its compiled collectives, FP8 weight differences and checkpoints.
 
-One tiny fp32 GPT, a few AdamW steps on one batch (clipping on). d_model = 36 leaves the norms, the final
-norm and the QKV biases without a dimension divisible by 8, so at dp = 8 they stay
+One tiny fp32 GPT, a few AdamW steps on one batch (clipping on). d_model = 36 leaves the
+norms, the final norm and the QKV biases without a dimension divisible by 8, so at dp = 8 they stay
 replicated (all-reduced) beside the sharded leaves.
 """
 import jax

@@ -1,5 +1,6 @@
 """Measured thresholds: `CompressionConfig(link=...)` compresses (`policy.pays_for`) only
-where the GPU benchmark found compression to pay, and what the repo states is in sync with the results."""
+where the GPU benchmark found compression to pay, and what the repo states is in sync with
+the results."""
 import pytest
 
 from benchmarks import report

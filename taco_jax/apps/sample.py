@@ -1,8 +1,9 @@
 """Generate text from a trained workdir: `python -m taco_jax.apps.sample --workdir=workdir/tiny`.
 
 Rebuilds the model from <workdir>/config.json, restores the latest checkpoint's params (a
-run on any mesh, or of the single-device trainer of taco-jax 0.1), and samples byte tokens one at a time (no KV cache: each step reruns the
-jitted model on the last `max_seq_len` tokens, right-padded to a fixed shape).
+run on any mesh, or of the single-device trainer of taco-jax 0.1), and samples byte tokens
+one at a time (no KV cache: each step reruns the jitted model on the last `max_seq_len`
+tokens, right-padded to a fixed shape).
 """
 from __future__ import annotations
 

@@ -171,13 +171,19 @@ def tensor_rank(ctx: TPContext):
   return 0 if ctx.tp == 1 else jax.lax.axis_index(TENSOR)
 
 
+def _local_ids(ids_BT, v_local: int, ctx: TPContext):
+  """(row of each token id in this rank's vocabulary shard [r V/tp, (r+1) V/tp), clipped
+  into it; whether the id lies in the shard)."""
+  local_BT = ids_BT - tensor_rank(ctx) * v_local
+  mine_BT = (local_BT >= 0) & (local_BT < v_local)
+  return jnp.clip(local_BT, 0, v_local - 1), mine_BT
+
+
 def vocab_parallel_embed(w_VD: jax.Array, tokens_BT: jax.Array, ctx: TPContext) -> jax.Array:
   """Lookup in this rank's rows [r V/tp, (r+1) V/tp) of the table, summed and scattered
   over sequence: returns the sequence shard h_BSD (compute dtype)."""
-  v_local = w_VD.shape[0]
-  local_BT = tokens_BT - tensor_rank(ctx) * v_local
-  mine_BT = (local_BT >= 0) & (local_BT < v_local)
-  e_BTD = jnp.take(w_VD, jnp.clip(local_BT, 0, v_local - 1), axis=0)
+  rows_BT, mine_BT = _local_ids(tokens_BT, w_VD.shape[0], ctx)
+  e_BTD = jnp.take(w_VD, rows_BT, axis=0)
   e_BTD = jnp.where(mine_BT[..., None], e_BTD, 0).astype(ctx.dtype)
   return scatter_seq(e_BTD, ctx)
 
@@ -221,14 +227,11 @@ def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array
                                        TENSOR, *ctx.codecs("gather_from_sp"), jnp.float32)
   else:
     logits_BTV = head_logits(gather_seq(h_BSD.astype(ctx.dtype), ctx), w_VD.astype(ctx.dtype))
-  v_local = w_VD.shape[0]
   m_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
   if ctx.tp > 1:  # any common shift >= each local max keeps exp() finite; no gradient
     m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
   sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1), ctx)
-  local_BT = targets_BT - tensor_rank(ctx) * v_local
-  mine_BT = (local_BT >= 0) & (local_BT < v_local)
-  tgt_BT = jnp.take_along_axis(logits_BTV, jnp.clip(local_BT, 0, v_local - 1)[..., None],
-                               axis=-1)[..., 0]
+  rows_BT, mine_BT = _local_ids(targets_BT, w_VD.shape[0], ctx)
+  tgt_BT = jnp.take_along_axis(logits_BTV, rows_BT[..., None], axis=-1)[..., 0]
   tgt_BT = _sum_tp(jnp.where(mine_BT, tgt_BT, 0.0), ctx)
   return jnp.log(sumexp_BT) + m_BT - tgt_BT

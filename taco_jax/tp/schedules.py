@@ -28,7 +28,8 @@ import dataclasses
 import numpy as np
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # parallel.schedule
-IDLE, STORE, FUSED = 0, 1, 2  # what a tick's forward does: nothing, keep residuals, + loss + backward
+# what a tick's forward does: nothing, keep residuals, keep them + loss + backward
+IDLE, STORE, FUSED = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
