@@ -156,6 +156,34 @@ class _Epilogues:
         plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
                                 dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
 
+  def _peer_pairs(self):
+    """The (slab, j) order in which ``finish`` reads the received partials: per slab, the
+    peers in rank order (rank ``j + (j >= r)``, this rank skipped)."""
+    return [(i, j) for i in self._slabs() for j in range(self.n - 1)]
+
+  def _barrier(self, wg, slot: int, which: int):
+    return self.s["in_barrier"].at[(wg * 2 + slot) * 2 + which]
+
+  def _fetch(self, k: int, wg, r, row, col, received):
+    """Starts the TMA loads of pair ``k`` of ``_peer_pairs`` (a peer's codes and
+    multipliers of one slab) into receive slot ``k % 2``."""
+    t, (i, j), slot = self.t, self._peer_pairs()[k], k % 2
+    p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
+    plgpu.copy_gmem_to_smem(received[0].at[p, rows, pl.ds(col, t.tile_n)],
+                            self.s["codes_smem"].at[wg, slot], self._barrier(wg, slot, 0))
+    plgpu.copy_gmem_to_smem(received[1].at[p, pl.ds(col // t.tile_n, 1), rows],
+                            self.s["mult_smem"].at[wg, slot], self._barrier(wg, slot, 1))
+
+  def prefetch(self, wg, r, row, col, received):
+    """Before this rank's own tile is computed (FP8): the loads of its first two received
+    partials, so that they land while the matmul runs. They reuse the send buffers (an
+    own tile sends nothing), once the last sent tile has been read out of them."""
+    if not self.fp8:
+      return
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for k in range(min(2, len(self._peer_pairs()))):
+      self._fetch(k, wg, r, row, col, received)
+
   def _load(self, src, wg, what):
     """One TMA load of ``src`` into this warpgroup's ``what`` buffer, awaited."""
     buf, barrier = self.s[what].at[wg], self.s["in_barrier"].at[wg]
@@ -163,29 +191,44 @@ class _Epilogues:
     plgpu.barrier_wait(barrier)
     return buf
 
+  def _fp8_sums(self, acc, wg, r, row, col, received):
+    """Per slab, the n decoded partials (this rank's own, encoded and decoded as sent)
+    summed in fp32 in rank order, as the reference sums; reads the slots ``prefetch``
+    filled and refills each with the pair after next."""
+    t, n, pairs = self.t, self.n, len(self._peer_pairs())
+    for i in self._slabs():
+      own = decode_tile(*self._encode(acc[i * t.epi_m:(i + 1) * t.epi_m]), jnp.float32)
+      total = jnp.zeros_like(own)
+      for j in range(n - 1):
+        mine = jnp.broadcast_to(r == j, own.shape)  # select_n takes no scalar predicate
+        total = jnp.where(mine, total + own, total)  # this rank's place in rank order
+        k = i * (n - 1) + j
+        slot = k % 2
+        plgpu.barrier_wait(self._barrier(wg, slot, 0))
+        plgpu.barrier_wait(self._barrier(wg, slot, 1))
+        total = total + decode_tile(self.s["codes_smem"][wg, slot],
+                                    self.s["mult_smem"][wg, slot, 0], jnp.float32)
+        if k + 2 < pairs:
+          self._fetch(k + 2, wg, r, row, col, received)
+      last = jnp.broadcast_to(r == n - 1, own.shape)
+      yield i, jnp.where(last, total + own, total)
+
   def finish(self, acc, wg, r, row, col, received, out_ref):
     """This rank's tile: its partial plus the received ones (``received``: the arrays of
     the receive slots, ``[n, rows, D]`` values or codes, and ``[n, D / G, rows]``
     multipliers), stored to ``out_ref`` at (row, col)."""
     t, n = self.t, self.n
     cols = t.tile_n // t.epi_n
-    for i in self._slabs():
+    if self.fp8:
+      slabs = self._fp8_sums(acc, wg, r, row, col, received)
+    else:
+      slabs = ((i, acc[i * t.epi_m:(i + 1) * t.epi_m]) for i in self._slabs())
+    for i, slab in slabs:
       rows = pl.ds(row + i * t.epi_m, t.epi_m)
-      slab = acc[i * t.epi_m:(i + 1) * t.epi_m]
-      if self.fp8:
-        own = decode_tile(*self._encode(slab), jnp.float32)
-        total = jnp.zeros_like(own)
-        for p in range(n):  # rank order, as the reference sums
-          codes = self._load(received[0].at[p, rows, pl.ds(col, t.tile_n)], wg, "in_codes")
-          mult = self._load(received[1].at[p, pl.ds(col // t.tile_n, 1), rows], wg, "in_mult")
-          is_own = jnp.broadcast_to(r == p, own.shape)  # select_n takes no scalar predicate
-          total = total + jnp.where(is_own, own, decode_tile(codes[...], mult[0], jnp.float32))
       for j in range(cols):
         sub = pl.ds(col + j * t.epi_n, t.epi_n)
-        if self.fp8:
-          v = total[:, j * t.epi_n:(j + 1) * t.epi_n]
-        else:
-          v = slab[:, j * t.epi_n:(j + 1) * t.epi_n]
+        v = slab[:, j * t.epi_n:(j + 1) * t.epi_n]
+        if not self.fp8:
           for q in range(1, n):  # the peers' partials, in any order
             got = self._load(received[0].at[lax.rem(r + q, n), rows, sub], wg, "in_values")
             v = v + got[...].astype(jnp.float32)
@@ -195,16 +238,14 @@ class _Epilogues:
   def scratch_types(self) -> dict:
     t, wgs = self.t, gemm.COMPUTE_WGS
     out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
-               in_barrier=plgpu.Barrier(num_barriers=wgs))
+               # FP8: per warpgroup, receive slot and (codes, multipliers)
+               in_barrier=plgpu.Barrier(num_barriers=wgs * (4 if self.fp8 else 1)))
     if self.fp8:
       codes_dtype = jnp.dtype(self.fp8["codes_dtype"])
       out.update(
           codes_smem=plgpu.SMEM((wgs, 2, t.epi_m, t.tile_n), codes_dtype,
                                 transforms=gemm.swizzled(t.tile_n, codes_dtype)),
-          mult_smem=plgpu.SMEM((wgs, 2, 1, t.epi_m), jnp.float32),
-          in_codes=plgpu.SMEM((wgs, t.epi_m, t.tile_n), codes_dtype,
-                              transforms=gemm.swizzled(t.tile_n, codes_dtype)),
-          in_mult=plgpu.SMEM((wgs, 1, t.epi_m), jnp.float32))
+          mult_smem=plgpu.SMEM((wgs, 2, 1, t.epi_m), jnp.float32))
     else:
       out.update(in_values=plgpu.SMEM((wgs, t.epi_m, t.epi_n), self.dtype,
                                       transforms=gemm.swizzled(t.epi_n, self.dtype)))
@@ -254,9 +295,12 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         if own and sems is not None:  # every peer's partials of this phase have landed
           pl.semaphore_wait(sems.at[p], value=(n - 1) * signals, decrement=False)
 
-        def epilogue(m_idx, n_idx, wg, acc, c=c, own=own, first=first):
+        def at(m_idx, n_idx, wg, first=first):  # a warpgroup tile's (row, column)
           row0, col0 = t.wg_offsets(wg)
-          row, col = (first + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
+          return (first + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
+
+        def epilogue(m_idx, n_idx, wg, acc, c=c, own=own, at=at):
+          row, col = at(m_idx, n_idx, wg)
           if own:
             epi.finish(acc, wg, r, row, col, inbox, out_ref)
             return
@@ -266,10 +310,13 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
           epi.send(acc, wg, row, col, [tuple(dest) + ((None,) if fp8 is None else ())])
 
+        def prefetch(m_idx, n_idx, wg, at=at):
+          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), inbox)
+
         loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
                  a_refs=lambda m_idx, c=c, first=first: [
                      y_ref.at[pl.ds(y_row(c, first + m_idx), t.cta_m)]],
-                 w_ref=w_ref, epilogue=epilogue)
+                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own else None)
         if not own and sems is not None:  # this SM's partials of (c, p) are on rank c
           @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
           def _signal(c=c, p=p):
