@@ -90,13 +90,14 @@ def probe(mesh, msgs: list[Message], reps: int = 5) -> list[Timing]:
 
 
 def _send(m: Message, codec: CompressionConfig | None):
-  """x -> m's collective of x over m's axis, sent with `codec` (None: plain) as it is."""
+  """x -> m's collective of x over m's axis, sent with `codec` (None: plain) as it is. As
+  the step does: gathered or scattered along the sequence (dim 1) of a [B, T, D] activation
+  (the TP regions), else along the leading dimension (the data-parallel buckets)."""
   how = collectives.Decided(codec)
+  d = 1 if len(m.shape) == 3 else 0
   if m.collective == "all_gather":
-    return lambda x: collectives.all_gather(x, m.axis, axis=0, compression=how)
-  if m.collective == "reduce_scatter":  # along a leading dimension, as the step does
-    dims = [d for d, k in enumerate(m.shape) if k % m.axis_size == 0]
-    d = next((d for d in dims if d < len(m.shape) - 1), dims[0] if dims else 0)
+    return lambda x: collectives.all_gather(x, m.axis, axis=d, compression=how)
+  if m.collective == "reduce_scatter":
     return lambda x: collectives.reduce_scatter(x, m.axis, scatter_dimension=d,
                                                 compression=how)
   if m.collective == "all_reduce":
