@@ -17,7 +17,8 @@ def codec(**kw) -> ml_collections.ConfigDict:
   c.dual_scale = True      # RMS pre-scale before the transform
   c.min_bytes = 0          # smaller messages (per device) go uncompressed
   c.link = ml_collections.FieldReference('auto', field_type=str)  # compress only the sizes
-  #                          measured to pay on this link: 'auto' (on GPU 'p2p_disabled' if
+  #                          measured to pay on this link: 'auto' (the trainer probes this
+  #                          mesh, compression.link_probe; else on GPU 'p2p_disabled' if
   #                          NCCL_P2P_DISABLE=1 else 'nvlink'; none off GPU) | 'nvlink' |
   #                          'p2p_disabled' | None (every message from min_bytes on)
   c.update(kw)
@@ -117,4 +118,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   z.sites = ml_collections.ConfigDict()  # sites.<site>: one collective's own codec section
   #                                (taco_jax.plan.SITES; written by taco_jax.apps.calibrate)
   z.log_errors = False           # log each family's round-trip error of what it sent (metrics)
+  z.link_probe = True            # link='auto' codecs: at start-up on a GPU mesh, time each
+  #                                message plain and compressed and compress where that was
+  #                                faster (taco_jax.train.link_policy; cached in the workdir);
+  #                                False, or off GPU: the measured tables (taco_jax/_measured.py)
   return c

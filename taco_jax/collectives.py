@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,11 +113,25 @@ def _is_free(axis_name: AxisName) -> bool:
   return _axes(axis_name) in _free
 
 
+class Decision(NamedTuple):
+  """One decision of `decide`, as `recording_decisions` keeps it: which message, sent how."""
+  collective: str
+  nbytes: int                 # bytes per device of the local input
+  compressed: bool
+  site: str = ""              # the plan's site (`taco_jax.plan.SITES`), where the caller says
+  axis_size: int | None = None
+  shape: tuple = ()           # of the local input
+  dtype: str = ""
+  codec: CompressionConfig | None = None  # the codec asked for (sent or not)
+  kernel: bool = False        # inside a fused collective-matmul kernel
+
+
 @contextlib.contextmanager
 def recording_decisions():
-  """Collects every compression decision `decide` makes while tracing inside, as
-  ``(collective, bytes per device, compressed)``: e.g. around a step's lowering, to tell
-  which messages a codec was asked for but a measured threshold (``link``) left plain."""
+  """Collects every compression decision `decide` makes while tracing inside, as `Decision`
+  records: e.g. around a step's lowering, to tell which messages a codec was asked for but
+  a measured threshold (``link``) left plain, or which messages to time
+  (`taco_jax.link_probe`)."""
   global _decisions
   outer, _decisions = _decisions, []
   try:
@@ -127,12 +141,14 @@ def recording_decisions():
 
 
 def decide(collective: str, x, compression: CompressionConfig | None,
-           axis_size: int | None = None, *, kernel: bool = False) -> CompressionConfig | None:
+           axis_size: int | None = None, *, kernel: bool = False,
+           site: str = "") -> CompressionConfig | None:
   """The codec ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
   sends x with (the local input as passed to it; an array or a ``jax.ShapeDtypeStruct``):
   ``compression`` where it pays, else None (plain). Static, from shapes and the config.
   Without ``axis_size``, a ``link`` threshold is the most cautious measured one. ``kernel``:
-  inside a fused collective-matmul kernel (its own measured thresholds).
+  inside a fused collective-matmul kernel (its own measured thresholds). ``site``: the
+  plan's name of the message (`taco_jax.plan.SITES`), for `recording_decisions` only.
 
   The one decision per message: a caller that also tells the monitor decides here and
   passes ``Decided(codec)`` to the collective; a collective given a bare config decides
@@ -150,7 +166,8 @@ def decide(collective: str, x, compression: CompressionConfig | None,
   nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
   pays = policy.pays_for(compression, collective, nbytes, axis_size, kernel=kernel)
   if _decisions is not None:
-    _decisions.append((collective, nbytes, pays))
+    _decisions.append(Decision(collective, nbytes, pays, site, axis_size, tuple(x.shape),
+                               jnp.dtype(x.dtype).name, compression, kernel))
   return compression if pays else None
 
 
@@ -176,7 +193,7 @@ def decision_summary(decisions) -> dict:
   """``recording_decisions``' list -> {collective: {"compressed": n, "plain": n,
   "plain_max_bytes": largest message left plain}}."""
   out = {}
-  for collective, nbytes, compressed in decisions:
+  for collective, nbytes, compressed, *_ in decisions:
     row = out.setdefault(collective, {"compressed": 0, "plain": 0, "plain_max_bytes": 0})
     row["compressed" if compressed else "plain"] += 1
     if not compressed:

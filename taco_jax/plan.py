@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from taco_jax.codec import CompressionConfig
+from taco_jax.policy import NEVER
 
 FAMILIES = ("tp_forward", "tp_backward", "pp", "dp", "dp_params")
 
@@ -106,7 +107,7 @@ def codec_label(cfg: CompressionConfig | None) -> str:
   if cfg.link != "auto":
     out.append(f"link={cfg.link}")
   if cfg.min_bytes:
-    out.append(f"from {cfg.min_bytes} B")
+    out.append("never" if cfg.min_bytes >= NEVER else f"from {cfg.min_bytes} B")
   return " ".join(out)
 
 

@@ -14,6 +14,10 @@ import jax
 from taco_jax import _measured
 from taco_jax.codec import CompressionConfig
 
+# min_bytes of a codec that never sends compressed: where `taco_jax.link_probe` measured
+# no gain (the site keeps its codec, so what the step stores does not change)
+NEVER = 1 << 62
+
 
 def resolved_link(cfg: CompressionConfig) -> str | None:
   """``cfg.link``, with "auto" read from where this process runs: on GPU "p2p_disabled" when

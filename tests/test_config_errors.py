@@ -43,6 +43,7 @@ def test_model_sizes():
     ('train', 'eval_every', -5, 'train.eval_every=-5'),
     ('optim', 'lr', 0.0, 'optim.lr=0.0 must be a positive number'),
     ('optim', 'warmup_steps', -1, 'optim.warmup_steps=-1 must be an integer >= 0'),
+    ('compression', 'link_probe', None, 'compression.link_probe=None must be True (time '),
     ('model', 'attention', 'cudnn', "model.attention=cudnn: cuDNN flash attention refuses q "
      "(1, 32, 2, 16) float32: no GPU (backend 'cpu'); use attention=auto or xla"),
 ])

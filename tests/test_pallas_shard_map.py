@@ -74,7 +74,7 @@ def test_pallas_collectives_and_mappings_match_reference(check_vma):
   pallas, xla = traced.lower().compile(compiler_options=FAST_COMPILE)(p)
   # Per implementation: 6 collectives, 6 region messages (the SP regions send forward and
   # backward); every one compressed (else both sides would be the plain collective).
-  assert len(decisions) == 2 * 12 and all(compressed for *_, compressed in decisions)
+  assert len(decisions) == 2 * 12 and all(d.compressed for d in decisions)
   assert jax.tree.structure(pallas) == jax.tree.structure(xla)
   for name in pallas:
     for a, b in zip(jax.tree.leaves(pallas[name]), jax.tree.leaves(xla[name])):

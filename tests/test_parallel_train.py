@@ -139,7 +139,10 @@ def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
   c.train.steps = 1
   for family in ("tp_forward", "tp_backward"):
     c.compression[family].link = "nvlink"
-  sent = train(c, tmp_path)["compressed_messages"]
+  summary = train(c, tmp_path)
+  sent = summary["compressed_messages"]
+  assert summary["link_policy"] == {"source": "tables", "why": "no message of a link='auto' "
+                                    "codec crosses more than one device"}  # link="nvlink"
   assert sent["all_gather"]["plain"] > 0 and sent["reduce_scatter"]["plain"] > 0
   assert not any(row["compressed"] for row in sent.values()), sent
   assert "sent plain, below the size from which compression pays" in capsys.readouterr().out

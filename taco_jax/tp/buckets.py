@@ -43,7 +43,8 @@ def all_reduce(leaves, axis, compression, site: str = "") -> list:
   if not leaves:
     return []
   flat = pack([x.reshape(-1) for x in leaves])
-  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis))
+  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis),
+                             site=site)
   monitor.sent(flat, codec, site)  # no-op unless watched (and compressed)
   flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
   return [y.reshape(x.shape).astype(x.dtype)

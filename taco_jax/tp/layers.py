@@ -67,7 +67,7 @@ def _decided(region: str, x, ctx: TPContext):
   n = collectives.axis_size(TENSOR, region, x.shape)
   t = x.shape[SEQ] * n if region == "gather_from_sp" else x.shape[SEQ] // n
   y = jax.ShapeDtypeStruct((*x.shape[:SEQ], t, *x.shape[SEQ + 1:]), x.dtype)
-  return tuple(collectives.decide(COLLECTIVES[site], msg, ctx.plan.codec(site), n)
+  return tuple(collectives.decide(COLLECTIVES[site], msg, ctx.plan.codec(site), n, site=site)
                for site, msg in ((f"{region}/fwd", x), (f"{region}/bwd", y)))
 
 

@@ -112,6 +112,11 @@ def from_chunks(grads, pp: int, v: int):
   return jax.tree.map(lambda g: g.reshape(-1, *g.shape[2:]), grads)
 
 
+def _decided(x, codec, pp: int, site: str) -> collectives.Decided:
+  """The codec of one pipeline message, decided (and recorded) as ``site``'s."""
+  return collectives.Decided(collectives.decide("ppermute", x, codec, pp, site=site))
+
+
 def _add(acc, g):
   return jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc, g)
 
@@ -203,8 +208,8 @@ def loss_and_grads(parts: Parts, params, inputs_MBT, targets_MBT, *, pp: int, v:
     y, stored, dx, grads, loss = forward(recv_f, dx, row, grads, loss)
     slots = [a.at[row["fwd_slot"]].set(r) for a, r in zip(slots, stored)]
     if pp > 1:
-      y = collectives.ppermute(y, PIPE, to_next, compression=fwd)
-      dx = collectives.ppermute(dx, PIPE, to_prev, compression=bwd)
+      y = collectives.ppermute(y, PIPE, to_next, compression=_decided(y, fwd, pp, "pp/fwd"))
+      dx = collectives.ppermute(dx, PIPE, to_prev, compression=_decided(dx, bwd, pp, "pp/bwd"))
     return (y, dx, slots, grads, loss), None
 
   zeros_h = jnp.zeros(h.shape, h.dtype)

@@ -60,7 +60,8 @@ def gpipe(stage_fn: Callable, x_MBSD: jax.Array, *, pp: int,
   xs = jnp.concatenate([x_MBSD, pad])  # stage 0's input at each of the m + pp - 1 ticks
 
   # each direction's message has x's shape: decided once, for the shift and the monitor
-  sends = [collectives.decide("ppermute", x_MBSD[0], c, pp) for c in (fwd, bwd)]
+  sends = [collectives.decide("ppermute", x_MBSD[0], c, pp, site=f"pp/{d}")
+           for c, d in ((fwd, "fwd"), (bwd, "bwd"))]
   shift = lambda x: shift_to_next_stage(x, pp, *map(Decided, sends))
 
   def tick(prev_out, x_in):

@@ -153,7 +153,7 @@ def scatter_mean(spec, leaves: list) -> list:
   parts = [_split(leaves[i], dims[i], dp) for i in idx]
   buf = buckets.pack(parts, align)  # [dp, rows, BUCKET]: rank d's rows are row d
   buf = buf.reshape(-1, buckets.BUCKET)
-  wire = collectives.decide("reduce_scatter", buf, codec, dp)
+  wire = collectives.decide("reduce_scatter", buf, codec, dp, site="dp/scatter")
   monitor.sent(buf, wire, "dp/scatter")
   buf = collectives.reduce_scatter(buf, DATA, scatter_dimension=0,
                                    compression=collectives.Decided(wire))
@@ -181,7 +181,7 @@ def _gather(spec, chunks: list, params: list) -> list:
     sent.append(c.reshape(-1))
   align = codec.group_size if codec else 1
   buf = buckets.pack(sent, align)  # [rows, BUCKET]
-  wire = collectives.decide("all_gather", buf, codec, dp)
+  wire = collectives.decide("all_gather", buf, codec, dp, site="dp_params")
   monitor.sent(buf, wire, "dp_params")
   buf = collectives.all_gather(buf, DATA, axis=0, tiled=False,
                                compression=collectives.Decided(wire))

@@ -57,6 +57,9 @@ def _checks(c, mcfg) -> list[str]:
          '(0 = only at the end)')
   need(t.keep_checkpoints >= 1, f'train.keep_checkpoints={t.keep_checkpoints} must be >= 1')
   need(t.peak_flops >= 0, f'train.peak_flops={t.peak_flops} must be >= 0 (0 = from the device)')
+  probe = c.compression.get('link_probe', True)
+  need(isinstance(probe, bool), f'compression.link_probe={probe!r} must be True (time the '
+       'collectives at start-up on GPU) or False (the measured tables)')
   return errs
 
 
@@ -169,8 +172,10 @@ def config_to_json(c: ml_collections.ConfigDict) -> str:
 # Sections whose change would make a resumed run differ from an uninterrupted one.
 RESUME_MUST_MATCH = ('model', 'seed', 'data', 'optim', 'compression')
 # Fields that change nothing a run computes: where the corpus cache lives, whether the
-# compression error is also measured.
-_RESUME_IGNORED = {('data', 'cache_dir'), ('compression', 'log_errors')}
+# compression error is also measured; and how link='auto' is decided, which depends on the
+# machine anyway (a resumed run on the same one reuses the cached <workdir>/link_policy.json).
+_RESUME_IGNORED = {('data', 'cache_dir'), ('compression', 'log_errors'),
+                   ('compression', 'link_probe')}
 # Fields added after runs were stored: a config.json without them had their default. A
 # compression section without families compressed TP with the codec defaults, as
 # base_config's families say now.

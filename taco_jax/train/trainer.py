@@ -6,9 +6,10 @@ as on any (data, pipeline, tensor) mesh.
 
 Order of work: validate the config (every error before anything is built or compiled), load
 and check the data, store config.json, build or restore (params, opt_state), compile the
-step, then loop. Batch i is `data.batch_at(train_tokens, i, seed=config.seed, ...)`, so a run
-resumed from a checkpoint at step k continues with exactly the batches (and losses) of an
-uninterrupted one. Params and optimizer state are global jax.Arrays with NamedShardings, so a
+step (after the link policy, `link_policy`: which messages pay for compression on this
+mesh), then loop. Batch i is `data.batch_at(train_tokens, i, seed=config.seed, ...)`, so a
+run resumed from a checkpoint at step k continues with exactly the batches (and losses) of
+an uninterrupted one. Params and optimizer state are global jax.Arrays with NamedShardings, so a
 checkpoint written on one mesh resumes on another (orbax reshards on restore). Started as
 one of several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
 parallel.distributed), it calls `jax.distributed.initialize()` first; each process feeds its
@@ -16,6 +17,7 @@ own batch shards.
 """
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 import sys
 import time
@@ -25,11 +27,11 @@ import numpy as np
 import optax
 from tqdm import tqdm
 
-from taco_jax import collectives, data
+from taco_jax import collectives, data, link_probe
 from taco_jax.models.decoder import flops_per_token
 from taco_jax.plan import describe_plan
 from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib, zero
-from taco_jax.train import checkpoint, metrics, optim
+from taco_jax.train import checkpoint, link_policy, metrics, optim
 from taco_jax.train.config import devices, parallel_spec, store_config, validate
 from taco_jax.train.runner import (NonFiniteLossError, Steps, corpus_line,  # noqa: F401
                                    finished_summary, run_header, run_steps, start_message)
@@ -119,15 +121,23 @@ def train(config, workdir) -> dict:
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
   xla = step_lib.compiler_options(spec.interleave)
-  train_step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                       out_shardings=(shardings(p_abs), shardings(o_abs), None),
-                       compiler_options=xla)
-  eval_step = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
-  t0 = time.perf_counter()
-  with collectives.recording_decisions() as decisions:  # compiled now: out of the throughput
-    lowered = train_step.lower(params, opt_state, batch(start))
+
+  def lower(spec):  # (train step lowered, eval step, the decisions of the train step)
+    step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
+                   out_shardings=(shardings(p_abs), shardings(o_abs), None),
+                   compiler_options=xla)
+    with collectives.recording_decisions() as decisions:
+      lowered = step.lower(params, opt_state, batch(start))
+    evaluate = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
+    return lowered, evaluate, decisions
+
+  t0 = time.perf_counter()  # compiled now: out of the throughput
+  lowered, eval_step, decisions = lower(spec)
+  link = link_policy.resolve(config, spec, mesh, decisions, workdir)
+  if link_probe.changes(decisions, link.plan):  # the probe sends otherwise: trace that
+    lowered, eval_step, decisions = lower(dataclasses.replace(spec, plan=link.plan))
   train_step = lowered.compile()
-  compile_s = time.perf_counter() - t0
+  compile_s = time.perf_counter() - t0 - link.probe_s
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
   attention = spec.cfg.attention_backend(d.seq_len)
   compressed = collectives.decision_summary(decisions)
@@ -135,6 +145,8 @@ def train(config, workdir) -> dict:
     tqdm.write(f'  {corpus_line(corpus)}, {fpt:.3g} FLOPs/token, {attention} attention, '
                f'compression {describe_plan(spec.plan)}; step compiled in {compile_s:.1f}s')
     tqdm.write(f'  {memory_line(p_abs, o_abs, spec)}')
+    for line in link.lines:
+      tqdm.write(f'  {line}')
     _report_plain_messages(compressed)
   writer = metrics.MetricsWriter(workdir, start) if lead else None
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
@@ -151,7 +163,8 @@ def train(config, workdir) -> dict:
                  params_bytes_per_device=zero.bytes_per_device(p_abs),
                  opt_state_bytes_per_device=zero.bytes_per_device(o_abs),
                  attention=attention, compile_s=compile_s,
-                 compressed_messages=compressed, train_loss=outcome.train_loss,
+                 compressed_messages=compressed, link_policy=link.summary,
+                 train_loss=outcome.train_loss,
                  val_loss=outcome.val_loss, tokens_per_s=outcome.tokens_per_s,
                  mfu=outcome.mfu, status=outcome.status, step=outcome.step,
                  last_checkpoint=outcome.last_checkpoint,
@@ -163,12 +176,13 @@ def train(config, workdir) -> dict:
 
 def _report_plain_messages(by_collective: dict) -> None:
   """Says which messages a codec was configured for but went plain (below ``min_bytes``
-  or the size measured to pay on the link, ``CompressionConfig.link``), so that a
-  configured compression that does nothing on this machine is not silent."""
+  or the size measured to pay on the link, ``CompressionConfig.link``, or probed at
+  start-up, `link_policy`), so that a configured compression that does nothing on this
+  machine is not silent."""
   plain = {c: r for c, r in by_collective.items() if r['plain']}
   if plain:
-    tqdm.write('sent plain, below the size from which compression pays (compression.*.link / '
-               'min_bytes): ' + '; '.join(
+    tqdm.write('sent plain, below the size from which compression pays (link policy / '
+               'compression.*.min_bytes): ' + '; '.join(
                    f"{r['plain']} of {r['plain'] + r['compressed']} {c} call sites (up to "
                    f"{r['plain_max_bytes'] / 2**20:.2f} MiB per device)"
                    for c, r in plain.items()))
