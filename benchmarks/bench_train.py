@@ -49,7 +49,7 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _pgle   (GSPMD too) compiled twice: the second time with the instruction times
-          measured in two profiled steps of the first (`benchmarks.pgle`: XLA's
+          measured in two profiled steps of the first (`taco_jax.train.pgle`: XLA's
           profile-guided latency estimation), so the scheduler overlaps collectives by
           measured costs rather than its guesses. The profiled steps run on a throwaway
           state; timing starts from the same parameters as the other variants.
@@ -106,7 +106,6 @@ MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "unroll", "nore
              "pgle")  # in this order: off_cm_1f1b_save_pgle
 GSPMD_MODIFIERS = ("noremat", "pgle")
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
-PGLE_RUNS = 2  # profiled steps per *_pgle variant (after one warm-up step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +216,7 @@ def build(variant: Variant, layout, args, cfg, tx):
   if not variant.pgle:
     return lowered.compile(options), state, batch, mesh, plan, False
   import jax
-  from benchmarks import pgle
+  from taco_jax.train import pgle
   scratch = {"state": state}
   tokens = batch(args._tokens0)
 
@@ -226,7 +225,7 @@ def build(variant: Variant, layout, args, cfg, tx):
     jax.block_until_ready(metrics["loss"])
     scratch["state"] = (params, opt_state)
 
-  exe, profiled = pgle.profile_guided_compile(lowered, run, runs=PGLE_RUNS, options=options)
+  exe, profiled = pgle.profile_guided_compile(lowered, run, options=options)
   state = _program(variant, layout, args, cfg, tx)[1]  # fresh: the others' start
   return exe, state, batch, mesh, plan, profiled
 

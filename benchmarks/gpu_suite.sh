@@ -105,7 +105,7 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 220 python3 benchmarks/bench_train.py --label nop2p_xla \
         --layouts 1,1,4 --variants off,on --implementation xla --deadline-s 200 \
         --out-dir "$out" ;;
-    pgle)  # *_pgle: compiled again with measured instruction times (benchmarks.pgle)
+    pgle)  # *_pgle: compiled again with measured instruction times (taco_jax.train.pgle)
       timeout 300 python3 benchmarks/bench_train.py --label nvlink_pgle --layouts 1,1,4 \
         --variants off,on,off_pgle,on_pgle,gspmd --steps 30 --dump-hlo off_pgle,on_pgle \
         --deadline-s 270 --out-dir "$out"
