@@ -103,6 +103,11 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.shard_optimizer = False      # ZeRO-1/2: Adam moments (and master weights) sharded over
   #                                "data"; gradients reduce-scattered, params all-gathered
   #                                (taco_jax.tp.zero); at dp=1 nothing is sharded or sent
+  p.pgle = False                 # profile-guided scheduling (XLA's PGLE): steps 2-3 of the
+  #                                run (after one warm-up step) run under the profiler, then
+  #                                the step is compiled again with their measured instruction
+  #                                times; the profile is cached in <workdir>/pgle for a resumed
+  #                                run. GPU only (elsewhere it says so and changes nothing)
 
   c.compression = z = ml_collections.ConfigDict()  # taco_jax.plan: one codec per family
   z.enabled = False              # one switch for the families below; a family whose mesh axis

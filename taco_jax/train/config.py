@@ -57,6 +57,8 @@ def _checks(c, mcfg) -> list[str]:
          '(0 = only at the end)')
   need(t.keep_checkpoints >= 1, f'train.keep_checkpoints={t.keep_checkpoints} must be >= 1')
   need(t.peak_flops >= 0, f'train.peak_flops={t.peak_flops} must be >= 0 (0 = from the device)')
+  need(isinstance(c.parallel.pgle, bool),
+       f'parallel.pgle={c.parallel.pgle!r} must be True or False')
   return errs
 
 

@@ -12,7 +12,8 @@ uninterrupted one. Params and optimizer state are global jax.Arrays with NamedSh
 checkpoint written on one mesh resumes on another (orbax reshards on restore). Started as
 one of several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
 parallel.distributed), it calls `jax.distributed.initialize()` first; each process feeds its
-own batch shards.
+own batch shards. With parallel.pgle the step is a `pgle.ProfileGuidedStep`, compiled
+again from a profile of the run's first steps (cached in <workdir>/pgle).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from taco_jax import collectives, data
 from taco_jax.models.decoder import flops_per_token
 from taco_jax.plan import describe_plan
 from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib, zero
-from taco_jax.train import checkpoint, metrics, optim
+from taco_jax.train import checkpoint, metrics, optim, pgle
 from taco_jax.train.config import devices, parallel_spec, store_config, validate
 from taco_jax.train.runner import (NonFiniteLossError, Steps, corpus_line,  # noqa: F401
                                    finished_summary, run_header, run_steps, start_message)
@@ -120,13 +121,19 @@ def train(config, workdir) -> dict:
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
   xla = step_lib.compiler_options(spec.interleave)
   train_step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                       out_shardings=(shardings(p_abs), shardings(o_abs), None),
-                       compiler_options=xla)
+                       out_shardings=(shardings(p_abs), shardings(o_abs), None))
   eval_step = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
   t0 = time.perf_counter()
   with collectives.recording_decisions() as decisions:  # compiled now: out of the throughput
     lowered = train_step.lower(params, opt_state, batch(start))
-  train_step = lowered.compile()
+  if p.pgle:  # the plain step for its first steps, profiled, then compiled again (pgle.py)
+    train_step = pgle.ProfileGuidedStep(
+        lowered, xla, steps_left=t.steps - start, first_step=start + 1,
+        cache=pgle.ProfileCache(workdir / 'pgle') if lead else None,
+        key=pgle.cache_key(lowered, xla, mesh), log=tqdm.write if lead else None,
+        platform=mesh.devices.flat[0].platform)
+  else:
+    train_step = lowered.compile(xla or None)
   compile_s = time.perf_counter() - t0
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
   attention = spec.cfg.attention_backend(d.seq_len)
@@ -141,16 +148,23 @@ def train(config, workdir) -> dict:
               desc=config.name) if lead else None
   peak = metrics.configured_peak(t, jax.devices()[0].device_kind)
   t_start = time.perf_counter()
-  outcome = run_steps(
-      params, opt_state, Steps(train=train_step, eval=eval_step, train_batch=batch,
-                               val_batch=lambda i: batch(i, 1, corpus.val)),
-      ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)}, tokens_per_step=tok,
-      mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size), writer=writer, pbar=pbar)
+  untimed = (lambda: train_step.untimed_s) if p.pgle else (lambda: 0.0)
+  try:
+    outcome = run_steps(
+        params, opt_state, Steps(train=train_step, eval=eval_step, train_batch=batch,
+                                 val_batch=lambda i: batch(i, 1, corpus.val), untimed_s=untimed),
+        ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)},
+        tokens_per_step=tok, mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size),
+        writer=writer, pbar=pbar)
+  finally:
+    if p.pgle:
+      train_step.close()
   summary = dict(workdir=str(workdir), start_step=start, n_params=n_params,
                  mesh=dict(mesh.shape), shard_optimizer=spec.shard_optimizer,
                  params_bytes_per_device=zero.bytes_per_device(p_abs),
                  opt_state_bytes_per_device=zero.bytes_per_device(o_abs),
-                 attention=attention, compile_s=compile_s,
+                 attention=attention, compile_s=compile_s, xla_options=xla,
+                 pgle=train_step.summary() if p.pgle else None,
                  compressed_messages=compressed, train_loss=outcome.train_loss,
                  val_loss=outcome.val_loss, tokens_per_s=outcome.tokens_per_s,
                  mfu=outcome.mfu, status=outcome.status, step=outcome.step,
