@@ -12,8 +12,9 @@ uninterrupted one. Params and optimizer state are global jax.Arrays with NamedSh
 checkpoint written on one mesh resumes on another (orbax reshards on restore). Started as
 one of several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
 parallel.distributed), it calls `jax.distributed.initialize()` first; each process feeds its
-own batch shards. With parallel.pgle the step is a `pgle.ProfileGuidedStep`, compiled
-again from a profile of the run's first steps (cached in <workdir>/pgle).
+own batch shards. The step is compiled with `config.compiler_options` (parallel.interleave,
+xla_overlap, collectives_in_flight); with parallel.pgle it is a `pgle.ProfileGuidedStep`,
+compiled again from a profile of the run's first steps (cached in <workdir>/pgle).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ from taco_jax.models.decoder import flops_per_token
 from taco_jax.plan import describe_plan
 from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib, zero
 from taco_jax.train import checkpoint, metrics, optim, pgle
-from taco_jax.train.config import devices, parallel_spec, store_config, validate
+from taco_jax.train.config import (compiler_options, devices, parallel_spec, store_config,
+                                   validate)
 from taco_jax.train.runner import (NonFiniteLossError, Steps, corpus_line,  # noqa: F401
                                    finished_summary, run_header, run_steps, start_message)
 
@@ -119,7 +121,7 @@ def train(config, workdir) -> dict:
     opt_state = jax.jit(zero.init(spec, tx), out_shardings=shardings(o_abs))(params)
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
-  xla = step_lib.compiler_options(spec.interleave)
+  xla = compiler_options(config)
   train_step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                        out_shardings=(shardings(p_abs), shardings(o_abs), None))
   eval_step = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
