@@ -48,11 +48,15 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           (`parallel.scan_layers=False`)
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
+  _cif2   (GSPMD too) XLA's latency-hiding scheduler may keep two asynchronous collectives
+          in flight at once, not one (`parallel.collectives_in_flight=2`,
+          `step.compiler_options`); `_cif4`: four
   _pgle   (GSPMD too) compiled twice: the second time with the instruction times
-          measured in two profiled steps of the first (`benchmarks.pgle`: XLA's
-          profile-guided latency estimation), so the scheduler overlaps collectives by
-          measured costs rather than its guesses. The profiled steps run on a throwaway
-          state; timing starts from the same parameters as the other variants.
+          measured in two profiled steps of the first (`taco_jax.train.pgle`: XLA's
+          profile-guided latency estimation, as `parallel.pgle` does in the trainer), so
+          the scheduler overlaps collectives by measured costs rather than its guesses.
+          The profiled steps run on a throwaway state; timing starts from the same
+          parameters as the other variants.
 
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
 (`DecoderConfig.attention_backend`) and, on one random batch of the run's attention shapes,
@@ -103,10 +107,10 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "unroll", "noremat",
-             "pgle")  # in this order: off_cm_1f1b_save_pgle
-GSPMD_MODIFIERS = ("noremat", "pgle")
+             "cif2", "cif4", "pgle")  # in this order: off_cm_1f1b_save_cif2_pgle
+GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
+CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
-PGLE_RUNS = 2  # profiled steps per *_pgle variant (after one warm-up step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +128,7 @@ class Variant:
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
+  collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -147,20 +152,21 @@ def parse_variant(name: str) -> Variant:
   order = [MODIFIERS.index(m) if m in MODIFIERS else -1 for m in mods]
   if base is None or -1 in order or order != sorted(set(order)) or (
       base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
-      "noremat" in mods and set(mods) & set(REMAT_SAVES)) or (
+      "noremat" in mods and set(mods) & set(REMAT_SAVES)) or len(set(mods) & set(CIF)) > 1 or (
       "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal"):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on; _1f1b or _vs2; "
-                     "no ideal_zero)")
+                     "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
-                 shard_optimizer="zero" in mods, scan_layers="unroll" not in mods)
+                 shard_optimizer="zero" in mods, scan_layers="unroll" not in mods,
+                 collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1))
 
 
 def parse_args(argv=None):
@@ -201,10 +207,12 @@ def variant_config(variant: Variant, cfg):
 
 
 def xla_options(variant: Variant, args) -> dict:
-  """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`),
-  unless --no-interleave-options."""
+  """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`), the
+  interleaving ones unless --no-interleave-options. XLA's overlap options come for every
+  variant from XLA_FLAGS (`add_overlap_flags`), not from here."""
   from taco_jax.tp.step import compiler_options
-  return {} if args.no_interleave_options else compiler_options(variant.interleave)
+  return compiler_options(1 if args.no_interleave_options else variant.interleave,
+                          collectives_in_flight=variant.collectives_in_flight)
 
 
 def build(variant: Variant, layout, args, cfg, tx):
@@ -217,7 +225,7 @@ def build(variant: Variant, layout, args, cfg, tx):
   if not variant.pgle:
     return lowered.compile(options), state, batch, mesh, plan, False
   import jax
-  from benchmarks import pgle
+  from taco_jax.train import pgle
   scratch = {"state": state}
   tokens = batch(args._tokens0)
 
@@ -226,7 +234,7 @@ def build(variant: Variant, layout, args, cfg, tx):
     jax.block_until_ready(metrics["loss"])
     scratch["state"] = (params, opt_state)
 
-  exe, profiled = pgle.profile_guided_compile(lowered, run, runs=PGLE_RUNS, options=options)
+  exe, profiled = pgle.profile_guided_compile(lowered, run, options=options)
   state = _program(variant, layout, args, cfg, tx)[1]  # fresh: the others' start
   return exe, state, batch, mesh, plan, profiled
 

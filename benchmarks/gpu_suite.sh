@@ -28,6 +28,9 @@
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
+#   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
+#   bash benchmarks/gpu_suite.sh slow_links_combined # overlap levers alone, combined, and
+#   bash benchmarks/gpu_suite.sh slow_links_no_lhs   # without XLA's overlap flags (<= 9.5 min each)
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -54,6 +57,23 @@ for job in "$@"; do
       timeout 590 python3 benchmarks/bench_train.py --label nvlink_cm --layouts 1,1,2 \
         --variants off_save,ideal_save,gspmd,off_cm_save,on_cm_save,off_save_dots,off_noremat \
         --deadline-s 540 --out-dir "$out" ;;
+    slow_links)  # issue 16, 2xH200 through host memory: each overlap lever alone on the
+      # compressed step that keeps the TP outputs (interleave, 2 / 4 collectives in flight, PGLE)
+      NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py --label nop2p_levers \
+        --layouts 1,1,2 --deadline-s 520 \
+        --variants off_save,on_save,on_il2_save,on_save_cif2,on_save_cif4,on_save_pgle \
+        --out-dir "$out" ;;
+    slow_links_combined)  # ... the levers together
+      v=on_save,on_il2_save_cif2,on_il2_save_pgle,on_save_cif2_pgle,on_il2_save_cif2_pgle
+      NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py \
+        --label nop2p_levers_combined --layouts 1,1,2 --variants "$v" --deadline-s 520 \
+        --out-dir "$out" ;;
+    slow_links_no_lhs)  # ... without XLA_OVERLAP_FLAGS: what the trainer compiled before
+      # parallel.xla_overlap (no latency-hiding scheduler), and each lever from there
+      NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py --no-overlap-flags \
+        --label nop2p_levers_no_lhs --layouts 1,1,2 \
+        --variants on_save,on_il2_save,on_save_cif2,on_save_pgle,on_il2_save_cif2_pgle \
+        --deadline-s 520 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
         --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
@@ -105,7 +125,7 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 220 python3 benchmarks/bench_train.py --label nop2p_xla \
         --layouts 1,1,4 --variants off,on --implementation xla --deadline-s 200 \
         --out-dir "$out" ;;
-    pgle)  # *_pgle: compiled again with measured instruction times (benchmarks.pgle)
+    pgle)  # *_pgle: compiled again with measured instruction times (taco_jax.train.pgle)
       timeout 300 python3 benchmarks/bench_train.py --label nvlink_pgle --layouts 1,1,4 \
         --variants off,on,off_pgle,on_pgle,gspmd --steps 30 --dump-hlo off_pgle,on_pgle \
         --deadline-s 270 --out-dir "$out"

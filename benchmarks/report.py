@@ -349,7 +349,7 @@ BENCH_TRAIN_WORDS = (
     "`NCCL_P2P_DISABLE=1` (PCIe-class links); `*_link` runs compress only what "
     "`CompressionConfig(link=\"nvlink\")` measured to pay; `*_pgle` variants are "
     "compiled again with the instruction times profiled in two steps "
-    "(`benchmarks.pgle`).")
+    "(`taco_jax.train.pgle`).")
 
 
 def bench_train_section() -> str:

@@ -104,6 +104,18 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.shard_optimizer = False      # ZeRO-1/2: Adam moments (and master weights) sharded over
   #                                "data"; gradients reduce-scattered, params all-gathered
   #                                (taco_jax.tp.zero); at dp=1 nothing is sharded or sent
+  p.pgle = False                 # profile-guided scheduling (XLA's PGLE): steps 2-3 of the
+  #                                run (after one warm-up step) run under the profiler, then
+  #                                the step is compiled again with their measured instruction
+  #                                times; the profile is cached in <workdir>/pgle for a resumed
+  #                                run. GPU only (elsewhere it says so and changes nothing)
+  p.xla_overlap = False          # compile the step with XLA's collective-overlap options, as
+  #                                benchmarks/bench_train.py does (step.XLA_OVERLAP_OPTIONS:
+  #                                the latency-hiding scheduler, pipelined collectives, the
+  #                                layer loop double-buffered); False: XLA's defaults
+  p.collectives_in_flight = 1    # > 1: the latency-hiding scheduler (on, whatever
+  #                                xla_overlap says) may keep this many asynchronous
+  #                                collectives in flight at once (XLA's default: 1)
 
   c.compression = z = ml_collections.ConfigDict()  # taco_jax.plan: one codec per family
   z.enabled = False              # one switch for the families below; a family whose mesh axis

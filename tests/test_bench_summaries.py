@@ -62,7 +62,7 @@ def test_bench_train_summary_of_a_modified_pair():
 
 
 def test_bench_train_variants_and_their_compile_options():
-  from taco_jax.tp.step import INTERLEAVE_XLA_OPTIONS
+  from taco_jax.tp.step import INTERLEAVE_XLA_OPTIONS, compiler_options
   args = bench_train.parse_args(["--variants", "off,off_il2,on_il2"])
   v = bench_train.parse_variant
   assert [v(n).interleave for n in ("off", "off_il2", "on_il2", "on_il2_pgle", "off_pgle")] == [
@@ -71,6 +71,9 @@ def test_bench_train_variants_and_their_compile_options():
   assert bench_train.xla_options(v("on_il2"), args) == INTERLEAVE_XLA_OPTIONS
   args = bench_train.parse_args(["--variants", "on_il2", "--no-interleave-options"])
   assert bench_train.xla_options(v("on_il2"), args) == {}
+  assert bench_train.xla_options(v("on_il2_save_cif2_pgle"), args) == compiler_options(
+      collectives_in_flight=2)  # the latency-hiding scheduler, 2 collectives in flight
+  assert [v(n).collectives_in_flight for n in ("on", "off_cif2", "gspmd_cif4_pgle")] == [1, 2, 4]
 
 
 def test_bench_train_variant_names():
@@ -90,7 +93,8 @@ def test_bench_train_variant_names():
       False, True]
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
               "off_save_noremat", "off_dots_noremat", "gspmd_dots", "gspmd_zero", "ideal_zero",
-              "off_zero_save", "gspmd_unroll", "off_unroll_dots"):
+              "off_zero_save", "gspmd_unroll", "off_unroll_dots", "on_cif2_cif4",
+              "on_pgle_cif2", "gspmd_save_cif2"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

@@ -124,28 +124,31 @@ def test_bench_train_smoke(tmp_path):
 
 
 def test_bench_train_modified_variants_smoke(tmp_path):
-  """bench_train --smoke with _il2 / _save / _dots / _noremat / _pgle variants (~40 s on 2
-  CPU cores): they build, start from the same parameters, record what they are and their
+  """bench_train --smoke with _il2 / _save / _dots / _noremat / _cif2 / _pgle variants (~40 s
+  on 2 CPU cores): they build, start from the same parameters, record what they are and their
   memory (more kept, more temporaries), and the run records its attention (XLA on CPU)."""
   import json
 
   from benchmarks import bench_train
   path = bench_train.main(["--smoke", "--layouts", "2,1,4", "--variants",
-                           "off,off_save_pgle,on_il2_save_dots,off_noremat", "--dump-hlo",
+                           "off,off_save_cif2_pgle,on_il2_save_dots,off_noremat", "--dump-hlo",
                            "on_il2_save_dots", "--out-dir", str(tmp_path)])
   rep = json.loads(path.read_text())
   by = {r["variant"]: r for r in rep["results"]}
-  assert by["off_save_pgle"]["save_tp_outputs"] and not by["off"]["save_tp_outputs"]
-  assert by["on_il2_save_dots"]["save_dots"] and not by["off_save_pgle"]["save_dots"]
+  assert by["off_save_cif2_pgle"]["save_tp_outputs"] and not by["off"]["save_tp_outputs"]
+  assert by["on_il2_save_dots"]["save_dots"] and not by["off_save_cif2_pgle"]["save_dots"]
   assert [by[v]["remat"] for v in ("off", "off_noremat")] == [True, False]
   temp = {v: r["memory_temp_bytes"] for v, r in by.items()}
-  assert temp["off"] < temp["off_save_pgle"] < temp["off_noremat"], temp
-  assert by["off_save_pgle"]["pgle_profiled"] is False  # CPU: the profile is empty
+  assert temp["off"] < temp["off_save_cif2_pgle"] < temp["off_noremat"], temp
+  assert by["off_save_cif2_pgle"]["pgle_profiled"] is False  # CPU: the profile is empty
   assert by["on_il2_save_dots"]["xla_options"]  # interleaved: DotMerger / combiners off
-  for v in ("off_save_pgle", "off_noremat"):
+  assert by["off_save_cif2_pgle"]["xla_options"] == {  # 2 collectives in flight
+      "xla_gpu_enable_latency_hiding_scheduler": True,
+      "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
+  for v in ("off_save_cif2_pgle", "off_noremat"):
     assert by[v]["loss_curve"][0] == pytest.approx(by["off"]["loss_curve"][0], rel=1e-6)
   (s,) = rep["summary"]
-  assert "speedup_save_pgle_off" in s and s["best_on"] == "on_il2_save_dots"
+  assert "speedup_save_cif2_pgle_off" in s and s["best_on"] == "on_il2_save_dots"
   assert rep["attention"]["backend"] == "xla"
   assert rep["attention"]["numerics"]["cudnn"] == "unavailable"
   assert rep["device_peak_bytes"] is None  # CPU

@@ -1,7 +1,8 @@
 """Two CPU processes on localhost (4 devices each) run the parallel trainer as one 2x2x2
 mesh through `jax.distributed.initialize()` (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES /
 JAX_PROCESS_ID); "tensor" stays inside a process. The first step's loss must equal the
-single-device model's. Run as a script, this file is the worker."""
+single-device model's; a PGLE profile measured on process 0 reaches both. Run as a script,
+this file is the worker."""
 import json
 import os
 import pathlib
@@ -48,6 +49,7 @@ def test_two_processes_train_as_one_mesh(tmp_path):
   assert all(r["devices"] == 8 and r["local_devices"] == 4 for r in results)
   assert results[0]["val_loss"] == results[1]["val_loss"]
   assert results[0]["tensor_groups_local"] and results[1]["tensor_groups_local"]
+  assert [r["pgle_profile"] for r in results] == ["measured on process 0"] * 2  # shared
 
   c = _config(str(tmp_path / "cache"))
   corpus = data.load_corpus("", cache_dir=c.data.cache_dir,
@@ -65,15 +67,20 @@ def _worker(workdir):
   jax.config.update("jax_num_cpu_devices", 4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   from taco_jax.tp.mesh import make_mesh
+  from taco_jax.train import pgle
   from taco_jax.train.trainer import train
   c = _config(str(pathlib.Path(workdir) / "cache"))
   s = train(c, workdir)
+  # every process compiles with process 0's profile (the trainer's parallel.pgle)
+  profile = pgle.share_from_process_0(b"measured on process 0" if jax.process_index() == 0
+                                      else b"")
   mesh = make_mesh(c.parallel.dp, c.parallel.pp, c.parallel.tp)
   local = {d.id for d in jax.local_devices()}
   groups = mesh.devices.reshape(-1, c.parallel.tp)  # tensor groups: the innermost axis
   print("RESULT " + json.dumps(dict(
       process=jax.process_index(), devices=jax.device_count(),
       local_devices=jax.local_device_count(), val_loss=s["val_loss"],
+      pgle_profile=profile.decode(),
       tensor_groups_local=all({d.id for d in g} <= local or not {d.id for d in g} & local
                               for g in groups))), flush=True)
 

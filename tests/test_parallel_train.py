@@ -40,6 +40,8 @@ def _config(cache_dir="", **parallel):
      ["data.batch_size=8 is not divisible by parallel.dp * parallel.microbatches * "
       "parallel.interleave = 2*2*4 = 16 (each micro-batch splits into 4 sub-batches)"]),
     (dict(parallel=dict(interleave=0)), ["parallel.interleave=0 must be a positive integer"]),
+    (dict(parallel=dict(collectives_in_flight=0)),
+     ["parallel.collectives_in_flight=0 must be an integer >= 1"]),
     (dict(parallel=dict(save_tp_outputs=True)), ["parallel.save_tp_outputs=True keeps what "
                                                  "model.remat would recompute"]),
     (dict(parallel=dict(save_dots=True)), ["parallel.save_dots=True keeps what model.remat "

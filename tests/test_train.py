@@ -23,7 +23,7 @@ from taco_jax.models.gpt import GPT
 from taco_jax.testing import reference
 from taco_jax.tp import layout as layout_lib, step as step_lib
 from taco_jax.tp.mesh import make_mesh
-from taco_jax.train import checkpoint, optim, trainer
+from taco_jax.train import checkpoint, optim, pgle, trainer
 from taco_jax.train.trainer import NonFiniteLossError, train
 from taco_jax.train.metrics import read_jsonl
 
@@ -58,9 +58,13 @@ def test_loss_falls(tmp_path, cache_dir):
 
 
 def test_interrupt_then_resume_equals_uninterrupted(tmp_path, cache_dir, monkeypatch, capsys):
+  """...with PGLE and XLA's overlap options on in the interrupted run: its steps 2-3 are
+  profiled, the step compiled again for step 4 on, and the resumed run compiles once, with
+  the profile cached in its workdir (under the options it was compiled with). Off GPU the
+  profile is empty: a stand-in takes its place, which the CPU compiler accepts and ignores."""
   c = micro(cache_dir, steps=8, eval_every=4)
   straight = train(c, tmp_path / 'a')
-  real_batch_at = data.batch_at
+  real_batch_at, real_stop = data.batch_at, pgle.Trace.stop
 
   def ctrl_c_at_step_3(tokens, step, **kw):
     if kw.get('stream', 0) == 0 and step == 3:
@@ -68,12 +72,21 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, cache_dir, monkeyp
     return real_batch_at(tokens, step, **kw)
 
   monkeypatch.setattr(data, 'batch_at', ctrl_c_at_step_3)
+  monkeypatch.setattr(pgle.Trace, 'stop', lambda self: real_stop(self) or b'profile')
+  c.parallel.update(pgle=True, xla_overlap=True, collectives_in_flight=2)
   first = train(c, tmp_path / 'b')
   assert first['status'] == 'interrupted' and first['last_checkpoint'] == 4
+  assert first['pgle']['status'] == 'profiled' and first['pgle']['profiled_steps'] == [2, 3]
+  assert 'PGLE: profiling steps 2..3' in capsys.readouterr().out
   monkeypatch.setattr(data, 'batch_at', real_batch_at)
   resumed = train(c, tmp_path / 'b')
   assert resumed['start_step'] == 4 and resumed['status'] == 'completed'
-  assert f"resumed from step 4 in {tmp_path / 'b'}" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert f"resumed from step 4 in {tmp_path / 'b'}" in out
+  assert f"PGLE: step compiled with the profile cached in {tmp_path / 'b' / 'pgle'}" in out
+  assert resumed['pgle']['status'] == 'cached' and resumed['xla_options'] == first['xla_options']
+  key = json.loads((tmp_path / 'b' / 'pgle' / 'key.json').read_text())
+  assert key['options'][step_lib.COLLECTIVES_IN_FLIGHT] == 2  # what the step compiled with
   a, b = losses(tmp_path / 'a'), losses(tmp_path / 'b')
   assert sorted(a) == sorted(b) == list(range(1, 9))
   np.testing.assert_allclose([b[k] for k in a], [a[k] for k in a], rtol=1e-6, atol=1e-6)

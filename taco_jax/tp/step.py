@@ -52,6 +52,24 @@ INTERLEAVE_XLA_OPTIONS = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
 }
 
+# XLA GPU options for overlapping collectives with compute (parallel.xla_overlap): the
+# latency-hiding scheduler (off by default in jax 0.11.2's XLA, unless a PGLE profile is
+# given), all-gathers / reduce-scatters / all-reduces pipelined across the layer loop's
+# iterations, and that loop unrolled by two so one iteration's collectives can overlap the
+# next one's compute. The per-compile form of benchmarks.gspmd.XLA_OVERLAP_FLAGS, which
+# benchmarks/bench_train.py sets in XLA_FLAGS for every variant (XLA 0.11.2 maps its older
+# flag names, xla_gpu_enable_pipelined_*, to these; tests/test_compiler_options.py checks
+# that both give the same compile options).
+LATENCY_HIDING_SCHEDULER = "xla_gpu_enable_latency_hiding_scheduler"
+COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"  # XLA: 1
+XLA_OVERLAP_OPTIONS = {
+    LATENCY_HIDING_SCHEDULER: True,
+    "xla_gpu_pipeline_all_gather": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_pipeline_reduce_scatter": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_pipeline_all_reduce": "COLLECTIVE_PIPELINING_MODE_ON",
+    "xla_gpu_enable_while_loop_double_buffering": True,
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSpec:
@@ -139,11 +157,23 @@ def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
          spec.cfg.errors(t) + spec.layout_errors(tokens_BT1))
 
 
-def compiler_options(interleave: int) -> dict:
-  """XLA options to compile a step with (`jax.jit(..., compiler_options=)`), by its
-  `ParallelSpec.interleave`: `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches, none
-  otherwise."""
-  return dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
+def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
+                     collectives_in_flight: int = 1) -> dict:
+  """XLA options to compile a step with (`jax.jit(..., compiler_options=)` or
+  `.compile(...)`): `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches
+  (`ParallelSpec.interleave` > 1), `XLA_OVERLAP_OPTIONS` with `xla_overlap`
+  (parallel.xla_overlap), and with `collectives_in_flight` > 1 (parallel.collectives_in_flight)
+  the latency-hiding scheduler allowed that many asynchronous collectives at once (the limit
+  is that scheduler's, so asking for it turns the scheduler on). The one place the trainer
+  and benchmarks/bench_train.py get a step's options from."""
+  if not (isinstance(collectives_in_flight, int) and collectives_in_flight >= 1):
+    raise ValueError(f"collectives_in_flight={collectives_in_flight!r} must be an integer >= 1")
+  out = dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
+  if xla_overlap:
+    out.update(XLA_OVERLAP_OPTIONS)
+  if collectives_in_flight > 1:
+    out.update({LATENCY_HIDING_SCHEDULER: True, COLLECTIVES_IN_FLIGHT: collectives_in_flight})
+  return out
 
 
 def remat_policy(spec: ParallelSpec):

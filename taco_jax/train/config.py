@@ -4,7 +4,8 @@ config.json the trainer stores.
 `validate` runs before anything is built or compiled and names every field at fault, with
 what to change: the sections' values, the model, the compression plan and the parallel
 layout against the model, the batch and the devices. `parallel_spec` turns a valid config
-into the `ParallelSpec` the step is built from.
+into the `ParallelSpec` the step is built from, `compiler_options` into the XLA options it
+is compiled with.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import ml_collections
 from taco_jax.configs.common import base_config
 from taco_jax.models import model_config
 from taco_jax.plan import FAMILIES, plan_from_config
-from taco_jax.tp import mesh as mesh_lib, zero
+from taco_jax.tp import mesh as mesh_lib, step as step_lib, zero
 from taco_jax.tp.step import ParallelSpec
 
 
@@ -60,6 +61,13 @@ def _checks(c, mcfg) -> list[str]:
   probe = c.compression.get('link_probe', True)
   need(isinstance(probe, bool), f'compression.link_probe={probe!r} must be True (time the '
        'collectives at start-up on GPU) or False (the measured tables)')
+  p = c.parallel
+  for n in ('pgle', 'xla_overlap'):
+    need(isinstance(p[n], bool), f'parallel.{n}={p[n]!r} must be True or False')
+  need(isinstance(p.collectives_in_flight, int) and not isinstance(p.collectives_in_flight, bool)
+       and p.collectives_in_flight >= 1,
+       f'parallel.collectives_in_flight={p.collectives_in_flight!r} must be an integer >= 1 '
+       '(1 = XLA\'s default)')
   return errs
 
 
@@ -132,6 +140,13 @@ def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
                       interleave=p.interleave, save_tp_outputs=p.save_tp_outputs,
                       save_dots=p.save_dots, scan_layers=p.scan_layers,
                       shard_optimizer=p.shard_optimizer)
+
+
+def compiler_options(c: ml_collections.ConfigDict) -> dict:
+  """The per-compile XLA options of a valid config's step (`step.compiler_options`)."""
+  p = c.parallel
+  return step_lib.compiler_options(p.interleave, xla_overlap=p.xla_overlap,
+                                   collectives_in_flight=p.collectives_in_flight)
 
 
 def notes(c: ml_collections.ConfigDict) -> list[str]:

@@ -1,7 +1,8 @@
 """The trainer's step loop, `run_steps(...) -> Outcome`, and the lines a run prints.
 
 Metrics are fetched from the device every `log_every` steps (one `device_get`, not one per
-step) and written one line per step; eval and checkpoint time stay out of the throughput.
+step) and written one line per step; eval and checkpoint time, and the compile PGLE adds
+(`Steps.untimed_s`), stay out of the throughput.
 Ctrl-C stops at the next step boundary, evaluates and saves a checkpoint; a non-finite loss
 or grad norm raises `NonFiniteLossError` without saving the bad state, so the last good
 checkpoint is the latest.
@@ -102,6 +103,9 @@ class Steps:
   eval: Callable   # (params, batch) -> mean loss
   train_batch: Callable[[int], object]  # batch index -> batch (batch i is step i+1's)
   val_batch: Callable[[int], object]    # the i-th fixed validation batch
+  # seconds `train` has spent so far on other work than steps (PGLE's profile and second
+  # compile, `pgle.ProfileGuidedStep.untimed_s`): kept out of the throughput
+  untimed_s: Callable[[], float] = lambda: 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +139,11 @@ def run_steps(params, opt_state, steps: Steps, ckpt, *, config, start: int, meta
   step, in a single-process run; a process of a multi-process run must not save alone, so
   there it propagates.
   """
-  t, pending, clock = config.train, [], [time.perf_counter()]
+  t, pending = config.train, []
+  clock = [time.perf_counter(), steps.untimed_s()]  # a window's start, and untimed seconds
+
+  def restart_clock():
+    clock[:] = [time.perf_counter(), steps.untimed_s()]
   schedule = optim.lr_schedule(config.optim, t.steps)
   last = {}
 
@@ -145,7 +153,8 @@ def run_steps(params, opt_state, steps: Steps, ckpt, *, config, start: int, meta
     if not pending:
       return
     host = jax.device_get([m for _, m in pending])
-    tps = len(pending) * tokens_per_step / (time.perf_counter() - clock[0])
+    elapsed = time.perf_counter() - clock[0] - (steps.untimed_s() - clock[1])
+    tps = len(pending) * tokens_per_step / elapsed
     window_mfu = mfu(tps)
     for i, ((s, _), m) in enumerate(zip(pending, host)):
       rec = {k: float(v) for k, v in m.items()}
@@ -168,7 +177,7 @@ def run_steps(params, opt_state, steps: Steps, ckpt, *, config, start: int, meta
         shown['mfu'] = f'{window_mfu:.2%}'
       pbar.set_postfix(shown)
     pending.clear()
-    clock[0] = time.perf_counter()
+    restart_clock()
 
   def evaluate(s):
     losses = [steps.eval(params, steps.val_batch(i)) for i in range(t.eval_batches)]
@@ -194,10 +203,10 @@ def run_steps(params, opt_state, steps: Steps, ckpt, *, config, start: int, meta
         if t.eval_every and s % t.eval_every == 0 and s < t.steps:
           flush()
           evaluate(s)
-          clock[0] = time.perf_counter()  # keep eval time out of the throughput
+          restart_clock()  # keep eval time out of the throughput
         if t.checkpoint_every and s % t.checkpoint_every == 0 and s < t.steps:
           save(s)
-          clock[0] = time.perf_counter()
+          restart_clock()
       if stop.is_set():
         status = 'interrupted'
         if pbar is not None:

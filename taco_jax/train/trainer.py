@@ -13,7 +13,9 @@ an uninterrupted one. Params and optimizer state are global jax.Arrays with Name
 checkpoint written on one mesh resumes on another (orbax reshards on restore). Started as
 one of several processes (JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID, or
 parallel.distributed), it calls `jax.distributed.initialize()` first; each process feeds its
-own batch shards.
+own batch shards. The step is compiled with `config.compiler_options` (parallel.interleave,
+xla_overlap, collectives_in_flight); with parallel.pgle it is a `pgle.ProfileGuidedStep`,
+compiled again from a profile of the run's first steps (cached in <workdir>/pgle).
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ from taco_jax import collectives, data, link_probe
 from taco_jax.models.decoder import flops_per_token
 from taco_jax.plan import describe_plan
 from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib, zero
-from taco_jax.train import checkpoint, link_policy, metrics, optim
-from taco_jax.train.config import devices, parallel_spec, store_config, validate
+from taco_jax.train import checkpoint, link_policy, metrics, optim, pgle
+from taco_jax.train.config import (compiler_options, devices, parallel_spec, store_config,
+                                   validate)
 from taco_jax.train.runner import (NonFiniteLossError, Steps, corpus_line,  # noqa: F401
                                    finished_summary, run_header, run_steps, start_message)
 
@@ -120,12 +123,11 @@ def train(config, workdir) -> dict:
     opt_state = jax.jit(zero.init(spec, tx), out_shardings=shardings(o_abs))(params)
   batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
       src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
-  xla = step_lib.compiler_options(spec.interleave)
+  xla = compiler_options(config)
 
   def lower(spec):  # (train step lowered, eval step, the decisions of the train step)
     step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                   out_shardings=(shardings(p_abs), shardings(o_abs), None),
-                   compiler_options=xla)
+                   out_shardings=(shardings(p_abs), shardings(o_abs), None))
     with collectives.recording_decisions() as decisions:
       lowered = step.lower(params, opt_state, batch(start))
     evaluate = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
@@ -136,7 +138,14 @@ def train(config, workdir) -> dict:
   link = link_policy.resolve(config, spec, mesh, decisions, workdir)
   if link_probe.changes(decisions, link.plan):  # the probe sends otherwise: trace that
     lowered, eval_step, decisions = lower(dataclasses.replace(spec, plan=link.plan))
-  train_step = lowered.compile()
+  if p.pgle:  # the plain step for its first steps, profiled, then compiled again (pgle.py)
+    train_step = pgle.ProfileGuidedStep(
+        lowered, xla, steps_left=t.steps - start, first_step=start + 1,
+        cache=pgle.ProfileCache(workdir / 'pgle') if lead else None,
+        key=pgle.cache_key(lowered, xla, mesh), log=tqdm.write if lead else None,
+        platform=mesh.devices.flat[0].platform)
+  else:
+    train_step = lowered.compile(xla or None)
   compile_s = time.perf_counter() - t0 - link.probe_s
   fpt, tok = flops_per_token(spec.cfg, d.seq_len), d.batch_size * d.seq_len
   attention = spec.cfg.attention_backend(d.seq_len)
@@ -153,16 +162,23 @@ def train(config, workdir) -> dict:
               desc=config.name) if lead else None
   peak = metrics.configured_peak(t, jax.devices()[0].device_kind)
   t_start = time.perf_counter()
-  outcome = run_steps(
-      params, opt_state, Steps(train=train_step, eval=eval_step, train_batch=batch,
-                               val_batch=lambda i: batch(i, 1, corpus.val)),
-      ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)}, tokens_per_step=tok,
-      mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size), writer=writer, pbar=pbar)
+  untimed = (lambda: train_step.untimed_s) if p.pgle else (lambda: 0.0)
+  try:
+    outcome = run_steps(
+        params, opt_state, Steps(train=train_step, eval=eval_step, train_batch=batch,
+                                 val_batch=lambda i: batch(i, 1, corpus.val), untimed_s=untimed),
+        ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)},
+        tokens_per_step=tok, mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size),
+        writer=writer, pbar=pbar)
+  finally:
+    if p.pgle:
+      train_step.close()
   summary = dict(workdir=str(workdir), start_step=start, n_params=n_params,
                  mesh=dict(mesh.shape), shard_optimizer=spec.shard_optimizer,
                  params_bytes_per_device=zero.bytes_per_device(p_abs),
                  opt_state_bytes_per_device=zero.bytes_per_device(o_abs),
-                 attention=attention, compile_s=compile_s,
+                 attention=attention, compile_s=compile_s, xla_options=xla,
+                 pgle=train_step.summary() if p.pgle else None,
                  compressed_messages=compressed, link_policy=link.summary,
                  train_loss=outcome.train_loss,
                  val_loss=outcome.val_loss, tokens_per_s=outcome.tokens_per_s,
