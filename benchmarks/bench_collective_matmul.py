@@ -177,6 +177,14 @@ def run(args) -> dict:
         timed["xla"] = (reference, (a_s, w_s))
       else:
         variants = {k: v for k, v in variants.items() if isinstance(v, tuple) and v[1]}
+      if on_gpu and mesh is None and tp > 1:
+        for name, (fn, fargs, want) in _rank0(kind, a, w, tp, sms, ag_matmul, matmul_rs,
+                                              encode).items():
+          got = jax.jit(fn)(*fargs)
+          check = case["variants"][name] = dict(rel_err=rel_err(got, want))
+          check["ok"] = check["rel_err"] < TOL
+          if check["ok"]:
+            timed[name] = (fn, fargs)
       if on_gpu:
         variants["jax_gemm"] = (_jax_gemm, True)
         # what the one-GPU variants must compute: plain, and (once asked for) compressed
@@ -250,6 +258,64 @@ def _jax_gemm(a, w):
   cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
   b, t, k = a.shape
   return (hm.matmul(a.reshape(b * t, k), w, None, cfg).reshape(b, t, -1),)
+
+
+def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
+  """name -> (function, its args, what it must compute): rank 0's kernels (plain and FP8)
+  in local mode at the TP shapes, for one GPU: all of that rank's tiles, epilogues and
+  copies, the copies landing in a local buffer instead of on a peer, and no waiting for
+  peers. The compressed kernel gets its codes made beforehand (the encode is not timed);
+  the reduce-scatter's receive slots hold what ranks 1 .. tp - 1 sent it, made by running
+  their kernels the same way."""
+  import jax.numpy as jnp
+  from taco_jax.pallas_kernels.decode import decode_reference
+  from taco_jax.pallas_kernels.encode import encode_reference
+  g = FP8["group_size"]
+  mm = lambda x, v: jnp.einsum("btk,kn->btn", x, v, preferred_element_type=jnp.float32)
+  b, t, k = a.shape
+  s = t // tp
+  if kind == "ag":
+    w0 = w[:, :w.shape[1] // tp]
+    codes, alpha, scale = encode(a.reshape(b * t, k), hadamard=False, **_ag_fp8())
+    mult = ag.multipliers(alpha, scale)
+    decoded = decode_reference(codes, alpha, scale, group_size=g, hadamard=False,
+                               out_dtype=a.dtype)  # op by op: no fused round trip
+    codes = codes.reshape(b, t, k)
+    codes0 = codes[:, :s]
+    mult0 = mult.reshape(-1, b, t)[:, :, :s].reshape(-1, b * s)
+    plain = lambda x, v, full: ag.all_gather_matmul(
+        x, v, "tensor", num_sms=sms, rank=0, local_gathered=full)[0]
+    fp8 = lambda c, m, v, cf, mf: ag.all_gather_matmul_fp8(
+        c, m, v, "tensor", group_size=g, num_sms=sms, rank=0, local_gathered=(cf, mf))[0]
+    return {"rank0": (plain, (a[:, :s], w0, a), mm(a, w0).astype(a.dtype)),
+            "rank0_fp8": (fp8, (codes0, mult0, w0, codes, mult),
+                          mm(decoded.reshape(b, t, k), w0).astype(a.dtype))}
+  f = k // tp
+  ys, ws = [a[..., p * f:(p + 1) * f] for p in range(tp)], [w[p * f:(p + 1) * f]
+                                                            for p in range(tp)]
+  chunks = [mm(y, v).astype(a.dtype)[:, :s].reshape(b * s, -1) for y, v in zip(ys, ws)]
+  d = w.shape[1]
+  out = {}
+  for name, cfg, slots in (
+      ("rank0", None, [((tp, b * s, d), a.dtype)]),
+      ("rank0_fp8", FP8, [((tp, b * s, d), jnp.float8_e4m3fn), ((tp, d // g, b * s),
+                                                                 jnp.float32)])):
+    def run(y, v, *received, p=0, cfg=cfg):
+      return rs.matmul_reduce_scatter(y, v, "tensor", num_sms=sms, fp8=cfg, rank=p, n=tp,
+                                      received=received)
+    empty = [jnp.zeros(shape, dtype) for shape, dtype in slots]
+    sent = [run(ys[p], ws[p], *empty, p=p)[1] for p in range(1, tp)]
+    received = [e.at[1:].set(jnp.stack([got[i][0] for got in sent]))
+                for i, e in enumerate(empty)]
+    if cfg is None:
+      want = sum(c.astype(jnp.float32) for c in chunks)
+    else:  # op by op, so that no FP8 round trip is folded away
+      want = sum(decode_reference(*encode_reference(c, group_size=g, hadamard=False),
+                                  group_size=g, hadamard=False, out_dtype=jnp.float32)
+                 for c in chunks)
+    out[name] = (lambda y, v, *rec, run=run: run(y, v, *rec)[0], (ys[0], ws[0], *received),
+                 want.astype(a.dtype).reshape(b, s, d))
+  return out
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,

@@ -25,6 +25,8 @@
 #                                                    # remat policies and no remat (<= 9 min)
 #   bash benchmarks/gpu_suite.sh baseline_dp2        # ... DP=2, TP=1 (<= 6 min)
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~2 min)
+#   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
+#                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -52,6 +54,17 @@ for job in "$@"; do
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts 1,1,2 \
         --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
         --out-dir "$out" ;;
+    cm_1gpu)  # issue 15 on one GPU: our GEMM core, plain and FP8, and rank 0's whole kernels
+      # (local mode: epilogues and copies, no peers) at the TP=2 shapes
+      timeout 540 python3 -m benchmarks.bench_collective_matmul --tp 2 --label rank0 \
+        --out-dir "$out" ;;
+    pgle_1gpu)  # issue 16: the trainer's parallel.pgle on a real profile, then resumed
+      for steps in 30 40; do
+        timeout 240 python3 -m taco_jax.train --config configs/tiny.py --workdir /tmp/pgle \
+          --config.parallel.pgle=True --config.train.steps=$steps \
+          --config.train.progress_bar=False || break
+        cp /tmp/pgle/summary.json "$out/pgle_1gpu_summary_$steps.json"
+      done ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
       # and the bf16 step's remat policies (keep matmul outputs, no remat)
       timeout 590 python3 benchmarks/bench_train.py --label nvlink_cm --layouts 1,1,2 \

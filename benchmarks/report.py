@@ -526,7 +526,8 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "gemm", "gemm_fp8", "jax_gemm", "cublas")
+CM_COLUMNS = ("xla", "fused", "fused_fp8", "rank0", "rank0_fp8", "gemm", "gemm_fp8", "jax_gemm",
+              "cublas")
 
 
 def _kernel_ms(variant: dict) -> float | None:
@@ -544,6 +545,7 @@ def collective_matmul_section() -> str:
       continue
     cols = [c for c in CM_COLUMNS if any("ms" in x["variants"].get(c, {}) for x in d["cases"])]
     fp8 = "fused_fp8" if "fused_fp8" in cols else "gemm_fp8"
+    plain = "fused" if "fused" in cols else "rank0"  # on one GPU: rank 0 alone
     rows = []
     for c in d["cases"]:
       v = c["variants"]
@@ -552,13 +554,13 @@ def collective_matmul_section() -> str:
       rows.append([c["model"], c["layer"], CM_COLLECTIVE[c["kind"]],
                    f"{_cm_message_bytes(c) / MIB:.0f}"] + [ms(k) for k in cols]
                   + [_kernel_ms(v.get(fp8, {})), ratio("fused", "cublas"),
-                     ratio("fused_fp8", "fused"), ratio("xla", "fused")])
+                     ratio(f"{plain}_fp8", plain), ratio("xla", "fused")])
     gpus = d.get("gpus", d["tp"])
     parts.append(f"#### {gpus}x {d['device']}, shapes of TP={d['tp']}, batch {d['batch']} x seq "
                  f"{d['seq']} (`{name}`)\n\n"
                  + _table(["model", "layer", "collective", "MiB/device"]
                           + [f"{k} ms" for k in cols]
-                          + [f"{fp8} kernel ms", "fused / cublas", "fp8 / fused",
+                          + [f"{fp8} kernel ms", "fused / cublas", "fp8 / plain",
                              "xla / fused"], rows) + "\n")
   return _section(
       "Fused collective matmuls (`benchmarks/bench_collective_matmul.py`)",
@@ -566,7 +568,10 @@ def collective_matmul_section() -> str:
       "XLA's collective then cuBLAS (today's layers); `fused` / `fused_fp8`: the plain / "
       "FP8 collective-matmul kernel (`fused_fp8` includes the encode kernel); `gemm` / "
       "`gemm_fp8`: the same kernels on one GPU with no peer (the GEMM core, FP8 decode or "
-      "encode included); `jax_gemm`: jax's Hopper matmul example on that shape; `cublas`: "
+      "encode included); `rank0` / `rank0_fp8` (one GPU): rank 0's kernel at the TP shapes "
+      "in local mode, its copies landing in local memory and no wait for peers (the FP8 "
+      "kernel alone, codes made beforehand); `fp8 / plain`: `fused_fp8` / `fused`, or on "
+      "one GPU `rank0_fp8` / `rank0`; `jax_gemm`: jax's Hopper matmul example on that shape; `cublas`: "
       "XLA's matmul of one rank's whole product (the ideal). `MiB/device`: what the plain "
       "collective sends. `… kernel ms`: the FP8 collective-matmul kernel alone, without the "
       "encode before it and the decode of the gathered x after it (the all-gather's). Every "

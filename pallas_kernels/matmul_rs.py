@@ -288,6 +288,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
+      dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
       for q, p in schedule(n, phases):
         c = lax.rem(r + q, n)
         own = q == n
@@ -316,7 +317,9 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
                  a_refs=lambda m_idx, c=c, first=first: [
                      y_ref.at[pl.ds(y_row(c, first + m_idx), t.cta_m)]],
-                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own else None)
+                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own else None,
+                 first_sm=dealt % num_sms)
+        dealt += phase_tiles * (d // t.cta_n)
         if not own and sems is not None:  # this SM's partials of (c, p) are on rank c
           @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
           def _signal(c=c, p=p):

@@ -70,18 +70,19 @@ def _partials(n, b, s, f, d, seed):
   return ys, ws
 
 
-def _exchange(n, fp8, ys, ws, slots, tiling=TILING):
+def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   with _interpret():
-    sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=tiling, num_sms=1,
+    sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=tiling, num_sms=num_sms,
                                             rank=p, n=n, received=slots, fp8=fp8)[1]
             for p in range(n)]
     outs = []
     for r in range(n):
       received = tuple(jnp.stack([sent[p][i][r] for p in range(n)]) for i in range(len(slots)))
       outs.append(matmul_rs.matmul_reduce_scatter(ys[r], ws[r], "t", tiling=tiling,
-                                                  num_sms=1, rank=r, n=n, received=received,
+                                                  num_sms=num_sms, rank=r, n=n,
+                                                  received=received,
                                                   fp8=fp8)[0])
   return outs, sent
 
@@ -89,13 +90,15 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING):
 def test_matmul_reduce_scatter_kernel_per_rank():
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two row tiles per chunk: the
-  schedule runs them as two phases."""
+  schedule runs them as two phases of one tile each, which three SMs deal round-robin on
+  from loop to loop (gemm.dealt): every tile is computed once, whichever SM takes it."""
   n, b, s, f, d = 2, 2, 64, 128, 128
   assert matmul_rs.default_phases(b * s // TILING.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
-  outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),))
+  outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),),
+                         num_sms=3)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
