@@ -27,6 +27,8 @@
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~2 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
+#   bash benchmarks/gpu_suite.sh trainer_1gpu        # the trainer itself, 1.3B on one GPU: XLA's
+#                                                    # overlap options off / on, and with PGLE
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -64,6 +66,16 @@ for job in "$@"; do
           --config.parallel.pgle=True --config.train.steps=$steps \
           --config.train.progress_bar=False || break
         cp /tmp/pgle/summary.json "$out/pgle_1gpu_summary_$steps.json"
+      done ;;
+    trainer_1gpu)  # the trainer's own step (not bench_train's): 1.3B, batch 8, 40 steps
+      for v in "xla_overlap=False" "xla_overlap=True" "pgle=True"; do
+        timeout 300 python3 -m taco_jax.train --config configs/gpt_1_3b.py \
+          --workdir "/tmp/trainer_${v/=/_}" --config.parallel.$v --config.data.batch_size=8 \
+          --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
+          --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
+          --config.train.progress_bar=False
+        cp "/tmp/trainer_${v/=/_}/summary.json" "$out/trainer_1gpu_${v/=/_}_summary.json"
+        rm -rf "/tmp/trainer_${v/=/_}"
       done ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
       # and the bf16 step's remat policies (keep matmul outputs, no remat)

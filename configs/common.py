@@ -109,10 +109,11 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                the step is compiled again with their measured instruction
   #                                times; the profile is cached in <workdir>/pgle for a resumed
   #                                run. GPU only (elsewhere it says so and changes nothing)
-  p.xla_overlap = False          # compile the step with XLA's collective-overlap options, as
-  #                                benchmarks/bench_train.py does (step.XLA_OVERLAP_OPTIONS:
-  #                                the latency-hiding scheduler, pipelined collectives, the
-  #                                layer loop double-buffered); False: XLA's defaults
+  p.xla_overlap = True           # compile the step with XLA's collective-overlap options, as
+  #                                benchmarks/bench_train.py measured every step
+  #                                (step.XLA_OVERLAP_OPTIONS: the latency-hiding scheduler,
+  #                                pipelined collectives, the layer loop double-buffered);
+  #                                False: XLA's defaults (no such scheduler)
   p.collectives_in_flight = 1    # > 1: the latency-hiding scheduler (on, whatever
   #                                xla_overlap says) may keep this many asynchronous
   #                                collectives in flight at once (XLA's default: 1)

@@ -178,9 +178,10 @@ def test_probe_runs_on_fake_cpu_devices():
 
 
 def test_trainer_applies_the_probed_policy_and_writes_it(tmp_path, tmp_path_factory,
-                                                         probe_calls):
-  """Probed (given times): tp_forward compresses, tp_backward's messages go plain; the step
-  is traced again under that policy, which summary.json and link_policy.json record."""
+                                                         probe_calls, capsys):
+  """Probed (given times): tp_forward compresses, tp_backward's messages go plain, and the
+  run says which went plain; the step is traced again under that policy, which
+  summary.json and link_policy.json record."""
   c = parallel_tiny.get_config()
   c.model.update(n_layers=2, d_model=64, n_heads=8, d_ff=128, max_seq_len=32)
   c.data.update(seq_len=32, batch_size=8, max_corpus_bytes=2_000_000,
@@ -196,6 +197,7 @@ def test_trainer_applies_the_probed_policy_and_writes_it(tmp_path, tmp_path_fact
   sent = s["compressed_messages"]  # tp_forward's all-gathers and reduce-scatters compressed,
   for coll in ("all_gather", "reduce_scatter"):  # tp_backward's plain
     assert sent[coll]["compressed"] > 0 and sent[coll]["plain"] > 0, sent
+  assert "sent plain, below the size from which compression pays" in capsys.readouterr().out
   stored = json.loads((tmp_path / "summary.json").read_text())["link_policy"]
   assert stored["families"] == got["families"]
   assert (tmp_path / link_policy.FILE).exists()

@@ -133,23 +133,6 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["tensor"] == 4
 
 
-def test_messages_below_the_links_sizes_go_plain_and_the_run_says_so(
-    tmp_path, tmp_path_factory, capsys):
-  """With the NVLink sizes (link="nvlink"), the tiny model's messages are all below the size
-  from which compression was measured to pay: they go plain, and the trainer says so."""
-  c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=1, tp=4)
-  c.train.steps = 1
-  for family in ("tp_forward", "tp_backward"):
-    c.compression[family].link = "nvlink"
-  summary = train(c, tmp_path)
-  sent = summary["compressed_messages"]
-  assert summary["link_policy"] == {"source": "tables", "why": "no message of a link='auto' "
-                                    "codec crosses more than one device"}  # link="nvlink"
-  assert sent["all_gather"]["plain"] > 0 and sent["reduce_scatter"]["plain"] > 0
-  assert not any(row["compressed"] for row in sent.values()), sent
-  assert "sent plain, below the size from which compression pays" in capsys.readouterr().out
-
-
 @pytest.mark.slow  # covered: test_parallel_step's remat-policy tests, test_train's meshes
 def test_entry_point_runs_remat_policies_on_a_mesh(tmp_path, tmp_path_factory):
   c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2,
