@@ -271,7 +271,6 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
   from taco_jax.pallas_kernels.decode import decode_reference
   from taco_jax.pallas_kernels.encode import encode_reference
   g = FP8["group_size"]
-  mm = lambda x, v: jnp.einsum("btk,kn->btn", x, v, preferred_element_type=jnp.float32)
   b, t, k = a.shape
   s = t // tp
   if kind == "ag":
@@ -287,13 +286,13 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
         x, v, "tensor", num_sms=sms, rank=0, local_gathered=full)[0]
     fp8 = lambda c, m, v, cf, mf: ag.all_gather_matmul_fp8(
         c, m, v, "tensor", group_size=g, num_sms=sms, rank=0, local_gathered=(cf, mf))[0]
-    return {"rank0": (plain, (a[:, :s], w0, a), mm(a, w0).astype(a.dtype)),
+    return {"rank0": (plain, (a[:, :s], w0, a), ref_full(a, w0)),
             "rank0_fp8": (fp8, (codes0, mult0, w0, codes, mult),
-                          mm(decoded.reshape(b, t, k), w0).astype(a.dtype))}
+                          ref_full(decoded.reshape(b, t, k), w0))}
   f = k // tp
   ys, ws = [a[..., p * f:(p + 1) * f] for p in range(tp)], [w[p * f:(p + 1) * f]
                                                             for p in range(tp)]
-  chunks = [mm(y, v).astype(a.dtype)[:, :s].reshape(b * s, -1) for y, v in zip(ys, ws)]
+  chunks = [ref_full(y, v)[:, :s].reshape(b * s, -1) for y, v in zip(ys, ws)]
   d = w.shape[1]
   out = {}
   for name, cfg, slots in (
