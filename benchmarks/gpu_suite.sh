@@ -27,6 +27,8 @@
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~2 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
+#   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
+#                                                    # ptxas's spills, the FP8 epilogue's parts
 #   bash benchmarks/gpu_suite.sh trainer_1gpu        # the trainer itself, 1.3B on one GPU: XLA's
 #                                                    # overlap options off / on, and with PGLE
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
@@ -60,6 +62,14 @@ for job in "$@"; do
       # (local mode: epilogues and copies, no peers) at the TP=2 shapes
       timeout 540 python3 -m benchmarks.bench_collective_matmul --tp 2 --label rank0 \
         --out-dir "$out" ;;
+    rs_1gpu)  # issue 15 on one GPU: rank 0's reduce-scatter kernels, plain and FP8, with
+      # ptxas's register and spill counts per kernel; then the FP8 epilogue taken apart
+      MOSAIC_GPU_DUMP_PTXAS=1 timeout 400 python3 -m benchmarks.bench_collective_matmul \
+        --tp 2 --layers proj,down --label rank0_rs --out-dir "$out" > "$out/rs_1gpu.log" 2>&1
+      grep -iv "ptxas\|spill\|registers\|^$" "$out/rs_1gpu.log" | tail -30
+      grep -i "ptxas\|spill\|registers\|stack frame" "$out/rs_1gpu.log" > "$out/rs_1gpu_ptxas.txt"
+      rm -f "$out/rs_1gpu.log"; grep -i "entry\|spill\|registers" "$out/rs_1gpu_ptxas.txt" | head -40
+      timeout 240 python3 -m benchmarks.probe_rs_epilogue --label parts --out-dir "$out" ;;
     pgle_1gpu)  # issue 16: the trainer's parallel.pgle on a real profile, then resumed
       for steps in 30 40; do
         timeout 240 python3 -m taco_jax.train --config configs/tiny.py --workdir /tmp/pgle \

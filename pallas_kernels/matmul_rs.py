@@ -209,6 +209,7 @@ class _Epilogues:
         total = total + decode_tile(self.s["codes_smem"][wg, slot],
                                     self.s["mult_smem"][wg, slot, 0], jnp.float32)
         if k + 2 < pairs:
+          plgpu.commit_smem()  # every warp has read the slot before the TMA refills it
           self._fetch(k + 2, wg, r, row, col, received)
       last = jnp.broadcast_to(r == n - 1, own.shape)
       yield i, jnp.where(last, total + own, total)
