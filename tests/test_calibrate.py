@@ -3,6 +3,7 @@ stated rule, write a config with the choices (test_readme trains a written confi
 import importlib.util
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,3 +162,42 @@ def test_measure_all_against_numpy_and_the_hadamard_spread():
     assert r["max_abs"] == pytest.approx(np.abs(err).max(), rel=1e-5)
     assert r["share_off_by_8th"] == pytest.approx(np.mean(8 * np.abs(err) > np.abs(rows)))
   assert res[0]["share_off_by_8th"] < 0.01 < 0.2 < res[1]["share_off_by_8th"]
+
+
+# --- the sharded optimizer's sites ---------------------------------------------------------
+
+
+def test_capture_continues_a_trained_run_with_the_sharded_optimizer(tmp_path):
+  """calibrate.capture from a replicated run's checkpoint onto a sharded step that keeps a
+  master: the Adam moments are the run's (not fresh ones, whose first updates are lr *
+  sign(g)), the master starts as the parameters, and both data-parallel sites are captured."""
+  from taco_jax.configs import tiny
+  from taco_jax.tp import layout, mesh as mesh_lib
+  from taco_jax.train import checkpoint, trainer
+  from taco_jax.train.config import parallel_spec
+  c = tiny.get_micro_config()
+  c.model.update(n_layers=1, d_model=32, d_ff=64, max_seq_len=16)
+  c.data.update(seq_len=16, batch_size=8)
+  c.train.update(steps=2, eval_batches=1)
+  trainer.train(c, tmp_path)
+  c.parallel.update(dp=8, shard_optimizer=True)
+  c.compression.update(enabled=True)
+  c.compression.dp.enabled = c.compression.dp_params.enabled = True
+  spec, mesh = parallel_spec(c), mesh_lib.make_mesh(8, 1, 1)
+  tx = trainer.make_optimizer(c.optim, c.train.steps)
+  p_abs = layout.abstract_params(spec.cfg, mesh)
+  ckpt = checkpoint.Checkpoints(tmp_path)
+  params, state = calibrate._restore(ckpt, 2, spec, tx, p_abs,
+                                     trainer.opt_state_target(tx, p_abs, mesh, spec))
+  _, stored = checkpoint.restore_state(ckpt, 2, spec.cfg, p_abs, trainer.opt_state_target(
+      tx, p_abs, mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])))
+  ckpt.close()
+  for got, want in zip(jax.tree.leaves(state["tx"]), jax.tree.leaves(stored)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  counts = [int(x) for x in jax.tree.leaves(state["tx"]) if x.ndim == 0]
+  assert counts and set(counts) == {2}  # the run's step counts: not a fresh state
+  jax.tree.map(lambda m, p: np.testing.assert_array_equal(np.asarray(m), np.asarray(p)),
+               state["master"], params)
+  cap = calibrate.capture(c, 1, tmp_path, compiler_options=FAST_COMPILE)
+  assert set(cap.tensors) == {"dp/scatter", "dp_params"} and len(cap.tensors["dp_params"]) == 8
+

@@ -2,11 +2,12 @@
 --steps=N [--out=<py>]`.
 
 1. Capture: run N training steps of the config (from the latest checkpoint of the trained
-   run in --workdir, read only; without it from init, which the run warns about: an
-   untrained model's tensors are not the ones that matter) with a `monitor.Capture`
-   watching: every message a compressed collective sends (forward activations and, in the
-   backward pass, their gradients; the pipeline shift; the DP gradient buffer) is copied to
-   the host per site (`taco_jax.plan.SITES`).
+   run in --workdir, read only, its parameters and optimizer state; without it from init,
+   which the run warns about: an untrained model's tensors are not the ones that matter)
+   with a `monitor.Capture` watching: every message a compressed collective sends (forward
+   activations and, in the backward pass, their gradients; the pipeline shift; the DP
+   gradient buffer; with `parallel.shard_optimizer`, the weight differences gathered) is
+   copied to the host per site (`taco_jax.plan.SITES`).
 2. Measure: every codec setting of the grid (format x group size x Hadamard on/off) is
    applied to each site's tensors (encode -> u8 wire -> decode); per site: relative L2 error
    ||x_hat - x|| / ||x|| over all its tensors (rel_l2), max |x_hat - x|, that max / max |x|,
@@ -77,7 +78,7 @@ def bits_per_element(setting: dict, width: int) -> float:
 def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
             compiler_options=None) -> monitor.Capture:
   """Runs `steps` training steps of `config` and returns what each compressed site sent."""
-  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
+  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib, zero
   from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
   from taco_jax.train.config import devices, parallel_spec, validate
@@ -91,6 +92,8 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   d = config.data
   corpus = load_data(config)
   tx = ptrain.make_optimizer(config.optim, config.train.steps)
+  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
+  o_abs = ptrain.opt_state_target(tx, p_abs, mesh, spec)
   start = 0
   if workdir:
     ckpt = checkpoint.Checkpoints(workdir)
@@ -99,13 +102,13 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
       ckpt.close()
       raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: --workdir must be a "
                               "trained run of this config")
-    params, _, _ = ckpt.restore(start, layout_lib.abstract_params(spec.cfg, mesh))
+    params, opt_state = _restore(ckpt, start, spec, tx, p_abs, o_abs)
     ckpt.close()
   else:
     print("warning: no --workdir: capturing from an untrained model, whose tensors differ "
           "from a trained one's; pass the workdir of a finished run", file=sys.stderr)
     params = layout_lib.init_params(spec.cfg, mesh, config.seed)
-  opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(zero.init(spec, tx), out_shardings=_shardings(o_abs))(params)
   cap = monitor.Capture(rows_per_call)
   batch = lambda i: ptrain.global_batch(data.batch_at(
       corpus.train, i, seed=config.seed, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
@@ -116,6 +119,34 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   jax.block_until_ready(params)
   jax.effects_barrier()  # every callback has delivered its tensor
   return cap
+
+
+def _shardings(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _restore(ckpt, step: int, spec, tx, p_abs, o_abs) -> tuple:
+  """(params, optimizer state) of checkpoint `step`, laid out for `spec`'s step (targets
+  `p_abs`, `o_abs`). The Adam moments are restored too, so the captured steps continue the
+  trained run: fresh moments would make the first updates lr * sign(g), which is not what
+  the sharded optimizer's weight differences are later on. A master that the step keeps
+  (`zero.keeps_master`) and the checkpoint lacks starts as the parameters (as a new run's
+  does); one the checkpoint has and the step does not keep is dropped."""
+  from taco_jax.tp import zero
+  from taco_jax.train import checkpoint
+  keeps = zero.keeps_master(spec)
+  stored = ckpt.stored_shapes(step, "opt_state")
+  has = isinstance(stored, dict) and "master" in stored
+  tx_abs = o_abs["tx"] if keeps else o_abs
+  target = dict(master=o_abs["master"] if keeps else p_abs, tx=tx_abs) if has else tx_abs
+  params, state = checkpoint.restore_state(ckpt, step, spec.cfg, p_abs, target, tx)
+  if has:
+    master, state = state["master"], state["tx"]
+  else:
+    master = params
+  if keeps:
+    master = jax.device_put(master, _shardings(o_abs["master"]))
+  return params, zero.opt_state(spec, state, master)
 
 
 # --- 2. measure ---------------------------------------------------------------------------
