@@ -152,8 +152,13 @@ def _restore(ckpt, step: int, spec, tx, p_abs, o_abs) -> tuple:
 # --- 2. measure ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "n_seg"))
-def _errors(x, seg, settings, n_seg):
+def codec_roundtrip(x, setting: dict):
+  """x as the FP8 codec with `setting` delivers it (encode -> u8 wire -> decode), fp32."""
+  return collectives.roundtrip(x, CompressionConfig(**setting))
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "n_seg", "roundtrip"))
+def _errors(x, seg, settings, n_seg, roundtrip=codec_roundtrip):
   """Per setting and segment: (sum err^2, sum x^2, max |err|, max |x|, number of non-zero
   elements off by more than 1/8 of themselves, number of non-zero elements), fp32."""
   xf = x.astype(jnp.float32)
@@ -163,7 +168,7 @@ def _errors(x, seg, settings, n_seg):
   n_nonzero = jax.ops.segment_sum(jnp.sum(nonzero, -1, dtype=jnp.float32), seg, n_seg)
   out = []
   for s in settings:
-    err = collectives.roundtrip(x, CompressionConfig(**dict(s))) - xf
+    err = roundtrip(x, dict(s)) - xf
     far = nonzero & (8 * jnp.abs(err) > jnp.abs(xf))
     out.append(jnp.stack([jax.ops.segment_sum(jnp.sum(err * err, -1), seg, n_seg), x2,
                           jax.ops.segment_max(jnp.max(jnp.abs(err), -1), seg, n_seg), amax,
@@ -172,14 +177,17 @@ def _errors(x, seg, settings, n_seg):
   return jnp.stack(out)  # [settings, 6, n_seg]
 
 
-def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 << 16) -> dict:
+def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 << 16,
+                roundtrip=codec_roundtrip, bits=bits_per_element) -> dict:
   """{site: [setting + errors, ...]} for every captured site: rel_l2 = ||x_hat - x|| / ||x||
   over all its captured rows (at most `max_rows`, evenly spaced), max_abs = max |x_hat - x|,
   max_abs_over_absmax = max_abs / max |x|, share_off_by_8th = the share of non-zero
   elements whose own relative error exceeds 1/8 (twice E4M3's rounding bound: elements the
   codec does not keep to FP8 precision, e.g. small ones after a Hadamard transform spread
   a large neighbour's error over them). Sites with the same last dimension are measured
-  in one program."""
+  in one program. Another quantizer: `roundtrip(x, setting)` (jittable, x [rows, width] ->
+  what the receiver gets, fp32; hashable) and `bits(setting, width)`, its wire bits per
+  element."""
   frozen = tuple(tuple(sorted(s.items())) for s in settings)
   by_width: dict[int, list] = {}
   for site in sorted(cap.tensors):
@@ -191,13 +199,14 @@ def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 <<
   for width, group in by_width.items():
     x = np.concatenate([r for _, r in group])
     seg = np.concatenate([np.full(len(r), i) for i, (_, r) in enumerate(group)])
-    e = np.asarray(_errors(jnp.asarray(x), jnp.asarray(seg), frozen, len(group)), np.float64)
+    e = np.asarray(_errors(jnp.asarray(x), jnp.asarray(seg), frozen, len(group), roundtrip),
+                   np.float64)
     for i, (site, _) in enumerate(group):
       out[site] = [dict(s, rel_l2=float(np.sqrt(e[j, 0, i] / e[j, 1, i])),
                         max_abs=float(e[j, 2, i]),
                         max_abs_over_absmax=float(e[j, 2, i] / e[j, 3, i]),
                         share_off_by_8th=float(e[j, 4, i] / max(e[j, 5, i], 1.0)),
-                        bits_per_element=bits_per_element(s, width))
+                        bits_per_element=bits(s, width))
                    for j, s in enumerate(settings)]
   return out
 
