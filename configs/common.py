@@ -128,6 +128,14 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                parallel.shard_optimizer reduce-scatter (off: fp32)
   z.dp_params = codec(enabled=False)  # shard_optimizer's parameter all-gather, as weight
   #                                differences (off: the fp32 parameters)
+  # dp and dp_params keep the codec's defaults (e4m3, G=128, no Hadamard; 8.5 bits), measured
+  # on a trained model's gradients and weight differences (benchmarks/measure_dp_codec.py:
+  # benchmarks/results/measure_dp_codec_tiny_8cpu_20261123.json): calibrate's rule picks them
+  # for both (rel_l2 0.025 / 0.026); G=32 is 6-7% lower for 18% more bytes; the transform puts
+  # 13-17% / 11-13% of the elements off by > 1/8. A simulated 4-bit quantizer (int4 G=32, 5
+  # bits) has 4.1x / 3.4x FP8's rel_l2, but on weight differences error feedback keeps the
+  # parameters one step's rounding from the master (8.7% of one step's update): a candidate
+  # for dp_params (SDP4Bit's choice) to try in training; the gradients have no feedback.
   z.sites = ml_collections.ConfigDict()  # sites.<site>: one collective's own codec section
   #                                (taco_jax.plan.SITES; written by taco_jax.apps.calibrate)
   z.log_errors = False           # log each family's round-trip error of what it sent (metrics)

@@ -200,6 +200,42 @@ def test_report_transport_section(tmp_path, monkeypatch):
   assert _cells(failed)[1] == "failed"
 
 
+def test_report_dp_codec_section(tmp_path, monkeypatch):
+  """benchmarks/measure_dp_codec.py's results: e4m3 per group size and the best with the
+  transform, int4 per group size, the best fp4 and the best 4-bit with the transform; the
+  weight differences' lag after the last step, with and without error feedback."""
+  from benchmarks import report
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  assert report.dp_codec_section() == ""
+
+  def row(f, g, h, rel):
+    return dict(format=f, group_size=g, hadamard=h, rel_l2=rel, share_off_by_8th=0.0,
+                score=rel, bits_per_element=(4 + 32 / g) if f in ("int4", "fp4") else 8 + 64 / g)
+
+  fp8 = [row("e4m3", g, h, 0.02 + g / 1e4 + h / 1e3) for g in (256, 32) for h in (0, 1)]
+  four = [row(f, g, h, 0.1 + g / 1e4 + (f == "fp4") / 1e3 + h / 1e2)
+          for f in ("int4", "fp4") for g in (64, 32) for h in (0, 1)]
+  table = dict(fp8=sorted(fp8, key=lambda r: r["score"]),
+               four_bit=sorted(four, key=lambda r: r["score"]))
+  lag = lambda r: dict(r, with_feedback=[0.5, r["rel_l2"]],  # noqa: E731
+                       without_feedback=[0.5, 3 * r["rel_l2"]])
+  d = dict(model=dict(n_layers=4, d_model=128, params=1000), trained=dict(steps=400),
+           captured=dict(steps=2), args=dict(mesh=[8, 1, 1]), capture_config=dict(name="tiny"),
+           choice={f: dict(setting=dict(format="e4m3", group_size=256, hadamard=False))
+                   for f in ("dp", "dp_params")},
+           families=dict(dp=table, dp_params=table),
+           feedback=dict(steps=2, update_norm=[1.0, 2.0], weight_norm=1000.0,
+                         fp8=[lag(r) for r in fp8], four_bit=[lag(r) for r in four]))
+  (tmp_path / "measure_dp_codec_tiny_8cpu_20261123.json").write_text(json.dumps(d))
+  text = report.dp_codec_section()
+  assert "dp: e4m3 G=256; dp_params: e4m3 G=256" in text and "weights: 0.002" in text
+  rows = [_cells(r) for r in text.splitlines() if r.startswith("| dp")]
+  assert [r[1] for r in rows[:7]] == ["e4m3 G=32", "e4m3 G=256", "e4m3 G=32 Hadamard",
+                                      "int4 G=32", "int4 G=64", "fp4 G=32", "int4 G=32 Hadamard"]
+  assert rows[3][2:] == ["5", "0.103", "0", "–", "–"]  # dp: no lag
+  assert rows[7 + 3][2:] == ["5", "0.103", "0", "0.103", "0.31"]
+
+
 def test_trace_summary_counts_only_uncovered_nccl_time():
   def x(name, ts, dur, pid=1):
     return dict(ph="X", name=name, ts=ts, dur=dur, pid=pid, tid=0)

@@ -3,6 +3,7 @@ stated rule, write a config with the choices (test_readme trains a written confi
 import importlib.util
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,3 +162,112 @@ def test_measure_all_against_numpy_and_the_hadamard_spread():
     assert r["max_abs"] == pytest.approx(np.abs(err).max(), rel=1e-5)
     assert r["share_off_by_8th"] == pytest.approx(np.mean(8 * np.abs(err) > np.abs(rows)))
   assert res[0]["share_off_by_8th"] < 0.01 < 0.2 < res[1]["share_off_by_8th"]
+
+
+# --- the sharded optimizer's sites (benchmarks/measure_dp_codec.py) ---------------------------
+
+
+def test_capture_continues_a_trained_run_with_the_sharded_optimizer(tmp_path):
+  """calibrate.capture from a replicated run's checkpoint onto a sharded step that keeps a
+  master: the Adam moments are the run's (not fresh ones, whose first updates are lr *
+  sign(g)), the master starts as the parameters, and both data-parallel sites are captured."""
+  from taco_jax.configs import tiny
+  from taco_jax.tp import layout, mesh as mesh_lib
+  from taco_jax.train import checkpoint, trainer
+  from taco_jax.train.config import parallel_spec
+  c = tiny.get_micro_config()
+  c.model.update(n_layers=1, d_model=32, d_ff=64, max_seq_len=16)
+  c.data.update(seq_len=16, batch_size=8)
+  c.train.update(steps=2, eval_batches=1)
+  trainer.train(c, tmp_path)
+  c.parallel.update(dp=8, shard_optimizer=True)
+  c.compression.update(enabled=True)
+  c.compression.dp.enabled = c.compression.dp_params.enabled = True
+  spec, mesh = parallel_spec(c), mesh_lib.make_mesh(8, 1, 1)
+  tx = trainer.make_optimizer(c.optim, c.train.steps)
+  p_abs = layout.abstract_params(spec.cfg, mesh)
+  ckpt = checkpoint.Checkpoints(tmp_path)
+  params, state = calibrate._restore(ckpt, 2, spec, tx, p_abs,
+                                     trainer.opt_state_target(tx, p_abs, mesh, spec))
+  _, stored = checkpoint.restore_state(ckpt, 2, spec.cfg, p_abs, trainer.opt_state_target(
+      tx, p_abs, mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])))
+  ckpt.close()
+  for got, want in zip(jax.tree.leaves(state["tx"]), jax.tree.leaves(stored)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  counts = [int(x) for x in jax.tree.leaves(state["tx"]) if x.ndim == 0]
+  assert counts and set(counts) == {2}  # the run's step counts: not a fresh state
+  jax.tree.map(lambda m, p: np.testing.assert_array_equal(np.asarray(m), np.asarray(p)),
+               state["master"], params)
+  cap = calibrate.capture(c, 1, tmp_path, compiler_options=FAST_COMPILE)
+  assert set(cap.tensors) == {"dp/scatter", "dp_params"} and len(cap.tensors["dp_params"]) == 8
+
+
+def test_simulated_4bit_quantizers_by_hand():
+  from benchmarks.measure_dp_codec import bits4, roundtrip4
+  x = np.zeros((2, 40), np.float32)  # G = 32: one group and one 8-wide one, padded
+  x[0, :6] = [7, 3.5, -1, 0.4, 2.6, -6.9]          # absmax 7: INT4's scale is 1
+  x[1, :7] = [6, 0.3, 0.2, 2.6, 4.9, 5.1, -1.3]    # absmax 6: FP4's scale is 1
+  x[0, 32:34] = [0.7, 0.3]                          # the padded group: scale 0.1
+  x[1, 32:34] = [6e-3, 1.9e-3]                      # scale 1e-3
+  q = lambda f, h=False: np.asarray(roundtrip4(x, dict(format=f, group_size=32, hadamard=h)))
+  np.testing.assert_allclose(q("int4")[0, :6], [7, 4, -1, 0, 3, -7])  # 3.5: ties to even
+  np.testing.assert_allclose(q("int4")[0, 32:34], [0.7, 0.3], rtol=1e-6)
+  np.testing.assert_allclose(q("fp4")[1, :7], [6, 0.5, 0, 3, 4, 6, -1.5])
+  np.testing.assert_allclose(q("fp4")[1, 32:34], [6e-3, 2e-3], rtol=1e-6)
+  assert q("int4").shape == x.shape and not q("int4")[:, 34:].any()
+  from pallas_kernels.common import hadamard_matrix
+  row = 1e-2 * hadamard_matrix(32)[5]  # one coefficient after the transform: kept exactly,
+  rows = np.stack([row, row + 1e-3])   # which the plain grid cannot do for 1e-2 +- 1e-3
+  for f in ("int4", "fp4"):
+    h = np.asarray(roundtrip4(rows, dict(format=f, group_size=32, hadamard=True)))
+    np.testing.assert_allclose(h[0], row, atol=1e-8)
+    assert np.abs(np.asarray(roundtrip4(rows, dict(format=f, group_size=32, hadamard=False)))
+                  - rows)[1].max() > 1e-4
+  assert bits4(dict(group_size=32), 32) == 5.0 and bits4(dict(group_size=128), 4096) == 4.25
+  assert bits4(dict(group_size=32), 40) == 2 * (4 * 32 + 32) / 40
+
+
+def test_measure_dp_codec_on_a_toy_capture():
+  """The benchmark's measurement on a sharded step's sites as the run sends them: the
+  weight differences of 4 ranks, 5 steps, delivered in shuffled order per step (as the
+  devices' callbacks come), from updates with Adam-like momentum, sent with error feedback
+  through the run's codec. measure() pairs the messages up by rank, recovers the updates,
+  and replays them: with feedback the run's own codec lags the master exactly as the run's
+  parameters did; without, the errors add up."""
+  from benchmarks import measure_dp_codec as m
+  from taco_jax.plan import CompressionPlan
+  run = CompressionConfig(group_size=64)
+  plan = CompressionPlan(dp=run, dp_params=run)
+  dp, steps, rng = 4, 5, np.random.default_rng(0)
+  cap, mom, r = monitor.Capture(), np.zeros((dp, 3, 256)), np.zeros((dp, 3, 256), np.float32)
+  u, lag, scale = [], [], np.exp(rng.normal(size=(dp, 3, 1)))  # per row, as per tensor
+  for t in range(steps):
+    mom = 0.9 * mom + 0.1 * rng.normal(size=mom.shape) * scale
+    u.append((1e-3 * mom).astype(np.float32))
+    delta = u[-1] + r
+    r = delta - np.asarray(collectives.roundtrip(delta, run))
+    lag.append(np.linalg.norm(r) / np.linalg.norm(u[-1]))
+    for d in rng.permutation(dp):
+      cap.add("dp_params", delta[d])
+  cap.add("dp/scatter", rng.normal(size=(16, 256)).astype(np.float32))
+  out = m.measure(cap, plan, dp, fp8=[dict(format="e4m3", group_size=64, hadamard=False)],
+                  four=m.grid4(group_sizes=(64,), hadamard=(False,)))
+  seq, same, other = m.by_rank(cap.tensors["dp_params"], dp)
+  assert same > 0.5 > 0.1 > other
+  first = {tuple(seq[0, i, 0, :2]): i for i in range(dp)}  # which rank came first where
+  order = [first[tuple(u[0][d, 0, :2])] for d in range(dp)]
+  np.testing.assert_allclose(np.asarray(m.updates(seq, run))[:, order], np.stack(u),
+                             atol=1e-9)
+  fb = out["feedback"]
+  assert fb["steps"] == steps and fb["pairing"]["lowest_same_rank"] == same
+  own = next(f for f in fb["fp8"] if f["group_size"] == 64 and f["format"] == "e4m3")
+  np.testing.assert_allclose(own["with_feedback"], lag, rtol=1e-4)
+  assert own["without_feedback"][0] == pytest.approx(own["with_feedback"][0])
+  assert own["without_feedback"][-1] > 1.5 * own["with_feedback"][-1]
+  for f in fb["four_bit"]:  # 4 bits: ~8x FP8's rounding, still bounded with feedback
+    assert 3 * own["with_feedback"][-1] < f["with_feedback"][-1] < f["without_feedback"][-1]
+  assert set(out["choice"]) == {"dp", "dp_params"}
+  for fam in ("dp", "dp_params"):
+    (four,) = [r for r in out["families"][fam]["four_bit"] if r["format"] == "int4"]
+    assert four["bits_per_element"] == 4.5
+    assert four["rel_l2"] > 2 * out["families"][fam]["fp8"][0]["rel_l2"]

@@ -2,11 +2,12 @@
 --steps=N [--out=<py>]`.
 
 1. Capture: run N training steps of the config (from the latest checkpoint of the trained
-   run in --workdir, read only; without it from init, which the run warns about: an
-   untrained model's tensors are not the ones that matter) with a `monitor.Capture`
-   watching: every message a compressed collective sends (forward activations and, in the
-   backward pass, their gradients; the pipeline shift; the DP gradient buffer) is copied to
-   the host per site (`taco_jax.plan.SITES`).
+   run in --workdir, read only, its parameters and optimizer state; without it from init,
+   which the run warns about: an untrained model's tensors are not the ones that matter)
+   with a `monitor.Capture` watching: every message a compressed collective sends (forward
+   activations and, in the backward pass, their gradients; the pipeline shift; the DP
+   gradient buffer; with `parallel.shard_optimizer`, the weight differences gathered) is
+   copied to the host per site (`taco_jax.plan.SITES`).
 2. Measure: every codec setting of the grid (format x group size x Hadamard on/off) is
    applied to each site's tensors (encode -> u8 wire -> decode); per site: relative L2 error
    ||x_hat - x|| / ||x|| over all its tensors (rel_l2), max |x_hat - x|, that max / max |x|,
@@ -77,7 +78,7 @@ def bits_per_element(setting: dict, width: int) -> float:
 def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
             compiler_options=None) -> monitor.Capture:
   """Runs `steps` training steps of `config` and returns what each compressed site sent."""
-  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
+  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib, zero
   from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
   from taco_jax.train.config import devices, parallel_spec, validate
@@ -91,6 +92,8 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   d = config.data
   corpus = load_data(config)
   tx = ptrain.make_optimizer(config.optim, config.train.steps)
+  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
+  o_abs = ptrain.opt_state_target(tx, p_abs, mesh, spec)
   start = 0
   if workdir:
     ckpt = checkpoint.Checkpoints(workdir)
@@ -99,13 +102,13 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
       ckpt.close()
       raise FileNotFoundError(f"no checkpoint in {ckpt.directory}: --workdir must be a "
                               "trained run of this config")
-    params, _, _ = ckpt.restore(start, layout_lib.abstract_params(spec.cfg, mesh))
+    params, opt_state = _restore(ckpt, start, spec, tx, p_abs, o_abs)
     ckpt.close()
   else:
     print("warning: no --workdir: capturing from an untrained model, whose tensors differ "
           "from a trained one's; pass the workdir of a finished run", file=sys.stderr)
     params = layout_lib.init_params(spec.cfg, mesh, config.seed)
-  opt_state = jax.jit(tx.init)(params)
+    opt_state = jax.jit(zero.init(spec, tx), out_shardings=_shardings(o_abs))(params)
   cap = monitor.Capture(rows_per_call)
   batch = lambda i: ptrain.global_batch(data.batch_at(
       corpus.train, i, seed=config.seed, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
@@ -118,11 +121,44 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   return cap
 
 
+def _shardings(tree):
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def _restore(ckpt, step: int, spec, tx, p_abs, o_abs) -> tuple:
+  """(params, optimizer state) of checkpoint `step`, laid out for `spec`'s step (targets
+  `p_abs`, `o_abs`). The Adam moments are restored too, so the captured steps continue the
+  trained run: fresh moments would make the first updates lr * sign(g), which is not what
+  the sharded optimizer's weight differences are later on. A master that the step keeps
+  (`zero.keeps_master`) and the checkpoint lacks starts as the parameters (as a new run's
+  does); one the checkpoint has and the step does not keep is dropped."""
+  from taco_jax.tp import zero
+  from taco_jax.train import checkpoint
+  keeps = zero.keeps_master(spec)
+  stored = ckpt.stored_shapes(step, "opt_state")
+  has = isinstance(stored, dict) and "master" in stored
+  tx_abs = o_abs["tx"] if keeps else o_abs
+  target = dict(master=o_abs["master"] if keeps else p_abs, tx=tx_abs) if has else tx_abs
+  params, state = checkpoint.restore_state(ckpt, step, spec.cfg, p_abs, target, tx)
+  if has:
+    master, state = state["master"], state["tx"]
+  else:
+    master = params
+  if keeps:
+    master = jax.device_put(master, _shardings(o_abs["master"]))
+  return params, zero.opt_state(spec, state, master)
+
+
 # --- 2. measure ---------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("settings", "n_seg"))
-def _errors(x, seg, settings, n_seg):
+def codec_roundtrip(x, setting: dict):
+  """x as the FP8 codec with `setting` delivers it (encode -> u8 wire -> decode), fp32."""
+  return collectives.roundtrip(x, CompressionConfig(**setting))
+
+
+@functools.partial(jax.jit, static_argnames=("settings", "n_seg", "roundtrip"))
+def _errors(x, seg, settings, n_seg, roundtrip=codec_roundtrip):
   """Per setting and segment: (sum err^2, sum x^2, max |err|, max |x|, number of non-zero
   elements off by more than 1/8 of themselves, number of non-zero elements), fp32."""
   xf = x.astype(jnp.float32)
@@ -132,7 +168,7 @@ def _errors(x, seg, settings, n_seg):
   n_nonzero = jax.ops.segment_sum(jnp.sum(nonzero, -1, dtype=jnp.float32), seg, n_seg)
   out = []
   for s in settings:
-    err = collectives.roundtrip(x, CompressionConfig(**dict(s))) - xf
+    err = roundtrip(x, dict(s)) - xf
     far = nonzero & (8 * jnp.abs(err) > jnp.abs(xf))
     out.append(jnp.stack([jax.ops.segment_sum(jnp.sum(err * err, -1), seg, n_seg), x2,
                           jax.ops.segment_max(jnp.max(jnp.abs(err), -1), seg, n_seg), amax,
@@ -141,14 +177,17 @@ def _errors(x, seg, settings, n_seg):
   return jnp.stack(out)  # [settings, 6, n_seg]
 
 
-def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 << 16) -> dict:
+def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 << 16,
+                roundtrip=codec_roundtrip, bits=bits_per_element) -> dict:
   """{site: [setting + errors, ...]} for every captured site: rel_l2 = ||x_hat - x|| / ||x||
   over all its captured rows (at most `max_rows`, evenly spaced), max_abs = max |x_hat - x|,
   max_abs_over_absmax = max_abs / max |x|, share_off_by_8th = the share of non-zero
   elements whose own relative error exceeds 1/8 (twice E4M3's rounding bound: elements the
   codec does not keep to FP8 precision, e.g. small ones after a Hadamard transform spread
   a large neighbour's error over them). Sites with the same last dimension are measured
-  in one program."""
+  in one program. Another quantizer: `roundtrip(x, setting)` (jittable, x [rows, width] ->
+  what the receiver gets, fp32; hashable) and `bits(setting, width)`, its wire bits per
+  element."""
   frozen = tuple(tuple(sorted(s.items())) for s in settings)
   by_width: dict[int, list] = {}
   for site in sorted(cap.tensors):
@@ -160,13 +199,14 @@ def measure_all(cap: monitor.Capture, settings: list[dict], max_rows: int = 1 <<
   for width, group in by_width.items():
     x = np.concatenate([r for _, r in group])
     seg = np.concatenate([np.full(len(r), i) for i, (_, r) in enumerate(group)])
-    e = np.asarray(_errors(jnp.asarray(x), jnp.asarray(seg), frozen, len(group)), np.float64)
+    e = np.asarray(_errors(jnp.asarray(x), jnp.asarray(seg), frozen, len(group), roundtrip),
+                   np.float64)
     for i, (site, _) in enumerate(group):
       out[site] = [dict(s, rel_l2=float(np.sqrt(e[j, 0, i] / e[j, 1, i])),
                         max_abs=float(e[j, 2, i]),
                         max_abs_over_absmax=float(e[j, 2, i] / e[j, 3, i]),
                         share_off_by_8th=float(e[j, 4, i] / max(e[j, 5, i], 1.0)),
-                        bits_per_element=bits_per_element(s, width))
+                        bits_per_element=bits(s, width))
                    for j, s in enumerate(settings)]
   return out
 

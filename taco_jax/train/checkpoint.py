@@ -44,10 +44,11 @@ class Checkpoints:
     return self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
 
   def stored_shapes(self, step: int, item: str = 'params'):
-    """The shapes of checkpoint `step`'s `item`, as a pytree (read from its metadata)."""
+    """The shapes of checkpoint `step`'s `item`, as a pytree (read from its metadata; an
+    optax state's tuples come back as lists)."""
     from etils import epath
     meta = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory / str(step) / item))
-    return jax.tree.map(lambda x: tuple(x.shape), dict(meta))
+    return jax.tree.map(lambda x: tuple(x.shape), meta.tree)
 
   def wait(self) -> None:
     self._mngr.wait_until_finished()
