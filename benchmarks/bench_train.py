@@ -434,6 +434,7 @@ def main(argv=None) -> pathlib.Path:
   from benchmarks import attention_numerics, common
   from taco_jax.models.decoder import flops_per_token
   from taco_jax import data
+  from taco_jax.train.metrics import device_peak_bytes
 
   cfg, tx = model_and_optimizer(args, remat=not args.no_remat)
   try:
@@ -479,7 +480,7 @@ def main(argv=None) -> pathlib.Path:
                   config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
                               model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
                   environment=env, ceilings=dict(matmul_bf16=ceiling), attention=attention,
-                  device_peak_bytes=common.device_peak_bytes(), summary=summary,
+                  device_peak_bytes=device_peak_bytes(), summary=summary,
                   failed=failed, results=rows, complete=k == len(layouts) - 1,
                   wall_s=time.perf_counter() - t0)
     path.write_text(json.dumps(report, indent=1))  # after every layout: nothing lost

@@ -128,12 +128,6 @@ def compiled_memory(exe) -> dict:
               memory_temp_bytes=getattr(m, "temp_size_in_bytes", None))
 
 
-def device_peak_bytes():
-  """The first local device's peak bytes in use so far (process-wide); None on CPU."""
-  stats = jax.local_devices()[0].memory_stats()
-  return (stats or {}).get("peak_bytes_in_use")
-
-
 def environment() -> dict:
   dev = jax.devices()[0]
   return dict(

@@ -31,6 +31,8 @@
 #                                                    # ptxas's spills, the FP8 epilogue's parts
 #   bash benchmarks/gpu_suite.sh trainer_1gpu        # the trainer itself, 1.3B on one GPU: XLA's
 #                                                    # overlap options off / on, and with PGLE
+#   bash benchmarks/gpu_suite.sh trainer_remat_1gpu  # ... as configured, save_dots, + unrolled
+#   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -86,6 +88,34 @@ for job in "$@"; do
           --config.train.progress_bar=False
         cp "/tmp/trainer_${v/=/_}/summary.json" "$out/trainer_1gpu_${v/=/_}_summary.json"
         rm -rf "/tmp/trainer_${v/=/_}"
+      done ;;
+    trainer_remat_1gpu)  # issue 19: the trainer's own 1.3B step (batch $BATCH, default 8;
+      # 40 steps): remat recomputing the matmuls (the old default), keeping their outputs,
+      # and with the layers unrolled too (gpt_1_3b's setting now)
+      for v in "save_dots=False --config.parallel.scan_layers=True" \
+               "save_dots=True --config.parallel.scan_layers=True" \
+               "save_dots=True --config.parallel.scan_layers=False"; do
+        name=$(echo "$v" | tr -c 'a-zA-Z0-9_=\n' '_' | sed 's/_*config_parallel_/_/g; s/=/_/g')
+        timeout 180 python3 -m taco_jax.train --config configs/gpt_1_3b.py \
+          --workdir "/tmp/trainer_$name" --config.parallel.$v --config.data.batch_size=${BATCH:-8} \
+          --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
+          --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
+          --config.train.progress_bar=False 2>&1 | grep -v "^W0\|^I0" | tail -4
+        cp "/tmp/trainer_$name/summary.json" "$out/trainer_1gpu_b${BATCH:-8}_${name}_summary.json"
+        rm -rf "/tmp/trainer_$name"
+      done ;;
+    trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'
+      # batch; 40 steps) with the layers scanned and unrolled
+      for cfg in gpt_125m gpt_350m; do
+        for scan in True False; do
+          timeout 150 python3 -m taco_jax.train --config configs/$cfg.py \
+            --workdir "/tmp/trainer_$cfg" --config.parallel.scan_layers=$scan \
+            --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
+            --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
+            --config.train.progress_bar=False 2>&1 | grep '"mfu"\|"compile_s"\|Error'
+          cp "/tmp/trainer_$cfg/summary.json" "$out/trainer_1gpu_${cfg}_scan_layers_${scan}_summary.json"
+          rm -rf "/tmp/trainer_$cfg"
+        done
       done ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
       # and the bf16 step's remat policies (keep matmul outputs, no remat)

@@ -185,6 +185,7 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> dict[str, str
   the program's input). A run whose step fails on the device (e.g. out of memory beside
   the others) is taken out of `runs`, freeing its buffers, and the rest go on; returns
   {name: error} of those."""
+  from taco_jax.train.metrics import device_peak_bytes
   import jax
   from benchmarks import common
   names, failed = list(runs), {}
@@ -210,7 +211,7 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> dict[str, str
       r["times"].append(time.perf_counter() - t0)
       r["losses"].append(loss)
       if i == 0:  # memory_stats: the process's peak so far (None on CPU)
-        r["device_peak_bytes"] = common.device_peak_bytes()
+        r["device_peak_bytes"] = device_peak_bytes()
       r["state"] = (params, opt_state)
     if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
       break

@@ -37,6 +37,14 @@ def configured_peak(train_cfg, device_kind: str) -> float | None:
   return train_cfg.peak_flops or peak_flops(device_kind)
 
 
+def device_peak_bytes() -> int | None:
+  """The first local device's peak bytes in use so far (process-wide); None where the
+  backend keeps no memory statistics (CPU)."""
+  import jax
+  stats = jax.local_devices()[0].memory_stats()
+  return (stats or {}).get("peak_bytes_in_use")
+
+
 def truncate_after(path: pathlib.Path, step: int) -> None:
   """Drops records with step > `step` (written after the checkpoint a resume starts from)."""
   if not path.exists():

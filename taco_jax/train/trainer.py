@@ -177,6 +177,7 @@ def train(config, workdir) -> dict:
                  mesh=dict(mesh.shape), shard_optimizer=spec.shard_optimizer,
                  params_bytes_per_device=zero.bytes_per_device(p_abs),
                  opt_state_bytes_per_device=zero.bytes_per_device(o_abs),
+                 device_peak_bytes=metrics.device_peak_bytes(),
                  attention=attention, compile_s=compile_s, xla_options=xla,
                  pgle=train_step.summary() if p.pgle else None,
                  compressed_messages=compressed, link_policy=link.summary,
