@@ -223,14 +223,16 @@ for job in "$@"; do
       timeout 170 python3 benchmarks/bench_train.py --label nvlink_pp2 --layouts 1,2,2 \
         --variants off,on --steps 30 --deadline-s 150 --out-dir "$out" ;;
     baseline)  # issue 19 on 2xH200, TP=2: the bf16 step with cuDNN flash attention keeping
-      # the TP outputs, + the matmul outputs, or no remat; free TP comm for the first two; GSPMD
+      # the TP outputs, + the matmul outputs (scanned, unrolled), or no remat; free TP comm
+      # for the first two; GSPMD
       timeout 540 python3 benchmarks/bench_train.py --label nvlink_baseline --layouts 1,1,2 \
         --attention cudnn --variants \
-        off_save,off_save_dots,off_noremat,ideal_save,ideal_save_dots,gspmd \
+        off_save,off_save_dots,off_save_dots_unroll,off_noremat,ideal_save,ideal_save_dots,gspmd \
         --deadline-s 470 --out-dir "$out" ;;
-    baseline_dp2)  # ... DP=2, TP=1: recompute all, keep the matmul outputs, no remat
+    baseline_dp2)  # ... DP=2, TP=1: recompute all, keep the matmul outputs (scanned,
+      # unrolled: gpt_1_3b's setting), no remat
       timeout 360 python3 benchmarks/bench_train.py --label nvlink_baseline_dp2 --layouts 2,1,1 \
-        --attention cudnn --variants off,off_dots,off_noremat --deadline-s 300 \
+        --attention cudnn --variants off,off_dots,off_dots_unroll,off_noremat --deadline-s 300 \
         --out-dir "$out" ;;
     e2e_8gpu)  # (1,1,8) and (dp,pp,tp) = (2,2,2), NVLink, same script and format as 4 GPUs
       timeout 540 python3 benchmarks/bench_train.py --label nvlink_8gpu --layouts "1,1,8;2,2,2" \
