@@ -113,7 +113,8 @@ for job in "$@"; do
             --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
             --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
             --config.train.progress_bar=False 2>&1 | grep '"mfu"\|"compile_s"\|Error'
-          cp "/tmp/trainer_$cfg/summary.json" "$out/trainer_1gpu_${cfg}_scan_layers_${scan}_summary.json"
+          cp "/tmp/trainer_$cfg/summary.json" \
+            "$out/trainer_1gpu_${cfg}_scan_layers_${scan}_summary.json"
           rm -rf "/tmp/trainer_$cfg"
         done
       done ;;

@@ -170,8 +170,8 @@ def feedback(u, settings: list[dict], roundtrip) -> list[dict]:
 
 
 def family_table(results: dict, family: str) -> list[dict]:
-  """Per setting, the means over the family's sites of rel_l2, share_off_by_8th, the score
-  and bits per element, best score first."""
+  """Per setting, the means over the family's sites of rel_l2, share_off_by_8th,
+  max_abs_over_absmax, `calibrate.score` and bits per element, best score first."""
   sites = [s for s in results if SITES[s] == family]
   if not sites:
     return []
@@ -182,7 +182,7 @@ def family_table(results: dict, family: str) -> list[dict]:
     rows.append({**{k: r[k] for k in calibrate.SETTING_FIELDS}, "rel_l2": mean("rel_l2"),
                  "share_off_by_8th": mean("share_off_by_8th"),
                  "max_abs_over_absmax": mean("max_abs_over_absmax"),
-                 "score": mean("rel_l2") + mean("share_off_by_8th"),
+                 "score": float(np.mean([calibrate.score(m) for m in mine])),
                  "bits_per_element": mean("bits_per_element")})
   return sorted(rows, key=lambda r: (r["score"], r["bits_per_element"]))
 
@@ -191,11 +191,8 @@ def measure(cap, plan, dp: int, fp8=None, four=None) -> dict:
   """Steps 3-5 of the module docstring on a capture of the sharded step's data-parallel
   sites at `dp` ranks, whose codecs `plan` (a CompressionPlan) has; `fp8`, `four`: the
   settings (default `calibrate.grid()`, `grid4()`)."""
-  fp8, four = list(fp8 or calibrate.grid()), four or grid4()
-  for fam in FAMILIES:  # the config's own setting is always a candidate
-    own = {k: getattr(getattr(plan, fam), k) for k in calibrate.SETTING_FIELDS}
-    if own not in fp8:
-      fp8.append(own)
+  fp8 = calibrate.with_configured(fp8 or calibrate.grid(), plan, FAMILIES)
+  four = four or grid4()
   res8 = calibrate.measure_all(cap, fp8)
   res4 = calibrate.measure_all(cap, four, roundtrip=roundtrip4, bits=bits4)
   out = dict(results_fp8=res8, results_4bit=res4, choice=calibrate.choose(res8, plan),
@@ -301,6 +298,7 @@ def weight_norm(config, workdir) -> float:
 
 
 def n_params(config) -> int:
+  """The number of parameters of `config`'s model."""
   from taco_jax.tp import layout
   from taco_jax.train.config import parallel_spec
   return sum(x.size for x in jax.tree.leaves(layout.param_shapes(parallel_spec(config).cfg)))

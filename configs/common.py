@@ -100,9 +100,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                backward recomputes only norms, activations and attention
   p.scan_layers = True           # run the layers as one lax.scan (fast to compile); False
   #                                unrolls them: no per-layer stacking of saved activations,
-  #                                faster and with less memory on CPU and GPU (the GPU model
-  #                                configs set it: 1.09-1.48x, half the peak at 125M), compiles
-  #                                about twice as long
+  #                                faster and with less memory on CPU and GPU (the one-GPU
+  #                                model configs set it: 1.06x at 1.3B with save_dots, 1.48x
+  #                                and half the peak at 125M), compiles about twice as long
   p.shard_optimizer = False      # ZeRO-1/2: Adam moments (and master weights) sharded over
   #                                "data"; gradients reduce-scattered, params all-gathered
   #                                (taco_jax.tp.zero); at dp=1 nothing is sharded or sent
@@ -133,7 +133,7 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   # dp and dp_params keep the codec's defaults (e4m3, G=128, no Hadamard; 8.5 bits), measured
   # on a trained model's gradients and weight differences (benchmarks/measure_dp_codec.py:
   # benchmarks/results/measure_dp_codec_tiny_8cpu_20261123.json): calibrate's rule picks them
-  # for both (rel_l2 0.025 / 0.026); G=32 is 6-7% lower for 18% more bytes; the transform puts
+  # for both (rel_l2 0.025 / 0.026); G=32 is 6% lower for 18% more bytes; the transform puts
   # 13-17% / 11-13% of the elements off by > 1/8. A simulated 4-bit quantizer (int4 G=32, 5
   # bits) has 4.1x / 3.4x FP8's rel_l2, but on weight differences error feedback keeps the
   # parameters one step's rounding from the master (8.7% of one step's update): a candidate

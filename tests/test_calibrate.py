@@ -192,7 +192,7 @@ def test_capture_continues_a_trained_run_with_the_sharded_optimizer(tmp_path):
   _, stored = checkpoint.restore_state(ckpt, 2, spec.cfg, p_abs, trainer.opt_state_target(
       tx, p_abs, mesh_lib.make_mesh(1, 1, 1, jax.devices()[:1])))
   ckpt.close()
-  for got, want in zip(jax.tree.leaves(state["tx"]), jax.tree.leaves(stored)):
+  for got, want in zip(jax.tree.leaves(state["tx"]), jax.tree.leaves(stored), strict=True):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   counts = [int(x) for x in jax.tree.leaves(state["tx"]) if x.ndim == 0]
   assert counts and set(counts) == {2}  # the run's step counts: not a fresh state

@@ -66,6 +66,17 @@ def grid(formats=("e4m3", "e5m2"), group_sizes=(32, 64, 128, 256),
           for f, g, h in itertools.product(formats, group_sizes, hadamard)]
 
 
+def with_configured(settings: list[dict], plan, families=FAMILIES) -> list[dict]:
+  """A copy of `settings` plus the setting of each of `families` that `plan` compresses and
+  `settings` lacks: the config's own choice is always a candidate."""
+  out = list(settings)
+  for fam in families:
+    cfg = getattr(plan, fam)
+    if cfg is not None and (s := {k: getattr(cfg, k) for k in SETTING_FIELDS}) not in out:
+      out.append(s)
+  return out
+
+
 def bits_per_element(setting: dict, width: int) -> float:
   """Wire bits per element of `setting` on messages of last dimension `width` (padding to
   whole groups included)."""
@@ -122,6 +133,7 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
 
 
 def _shardings(tree):
+  """The shardings of `tree`'s leaves (arrays or ShapeDtypeStructs), as a tree."""
   return jax.tree.map(lambda x: x.sharding, tree)
 
 
@@ -356,11 +368,7 @@ def calibrate(config, *, steps: int, out, settings: list[dict] | None = None,
   <out>.json). `cap`: tensors already captured from this config (step 1 is skipped)."""
   from taco_jax.plan import plan_from_config
   plan = plan_from_config(config.compression)
-  settings = list(settings or grid())
-  for fam in FAMILIES:  # the config's own settings are always candidates
-    cfg = getattr(plan, fam)
-    if cfg is not None and (s := {k: getattr(cfg, k) for k in SETTING_FIELDS}) not in settings:
-      settings.append(s)
+  settings = with_configured(settings or grid(), plan)
   if cap is None:
     cap = capture(config, steps, workdir, rows_per_call, compiler_options)
   results = measure_all(cap, settings)
