@@ -105,16 +105,18 @@ for job in "$@"; do
         rm -rf "/tmp/trainer_$name"
       done ;;
     trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'
-      # batch; 40 steps) with the layers scanned and unrolled
+      # batch; 40 steps) with the layers scanned (with and without XLA's overlap options,
+      # whose double-buffered layer loop may be what costs the scan its memory) and unrolled
       for cfg in gpt_125m gpt_350m; do
-        for scan in True False; do
+        for v in "scan_layers=True" "scan_layers=True --config.parallel.xla_overlap=False" \
+                 "scan_layers=False"; do
+          name=$(echo "$v" | tr -c 'a-zA-Z0-9_=\n' '_' | sed 's/_*config_parallel_/_/g; s/=/_/g')
           timeout 150 python3 -m taco_jax.train --config configs/$cfg.py \
-            --workdir "/tmp/trainer_$cfg" --config.parallel.scan_layers=$scan \
+            --workdir "/tmp/trainer_$cfg" --config.parallel.$v \
             --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
             --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
             --config.train.progress_bar=False 2>&1 | grep '"mfu"\|"compile_s"\|Error'
-          cp "/tmp/trainer_$cfg/summary.json" \
-            "$out/trainer_1gpu_${cfg}_scan_layers_${scan}_summary.json"
+          cp "/tmp/trainer_$cfg/summary.json" "$out/trainer_1gpu_${cfg}_${name}_summary.json"
           rm -rf "/tmp/trainer_$cfg"
         done
       done ;;
