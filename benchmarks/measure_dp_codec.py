@@ -1,4 +1,5 @@
-"""Which codec the sharded optimizer's data-parallel traffic should use, measured (#18).
+"""Which codec the sharded optimizer's data-parallel traffic (or, --families pp, the
+pipeline hand-offs) should use, measured (#18, #17).
 
 SDP4Bit, the data-parallel scheme TACO pairs with, sends gradients in 8 bits and weight
 differences in 4. Before choosing a bit width or group layout for `compression.dp` (the
@@ -26,8 +27,15 @@ tensors:
 
     python -m benchmarks.measure_dp_codec [--config tiny] [--train-steps 400] [--steps 8]
 
-Writes benchmarks/results/measure_dp_codec_<label>_<n>cpu_<date>.json (--smoke: micro
-model, a few steps, a temporary directory).
+`--families pp` measures the pipeline hand-offs instead (#17; default mesh 1,4,1, as many
+micro-batches as stages, `compression.pp` on, the data-parallel codecs off): the same run
+(one workdir per config, whatever the families), steps 2-3 on the sites "pp/fwd" (the
+activations each stage sends on) and "pp/bwd" (their gradients, sent back), each reported
+on its own (`site_table`), plus the groups run along the token axis instead of the hidden
+one (`token_settings`, `roundtrip_tokens`: TAH-Quant-style tiles the other way round).
+
+Writes benchmarks/results/measure_dp_codec_<label>_<n>cpu_<date>.json (label: the config,
+"_pp" appended for --families pp; --smoke: micro model, a few steps, a temporary directory).
 """
 from __future__ import annotations
 
@@ -51,7 +59,8 @@ from taco_jax import collectives
 from taco_jax.apps import calibrate
 from taco_jax.plan import SITES, plan_from_config
 
-FAMILIES = ("dp", "dp_params")
+FAMILIES = ("dp", "dp_params")  # the default --families
+MEASURABLE = FAMILIES + ("pp",)
 
 
 def grid4(formats=("int4", "fp4"), group_sizes=(32, 64, 128), hadamard=(False, True)):
@@ -95,6 +104,64 @@ def roundtrip4(x, setting: dict):
   if setting["hadamard"]:
     q = dot(q, h)  # H is symmetric
   return q.reshape(*lead, -1)[..., :width]
+
+
+# --- pipeline hand-offs: groups along the token axis ---------------------------------------
+
+
+def token_settings(settings: list[dict], tokens: int) -> list[dict]:
+  """`settings` (FP8, `calibrate.grid`'s) with groups along the token axis of messages of
+  `tokens` tokens: each gets axis="tokens" and tokens=`tokens` (for `roundtrip_tokens`)."""
+  return [dict(s, axis="tokens", tokens=tokens) for s in settings]
+
+
+def _codec_setting(setting: dict) -> dict:
+  return {k: setting[k] for k in calibrate.SETTING_FIELDS}
+
+
+def roundtrip_tokens(x, setting: dict):
+  """x [rows, hidden] (whole messages of `setting["tokens"]` tokens each, in order) as the
+  FP8 codec with `setting` delivers it when its groups run along the token axis: each
+  message's [tokens, hidden] transposed, sent through the codec (groups of G consecutive
+  tokens of one hidden unit), transposed back; fp32."""
+  t = setting["tokens"]
+  rows, width = x.shape
+  if rows % t:
+    raise ValueError(f"{rows} rows are not whole messages of {t} tokens")
+  y = jnp.swapaxes(x.reshape(rows // t, t, width), 1, 2).reshape(-1, t)
+  y = calibrate.codec_roundtrip(y, _codec_setting(setting))
+  return jnp.swapaxes(y.reshape(rows // t, width, t), 1, 2).reshape(rows, width)
+
+
+def bits_tokens(setting: dict, width: int) -> float:
+  """Wire bits per element with groups along the token axis: the codec's on rows of
+  `setting["tokens"]` elements (the hidden width does not matter)."""
+  del width
+  return calibrate.bits_per_element(_codec_setting(setting), setting["tokens"])
+
+
+def whole_messages(cap, sites, max_rows: int = 1 << 16):
+  """A `monitor.Capture` of `cap`'s messages at `sites`, at most `max_rows` rows per site:
+  evenly spaced whole messages (so that tokens stay in order for `roundtrip_tokens`)."""
+  from taco_jax import monitor
+  out = monitor.Capture(cap.rows_per_call)
+  for site in sites:
+    msgs = cap.tensors[site]
+    keep = max(1, min(len(msgs), max_rows // msgs[0].shape[0]))
+    out.tensors[site] = [msgs[i] for i in np.linspace(0, len(msgs) - 1, keep).astype(int)]
+    out.shapes[site] = set(cap.shapes[site])
+  return out
+
+
+def tokens_of(cap, site) -> int:
+  """The token count of `site`'s messages ([..., tokens, hidden], one shape, sent whole)."""
+  shapes = cap.shapes[site]
+  if len(shapes) != 1:
+    raise ValueError(f"{site}: messages of several shapes {sorted(shapes)}")
+  (shape,) = shapes
+  if int(np.prod(shape[:-1])) != cap.tensors[site][0].shape[0]:
+    raise ValueError(f"{site}: messages were captured in part (raise rows_per_call)")
+  return int(shape[-2])
 
 
 # --- weight differences: ranks, updates, error feedback --------------------------------------
@@ -187,17 +254,41 @@ def family_table(results: dict, family: str) -> list[dict]:
   return sorted(rows, key=lambda r: (r["score"], r["bits_per_element"]))
 
 
-def measure(cap, plan, dp: int, fp8=None, four=None) -> dict:
-  """Steps 3-5 of the module docstring on a capture of the sharded step's data-parallel
-  sites at `dp` ranks, whose codecs `plan` (a CompressionPlan) has; `fp8`, `four`: the
-  settings (default `calibrate.grid()`, `grid4()`)."""
-  fp8 = calibrate.with_configured(fp8 or calibrate.grid(), plan, FAMILIES)
+def site_table(rows: list[dict]) -> list[dict]:
+  """One site's measurements (`measure_all`'s list) with their `calibrate.score`, best
+  score first (ties: fewer bits)."""
+  out = [dict(r, score=calibrate.score(r)) for r in rows]
+  return sorted(out, key=lambda r: (r["score"], r["bits_per_element"]))
+
+
+def measure(cap, plan, dp: int, fp8=None, four=None, families=FAMILIES) -> dict:
+  """Steps 3-5 of the module docstring on a capture of the step's sites of `families`
+  (others captured are left out) at `dp` ranks, whose codecs `plan` (a CompressionPlan)
+  has; `fp8`, `four`: the settings (default `calibrate.grid()`, `grid4()`). With "pp":
+  its sites' whole messages (`whole_messages`), each site's tables (`sites`), and the
+  FP8 settings with groups along the token axis (`results_tokens`)."""
+  fp8 = calibrate.with_configured(fp8 or calibrate.grid(), plan, families)
   four = four or grid4()
+  sites = sorted(s for s in cap.tensors if SITES[s] in families)
+  if "pp" in families:
+    cap = whole_messages(cap, sites)
+  else:
+    cap = _only(cap, sites)
   res8 = calibrate.measure_all(cap, fp8)
   res4 = calibrate.measure_all(cap, four, roundtrip=roundtrip4, bits=bits4)
   out = dict(results_fp8=res8, results_4bit=res4, choice=calibrate.choose(res8, plan),
              families={f: dict(fp8=family_table(res8, f), four_bit=family_table(res4, f))
-                       for f in FAMILIES})
+                       for f in families})
+  pp_sites = [s for s in sites if SITES[s] == "pp"]
+  if pp_sites:
+    res_t = {}
+    for s in pp_sites:  # one measure per site: token counts may differ
+      one = _only(cap, [s])
+      res_t |= calibrate.measure_all(one, token_settings(fp8, tokens_of(one, s)),
+                                     roundtrip=roundtrip_tokens, bits=bits_tokens)
+    out["results_tokens"] = res_t
+    out["sites"] = {s: dict(fp8=site_table(res8[s]), four_bit=site_table(res4[s]),
+                            tokens=site_table(res_t[s])) for s in pp_sites}
   if "dp_params" in cap.tensors:
     seq, same, other = by_rank(cap.tensors["dp_params"], dp)
     u = updates(seq, plan.dp_params)
@@ -206,6 +297,15 @@ def measure(cap, plan, dp: int, fp8=None, four=None) -> dict:
         update_norm=[float(np.linalg.norm(x)) for x in np.asarray(u)],  # all ranks' chunks
         fp8=feedback(u, fp8, calibrate.codec_roundtrip),
         four_bit=feedback(u, four, roundtrip4))
+  return out
+
+
+def _only(cap, sites):
+  """`cap` restricted to `sites` (a new Capture sharing the arrays)."""
+  from taco_jax import monitor
+  out = monitor.Capture(cap.rows_per_call)
+  out.tensors = {s: cap.tensors[s] for s in sites}
+  out.shapes = {s: cap.shapes[s] for s in sites}
   return out
 
 
@@ -222,9 +322,14 @@ def configs(args):
   cap = base()
   cap.train.update(steps=args.train_steps, progress_bar=False)
   dp, pp, tp = args.mesh
-  cap.parallel.update(dp=dp, pp=pp, tp=tp, shard_optimizer=True)
+  sharded = bool({"dp", "dp_params"} & set(args.families))
+  cap.parallel.update(dp=dp, pp=pp, tp=tp, shard_optimizer=sharded)
+  if "pp" in args.families:
+    cap.parallel.microbatches = max(cap.parallel.microbatches, pp)
   z = cap.compression  # the other families as the config has them (tp = pp = 1: unsent)
-  z.enabled = z.dp.enabled = z.dp_params.enabled = True
+  z.enabled = True
+  for fam in MEASURABLE:
+    z[fam].enabled = fam in args.families
   return train, cap
 
 
@@ -233,13 +338,24 @@ def parse_args(argv=None):
   p.add_argument("--config", default="tiny", help="a module of configs/")
   p.add_argument("--train-steps", type=int, default=400, help="steps to train first")
   p.add_argument("--steps", type=int, default=8, help="steps to capture")
-  p.add_argument("--mesh", type=lambda s: tuple(map(int, s.split(","))), default=(8, 1, 1),
-                 help="dp,pp,tp of the capture (dp > 1), on dp*pp*tp fake CPU devices")
+  p.add_argument("--families", type=lambda s: tuple(s.split(",")), default=FAMILIES,
+                 help=f"the families to measure, of {','.join(MEASURABLE)}")
+  p.add_argument("--mesh", type=lambda s: tuple(map(int, s.split(","))), default=None,
+                 help="dp,pp,tp of the capture, on dp*pp*tp fake CPU devices (default "
+                      "8,1,1; with --families pp 1,4,1)")
   p.add_argument("--workdir", default=None, help="the trained run (default: "
                  "workdir/measure_dp_codec_<config>); trained there if it has no checkpoint")
   add_output_args(p, label="", smoke="micro model, 8 training steps, 3 captured")
   args = parse_with_smoke(p, argv, dict(train_steps=8, steps=3))
-  args.label = args.label or ("micro" if args.smoke else args.config)
+  if bad := set(args.families) - set(MEASURABLE):
+    p.error(f"--families: {sorted(bad)} not of {MEASURABLE}")
+  pp_only = "pp" in args.families
+  if pp_only and set(args.families) != {"pp"}:
+    p.error("--families: pp is measured on its own (its mesh has no data axis)")
+  args.mesh = args.mesh or ((1, 2, 1) if pp_only and args.smoke else
+                            (1, 4, 1) if pp_only else (8, 1, 1))
+  args.label = args.label or ("micro" if args.smoke else args.config) + ("_pp" if pp_only
+                                                                         else "")
   return args
 
 
@@ -257,9 +373,11 @@ def main(argv=None) -> pathlib.Path:
   if train_here:
     trainer.train(train_cfg, workdir)
   train_s = time.perf_counter() - clock
-  cap = calibrate.capture(cap_cfg, args.steps, workdir)
+  d = cap_cfg.data  # pp: whole messages (a micro-batch's tokens, in order)
+  cap = calibrate.capture(cap_cfg, args.steps, workdir, rows_per_call=max(
+      1024, d.batch_size * d.seq_len) if "pp" in args.families else 1024)
   plan = plan_from_config(cap_cfg.compression)
-  report = measure(cap, plan, args.mesh[0])
+  report = measure(cap, plan, args.mesh[0], families=args.families)
   if "feedback" in report:  # what one step's update is against the weights
     report["feedback"]["weight_norm"] = weight_norm(train_cfg, workdir)
   env = common.environment()
@@ -275,12 +393,18 @@ def main(argv=None) -> pathlib.Path:
                    val=[m for m in metrics if "val_loss" in m][-1:]),
       captured=dict(steps=args.steps, rows={s: int(cap.rows(s).shape[0]) for s in cap.tensors},
                     shapes={s: sorted(map(list, v)) for s, v in cap.shapes.items()},
-                    what="dp/scatter: each rank's whole gradient (packed [dp * rows, 2048] "
-                         "fp32) as it enters the reduce-scatter; dp_params: each rank's "
-                         "delta = master - its chunk of the gathered parameters, with the "
-                         "run's codec's error feedback (master started as the parameters)"),
+                    what=WHAT["pp" if "pp" in args.families else "dp"]),
       wall_s=dict(train=train_s, total=time.perf_counter() - clock), **report)
   return write(args, report)
+
+
+WHAT = dict(  # what the captured messages are, per kind of run
+    dp="dp/scatter: each rank's whole gradient (packed [dp * rows, 2048] fp32) as it enters "
+       "the reduce-scatter; dp_params: each rank's delta = master - its chunk of the gathered "
+       "parameters, with the run's codec's error feedback (master started as the parameters)",
+    pp="pp/fwd: each stage's output activations [micro-batch, tokens, hidden] as they enter "
+       "the shift to the next stage (every tick, GPipe); pp/bwd: their gradients as they "
+       "enter the shift back; all-zero messages (the bubble's gradients) are skipped")
 
 
 def weight_norm(config, workdir) -> float:
@@ -314,6 +438,12 @@ def summary(report: dict) -> str:
       out += [f"{fam} {kind} (best 6 by score)", common.table(t[kind][:6], cols, "{:.4g}")]
     if fam in report["choice"]:
       out.append(f"{fam} choice: {calibrate.describe(report['choice'][fam])}")
+  cols_t = cols[:3] + ["axis"] + cols[3:]
+  for site, t in report.get("sites", {}).items():
+    for kind in ("fp8", "tokens", "four_bit"):
+      out += [f"{site} {kind} (best 6 by score)",
+              common.table([dict(r, axis=r.get("axis", "hidden")) for r in t[kind][:6]],
+                           cols_t, "{:.4g}")]
   if "feedback" in report:
     fb = report["feedback"]
     w = fb.get("weight_norm") or float("nan")

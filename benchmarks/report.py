@@ -443,6 +443,29 @@ def _dp_codec_rows(d: dict, fam: str) -> list[list]:
   return rows
 
 
+def _pp_codec_rows(d: dict) -> list[list]:
+  """Per pipeline site (measure_dp_codec --families pp): e4m3 without the transform per
+  group size (groups along the hidden axis), the best with the transform, the best e5m2,
+  the best with groups along the token axis and e4m3 G=128 so, the best 4-bit setting."""
+  rows = []
+  for site, t in d.get("sites", {}).items():
+    best = lambda rs: rs[0] if rs else None  # noqa: E731 (tables sort by score)
+    fp8 = sorted([r for r in t["fp8"] if r["format"] == "e4m3" and not r["hadamard"]],
+                 key=lambda r: r["group_size"])
+    picks = fp8 + [best([r for r in t["fp8"] if r["hadamard"]]),
+                   best([r for r in t["fp8"] if r["format"] == "e5m2"]),
+                   best(t["tokens"]),
+                   best([r for r in t["tokens"] if (r["format"], r["group_size"], r["hadamard"])
+                         == ("e4m3", 128, False)]),
+                   best(t["four_bit"])]
+    for r in [r for r in picks if r]:
+      rows.append([site, f"{r['format']} G={r['group_size']}" + (" Hadamard" if r["hadamard"]
+                                                                 else "")
+                   + (" tokens" if r.get("axis") == "tokens" else ""),
+                   r["bits_per_element"], r["rel_l2"], r["share_off_by_8th"], None, None])
+  return rows
+
+
 def dp_codec_section() -> str:
   parts = []
   for name, d in _load("measure_dp_codec_*.json"):
@@ -459,7 +482,8 @@ def dp_codec_section() -> str:
            if fb.get("weight_norm") else "") + "\n\n"
         + _table(["family", "setting", "bits/element", "rel_l2", "share off by > 1/8",
                   f"lag, feedback (step {fb.get('steps')})", "lag, no feedback"],
-                 [r for fam in ("dp", "dp_params") for r in _dp_codec_rows(d, fam)]) + "\n")
+                 [r for fam in ("dp", "dp_params") if fam in d["families"]
+                  for r in _dp_codec_rows(d, fam)] + _pp_codec_rows(d)) + "\n")
   return _section(
       "Data-parallel codecs on a trained model's tensors (`benchmarks/measure_dp_codec.py`, CPU)",
       "What the sharded optimizer sends (`parallel.shard_optimizer`): `dp` = each rank's "
@@ -470,7 +494,9 @@ def dp_codec_section() -> str:
       "||master - parameters|| / ||that step's update|| after the last captured step, the "
       "updates replayed through each quantizer with error feedback (what a rank sends is "
       "master - parameters, as `compression.dp_params` does) and without (it sends the "
-      "update; the roundings add up).", parts)
+      "update; the roundings add up). `--families pp`: the pipeline hand-offs per site "
+      "(`pp/fwd` the activations a stage sends on, `pp/bwd` their gradients sent back); "
+      "`tokens`: groups along the token axis instead of the hidden one.", parts)
 
 
 def accuracy_section() -> str:

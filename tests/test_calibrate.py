@@ -271,3 +271,65 @@ def test_measure_dp_codec_on_a_toy_capture():
     (four,) = [r for r in out["families"][fam]["four_bit"] if r["format"] == "int4"]
     assert four["bits_per_element"] == 4.5
     assert four["rel_l2"] > 2 * out["families"][fam]["fp8"][0]["rel_l2"]
+
+
+# --- the pipeline hand-offs (benchmarks/measure_dp_codec.py --families pp) -------------------
+
+
+def test_token_axis_roundtrip_is_the_codec_on_the_transpose():
+  """Groups along the token axis: each message's [tokens, hidden] transposed, through the
+  codec, transposed back; on activations whose hidden units each hold one value over the
+  tokens (plus a little noise), one group along the tokens has one scale and loses
+  nothing but the noise's rounding, far less than groups across the hidden units."""
+  from benchmarks import measure_dp_codec as m
+  t, d, rng = 64, 32, np.random.default_rng(0)
+  offset = np.exp(3 * rng.normal(size=(3, 1, d)))  # per hidden unit, over 3 orders
+  msgs = (offset * (1 + 1e-3 * rng.normal(size=(3, t, d)))).astype(np.float32)
+  x = msgs.reshape(-1, d)
+  s = dict(format="e4m3", group_size=32, hadamard=False)
+  got = np.asarray(m.roundtrip_tokens(x, dict(s, axis="tokens", tokens=t)))
+  want = np.stack([np.asarray(collectives.roundtrip(msg.T.copy(), CompressionConfig(**s))).T
+                   for msg in msgs]).reshape(-1, d)
+  np.testing.assert_array_equal(got, want)
+  err = lambda y: np.linalg.norm(y - x) / np.linalg.norm(x)  # noqa: E731
+  hidden = np.asarray(collectives.roundtrip(x, CompressionConfig(**s)))
+  assert err(got) < 0.5 * err(hidden)
+  assert m.bits_tokens(dict(s, tokens=48), 4096) == (2 * 32 * 8 + 2 * 64) / 48  # padded
+  with pytest.raises(ValueError, match="whole messages"):
+    m.roundtrip_tokens(x[:-1], dict(s, axis="tokens", tokens=t))
+
+
+def test_measure_dp_codec_families():
+  """--families picks what is compressed, measured and named: dp by default (8,1,1, the
+  sharded optimizer), pp alone on a pipeline mesh with a micro-batch per stage, the data-
+  parallel codecs off; measure() keeps only the families' sites and adds, for pp, each
+  site's tables and the token-axis groups."""
+  from benchmarks import measure_dp_codec as m
+  a = m.parse_args([])
+  assert (a.families, a.mesh, a.label) == (("dp", "dp_params"), (8, 1, 1), "tiny")
+  _, c = m.configs(a)
+  assert c.parallel.shard_optimizer and c.compression.dp.enabled and not c.compression.pp.enabled
+  a = m.parse_args(["--families", "pp"])
+  assert (a.mesh, a.label) == ((1, 4, 1), "tiny_pp")
+  _, c = m.configs(a)
+  assert c.compression.pp.enabled and not (c.compression.dp.enabled or
+                                           c.compression.dp_params.enabled)
+  assert not c.parallel.shard_optimizer and c.parallel.microbatches == 4
+  for bad in ("pp,dp", "tp_forward"):
+    with pytest.raises(SystemExit):
+      m.parse_args(["--families", bad])
+  from taco_jax.plan import CompressionPlan
+  rng, cap = np.random.default_rng(1), monitor.Capture(1 << 12)
+  for _ in range(3):
+    cap.add("pp/fwd", rng.normal(size=(2, 32, 64)).astype(np.float32))
+    cap.add("pp/bwd", 1e-4 * rng.normal(size=(2, 32, 64)).astype(np.float32))
+    cap.add("dp/scatter", rng.normal(size=(4, 64)).astype(np.float32))
+  fp8 = [dict(format=f, group_size=32, hadamard=False) for f in ("e4m3", "e5m2")]
+  out = m.measure(cap, CompressionPlan(pp=CompressionConfig(group_size=32)), 1, fp8=fp8,
+                  four=m.grid4(group_sizes=(32,), hadamard=(False,)), families=("pp",))
+  assert set(out["results_fp8"]) == set(out["sites"]) == {"pp/fwd", "pp/bwd"}
+  assert set(out["choice"]) == {"pp"}
+  for site, t in out["sites"].items():
+    assert [r["format"] for r in t["fp8"]] == ["e4m3", "e5m2"]  # best first
+    assert {r["axis"] for r in t["tokens"]} == {"tokens"} and t["tokens"][0]["tokens"] == 32
+    assert t["tokens"][0]["bits_per_element"] == 10.0
