@@ -126,6 +126,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   z.tp_forward = codec()         # TP+SP all-gather / reduce-scatter of activations
   z.tp_backward = codec()        # their transposes (activation gradients)
   z.pp = codec(enabled=False)    # pipeline ppermute of activations, both directions
+  # pp keeps the codec's defaults (e4m3, G=128 along the hidden axis, no Hadamard; 8.5 bits)
+  # in both directions, measured on a trained model's hand-offs (benchmarks/measure_dp_codec.py
+  # --families pp: benchmarks/results/measure_dp_codec_tiny_pp_4cpu_20261123.json): rel_l2
+  # 0.026 (pp/fwd) / 0.026 (pp/bwd); e5m2 doubles it for the gradients too (0.048); groups
+  # along the token axis are 11% / 4% lower at the same bytes (not built). One direction
+  # differently: compression.sites.pp_bwd = codec(format='e5m2') (see taco_jax.plan).
   z.dp = codec(enabled=False)    # data-parallel gradients: all-reduce, or with
   #                                parallel.shard_optimizer reduce-scatter (off: fp32)
   z.dp_params = codec(enabled=False)  # shard_optimizer's parameter all-gather, as weight
