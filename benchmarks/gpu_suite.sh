@@ -53,6 +53,24 @@ fi
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -8
 out=${OUT:-/tmp/taco_out}; mkdir -p "$out"
+
+slug() {  # "save_dots=True scan_layers=False" -> save_dots_True_scan_layers_False
+  echo "$1" | tr ' =' '__'
+}
+
+# trainer_40 <config> <name> <timeout s> <overrides...>: the trainer's own step (not
+# bench_train's), 40 steps without eval or checkpoints; its summary.json goes to
+# $out/<name>_summary.json and its throughput, compile time and peak memory to the log
+trainer_40() {
+  local cfg=$1 name=$2 limit=$3; shift 3
+  timeout "$limit" python3 -m taco_jax.train --config "configs/$cfg.py" --workdir "/tmp/$name" \
+    "$@" --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
+    --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
+    --config.train.progress_bar=False 2>&1 \
+    | grep -E '"(mfu|tokens_per_s|compile_s|device_peak_bytes)"|Error'
+  cp "/tmp/$name/summary.json" "$out/${name}_summary.json"
+  rm -rf "/tmp/$name"
+}
 sizes=${SIZES:-1,4,16,64,256}
 for job in "$@"; do
   case $job in
@@ -80,44 +98,28 @@ for job in "$@"; do
         cp /tmp/pgle/summary.json "$out/pgle_1gpu_summary_$steps.json"
       done ;;
     trainer_1gpu)  # the trainer's own step (not bench_train's): 1.3B, batch 8, 40 steps
-      for v in "xla_overlap=False" "xla_overlap=True" "pgle=True"; do
-        timeout 300 python3 -m taco_jax.train --config configs/gpt_1_3b.py \
-          --workdir "/tmp/trainer_${v/=/_}" --config.parallel.$v --config.data.batch_size=8 \
-          --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
-          --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
-          --config.train.progress_bar=False
-        cp "/tmp/trainer_${v/=/_}/summary.json" "$out/trainer_1gpu_${v/=/_}_summary.json"
-        rm -rf "/tmp/trainer_${v/=/_}"
+      for v in xla_overlap=False xla_overlap=True pgle=True; do
+        trainer_40 gpt_1_3b "trainer_1gpu_$(slug "$v")" 300 --config.parallel.$v \
+          --config.data.batch_size=8
       done ;;
     trainer_remat_1gpu)  # issue 19: the trainer's own 1.3B step (batch $BATCH, default 8;
       # 40 steps): remat recomputing the matmuls (the old default), keeping their outputs,
       # and with the layers unrolled too (gpt_1_3b's setting now)
-      for v in "save_dots=False --config.parallel.scan_layers=True" \
-               "save_dots=True --config.parallel.scan_layers=True" \
-               "save_dots=True --config.parallel.scan_layers=False"; do
-        name=$(echo "$v" | tr -c 'a-zA-Z0-9_=\n' '_' | sed 's/_*config_parallel_/_/g; s/=/_/g')
-        timeout 180 python3 -m taco_jax.train --config configs/gpt_1_3b.py \
-          --workdir "/tmp/trainer_$name" --config.parallel.$v --config.data.batch_size=${BATCH:-8} \
-          --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
-          --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
-          --config.train.progress_bar=False 2>&1 | grep -v "^W0\|^I0" | tail -4
-        cp "/tmp/trainer_$name/summary.json" "$out/trainer_1gpu_b${BATCH:-8}_${name}_summary.json"
-        rm -rf "/tmp/trainer_$name"
+      for v in "save_dots=False scan_layers=True" "save_dots=True scan_layers=True" \
+               "save_dots=True scan_layers=False"; do
+        read -r first second <<< "$v"
+        trainer_40 gpt_1_3b "trainer_1gpu_b${BATCH:-8}_$(slug "$v")" 180 \
+          --config.parallel.$first --config.parallel.$second --config.data.batch_size=${BATCH:-8}
       done ;;
     trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'
       # batch; 40 steps) with the layers scanned (with and without XLA's overlap options,
       # whose double-buffered layer loop may be what costs the scan its memory) and unrolled
       for cfg in gpt_125m gpt_350m; do
-        for v in "scan_layers=True" "scan_layers=True --config.parallel.xla_overlap=False" \
-                 "scan_layers=False"; do
-          name=$(echo "$v" | tr -c 'a-zA-Z0-9_=\n' '_' | sed 's/_*config_parallel_/_/g; s/=/_/g')
-          timeout 150 python3 -m taco_jax.train --config configs/$cfg.py \
-            --workdir "/tmp/trainer_$cfg" --config.parallel.$v \
-            --config.train.steps=40 --config.train.log_every=10 --config.train.eval_every=0 \
-            --config.train.checkpoint_every=0 --config.train.eval_batches=1 \
-            --config.train.progress_bar=False 2>&1 | grep '"mfu"\|"compile_s"\|Error'
-          cp "/tmp/trainer_$cfg/summary.json" "$out/trainer_1gpu_${cfg}_${name}_summary.json"
-          rm -rf "/tmp/trainer_$cfg"
+        for v in "scan_layers=True xla_overlap=True" "scan_layers=True xla_overlap=False" \
+                 "scan_layers=False xla_overlap=True"; do
+          read -r first second <<< "$v"
+          trainer_40 $cfg "trainer_1gpu_${cfg}_$(slug "$v")" 150 \
+            --config.parallel.$first --config.parallel.$second
         done
       done ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
