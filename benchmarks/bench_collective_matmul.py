@@ -295,14 +295,11 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
   chunks = [ref_full(y, v)[:, :s].reshape(b * s, -1) for y, v in zip(ys, ws)]
   d = w.shape[1]
   out = {}
-  for name, cfg, slots in (
-      ("rank0", None, [((tp, b * s, d), a.dtype)]),
-      ("rank0_fp8", FP8, [((tp, b * s, d), jnp.float8_e4m3fn), ((tp, d // g, b * s),
-                                                                 jnp.float32)])):
+  for name, cfg in (("rank0", None), ("rank0_fp8", FP8)):
     def run(y, v, *received, p=0, cfg=cfg):
       return rs.matmul_reduce_scatter(y, v, "tensor", num_sms=sms, fp8=cfg, rank=p, n=tp,
                                       received=received)
-    empty = [jnp.zeros(shape, dtype) for shape, dtype in slots]
+    empty = [jnp.zeros(x.shape, x.dtype) for x in rs.slot_shapes(tp, b * s, d, a.dtype, cfg)]
     sent = [run(ys[p], ws[p], *empty, p=p)[1] for p in range(1, tp)]
     received = [e.at[1:].set(jnp.stack([got[i][0] for got in sent]))
                 for i, e in enumerate(empty)]

@@ -90,14 +90,11 @@ def run(args) -> dict:
       y = jax.random.normal(ky, (*y_shape[:-1], f), jnp.bfloat16)
       w = (jax.random.normal(kw, (f, w_shape[1]), jnp.float32) * f ** -0.5).astype(jnp.bfloat16)
       b, t, _ = y_shape
-      rows, d, g = b * t // args.tp, w_shape[1], FP8["group_size"]
       case = dict(model=model, layer=layer, y_shape=y.shape, w_shape=w.shape, ms={})
-      plain_slots = [jnp.zeros((args.tp, rows, d), y.dtype)]
-      fp8_slots = [jnp.zeros((args.tp, rows, d), jnp.float8_e4m3fn),
-                   jnp.zeros((args.tp, d // g, rows), jnp.float32)]
       for name, cls in {"plain": original, **_variants(rs)}.items():
         fp8 = None if name == "plain" else FP8
-        slots = plain_slots if fp8 is None else fp8_slots
+        slots = [jnp.zeros(x.shape, x.dtype)
+                 for x in rs.slot_shapes(args.tp, b * t // args.tp, w_shape[1], y.dtype, fp8)]
         rs._Epilogues = cls
         try:
           fn = jax.jit(lambda y, w, *rec, fp8=fp8: rs.matmul_reduce_scatter(

@@ -266,9 +266,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   dtype = y_RF.dtype
   loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
                        w_FD.dtype, f)
-  slot_types = ([jax.ShapeDtypeStruct((n, out_rows, d), dtype)] if fp8 is None else
-                [jax.ShapeDtypeStruct((n, out_rows, d), fp8["codes_dtype"]),
-                 jax.ShapeDtypeStruct((n, d // t.tile_n, out_rows), jnp.float32)])
+  slot_types = slot_shapes(n, out_rows, d, dtype, fp8 and dict(fp8, group_size=t.tile_n))
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8)
@@ -335,6 +333,17 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                        scratch_types=epilogues(scratch=None).scratch_types(),
                        name=f"taco_matmul_reduce_scatter{'_fp8' if fp8 else ''}_{n}")
   return kernel(y_RF, w_FD, *(received if local else ()))
+
+
+def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDtypeStruct]:
+  """The receive slots' arrays of a kernel whose chunk has ``rows`` rows of width ``d``
+  (sender p's partials in slot p): ``[n, rows, D]`` values in the transfer dtype, or with
+  ``fp8`` (the codec's settings: ``fmt``, ``group_size``) FP8 codes ``[n, rows, D]`` and
+  fp32 group multipliers ``[n, D / G, rows]``."""
+  if fp8 is None:
+    return [jax.ShapeDtypeStruct((n, rows, d), dtype)]
+  return [jax.ShapeDtypeStruct((n, rows, d), FP8_DTYPES[fp8["fmt"]]),
+          jax.ShapeDtypeStruct((n, d // fp8["group_size"], rows), jnp.float32)]
 
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
