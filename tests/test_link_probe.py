@@ -11,7 +11,7 @@ from taco_jax.codec import CompressionConfig
 from taco_jax.configs import parallel_tiny
 from taco_jax.link_probe import Message, Timing, choose
 from taco_jax.plan import CompressionPlan
-from taco_jax.tp.mesh import make_mesh
+from taco_jax.tp.mesh import FAMILY_AXES, make_mesh
 from taco_jax.train import link_policy
 from taco_jax.train.trainer import train
 
@@ -93,7 +93,7 @@ def test_messages_are_the_probed_sites_counted_once():
                d("dp", "all_reduce", kernel=True),          # a fused kernel's
                d("dp", "all_reduce", codec=CompressionConfig(link=None)),  # not "auto"
                d("dp", "all_reduce", codec=None)]
-  axes = dict(link_policy.AXES)
+  axes = dict(FAMILY_AXES)
   got = link_probe.messages(decisions, axes)
   assert [(m.family, m.collective, m.axis, m.count) for m in got] == [
       ("tp_forward", "all_gather", "tensor", 2), ("tp_backward", "reduce_scatter", "tensor", 1)]

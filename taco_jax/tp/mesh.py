@@ -20,6 +20,9 @@ AXES = ("data", "pipeline", "tensor")
 TP_OVERLAP = ("none", "ring", "kernel")  # parallel.tp_overlap
 SCHEDULES = ("gpipe", "1f1b", "interleaved")  # parallel.schedule (taco_jax.tp.schedules)
 DATA, PIPE, TENSOR = AXES
+# the mesh axis each compression family's collectives cross (taco_jax.plan.FAMILIES)
+FAMILY_AXES = {"tp_forward": TENSOR, "tp_backward": TENSOR, "pp": PIPE, "dp": DATA,
+               "dp_params": DATA}
 
 
 def _model_sizes(m) -> dict:

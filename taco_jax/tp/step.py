@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax import mappings, monitor
 from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline, zero
 from taco_jax.plan import FAMILIES, CompressionPlan
-from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors
+from taco_jax.tp.mesh import DATA, FAMILY_AXES, PIPE, TENSOR, layout_errors
 
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
 
@@ -344,9 +344,9 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
 
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
-  size = {"tp_forward": spec.tp, "tp_backward": spec.tp, "pp": spec.pp, "dp": spec.dp,
-          "dp_params": spec.dp if spec.shard_optimizer else 1}
-  return tuple(f for f in FAMILIES if spec.plan.compresses(f) and size[f] > 1)
+  size = {DATA: spec.dp, PIPE: spec.pp, TENSOR: spec.tp}
+  return tuple(f for f in FAMILIES if spec.plan.compresses(f) and size[FAMILY_AXES[f]] > 1
+               and (f != "dp_params" or spec.shard_optimizer))
 
 
 def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:

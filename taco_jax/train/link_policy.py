@@ -23,11 +23,9 @@ import numpy as np
 
 from taco_jax import link_probe
 from taco_jax.plan import FAMILIES, CompressionPlan
-from taco_jax.tp.mesh import DATA, PIPE, TENSOR
+from taco_jax.tp.mesh import FAMILY_AXES
 
 FILE = "link_policy.json"
-AXES = {"tp_forward": TENSOR, "tp_backward": TENSOR, "pp": PIPE, "dp": DATA,
-        "dp_params": DATA}  # family -> the mesh axis its collectives cross
 ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE")  # settings that change the link NCCL takes
 
 
@@ -102,8 +100,8 @@ def resolve(config, spec, mesh, decisions, workdir) -> Resolved:
   The TP families are probed only with ``parallel.tp_overlap="none"`` (the ring and the
   kernels send otherwise than the collectives the probe times)."""
   families = FAMILIES if spec.tp_overlap == "none" else ("pp", "dp", "dp_params")
-  msgs = link_probe.messages(decisions, AXES, families)
-  sends = [f for f in FAMILIES if spec.plan.compresses(f) and mesh.shape[AXES[f]] > 1]
+  msgs = link_probe.messages(decisions, FAMILY_AXES, families)
+  sends = [f for f in FAMILIES if spec.plan.compresses(f) and mesh.shape[FAMILY_AXES[f]] > 1]
   why = skip_reason(config, msgs)
   if why and not msgs and spec.tp_overlap != "none":
     why += f" (parallel.tp_overlap={spec.tp_overlap!r}: the TP families are not probed)"
