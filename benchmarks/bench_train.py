@@ -110,6 +110,7 @@ MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "unroll", "nore
              "cif2", "cif4", "pgle")  # in this order: off_cm_1f1b_save_cif2_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
+COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
 
@@ -304,8 +305,15 @@ def run_layout(layout, args, cfg, tx, corpus, until):
 
   runs, failed = {}, []
   dp, pp, tp = layout
+  slowest_compile = 0.0
   for variant in args._variants:
     v, t0 = variant.name, time.perf_counter()
+    if t0 + slowest_compile > args._compile_by:  # leave the built ones time to step
+      print(f"{dp},{pp},{tp} {v}: not compiled, the deadline's compile share is spent",
+            flush=True)
+      failed.append(dict(layout=f"{dp},{pp},{tp}", variant=v,
+                         error="skipped: --deadline-s left no time to compile and step it"))
+      continue
     try:  # one variant that does not build (e.g. out of memory) must not lose the others
       exe, state, batch, mesh, plan, profiled = build(variant, layout, args, cfg, tx)
     except Exception as e:  # noqa: BLE001 (recorded in the results and printed)
@@ -326,6 +334,8 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
+    slowest_compile = max(slowest_compile, runs[v]["compile_s"])
+    print(f"{dp},{pp},{tp} {v}: compiled in {runs[v]['compile_s']:.1f} s", flush=True)
   tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
                                      seq_len=args.seq)
   stepped = step_interleaved(runs, tokens_at, args,
@@ -442,6 +452,7 @@ def main(argv=None) -> pathlib.Path:
   except ValueError as e:  # e.g. --attention cudnn where cuDNN cannot run
     raise SystemExit(f"--attention {args.attention}: {e}") from e
   t0 = time.perf_counter()
+  args._compile_by = t0 + COMPILE_SHARE * args.deadline_s
   layouts, corpus, ceiling, until = bench_setup(args)
   attention["numerics"] = attention_numerics.compare(cfg, args.batch, args.seq)
   print(f"{attention['backend']} attention; "

@@ -34,6 +34,8 @@
 #   bash benchmarks/gpu_suite.sh trainer_remat_1gpu  # ... as configured, save_dots, + unrolled
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel layers (<= 10 min)
+#   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
@@ -144,13 +146,29 @@ for job in "$@"; do
         --label nop2p_levers_no_lhs --layouts 1,1,2 \
         --variants on_save,on_il2_save,on_save_cif2,on_save_pgle,on_il2_save_cif2_pgle \
         --deadline-s 520 --out-dir "$out" ;;
+    cm_dots)  # issues 15 + 19 on 2xH200 (TP=2): the strong bf16 step (cuDNN attention,
+      # matmul outputs kept, layers unrolled: gpt_1_3b's setting), GSPMD, the kernel layers
+      # (scanned), the free-comm ideal and the compressed step; variants in that order, as
+      # many as the deadline lets compile
+      timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
+        --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
+        off_save_dots_unroll,gspmd,off_cm_save_dots,on_cm_save_dots,ideal_save_dots_unroll,on_save_dots_unroll ;;
+    dp2_zero)  # issues 18 + 19 on 2xH200 (DP=2): the strong step (matmul outputs kept,
+      # unrolled) replicated, with the optimizer sharded, and sharded with the DP traffic
+      # compressed; NVLink, then through host memory
+      for link in nvlink nop2p; do
+        NCCL_P2P_DISABLE=$([ $link = nop2p ] && echo 1 || echo 0) timeout 290 python3 \
+          benchmarks/bench_train.py --label "${link}_dp2_zero" --layouts 2,1,1 --attention cudnn \
+          --compress dp,dp_params --deadline-s 275 --out-dir "$out" \
+          --variants off_dots_unroll,off_dots_zero_unroll,on_dots_zero_unroll
+      done ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
         --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
         --out-dir "$out" ;;
     collective_matmul)
       BENCH_WATCHDOG_S=420 timeout 450 python3 -m benchmarks.bench_collective_matmul \
-        --tilings "${TILINGS:-default}" --out-dir "$out" ;;
+        --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

@@ -248,11 +248,14 @@ def _codec_words(c: dict) -> str:
   # link "auto" (the default) is left out: every message of the benchmarked models is above
   # the measured sizes, so those runs compress what link=None runs compress.
   link, impl = c.get("link"), c.get("implementation", "auto")
+  from benchmarks.train_parallel import DEFAULT_COMPRESS
+  compress = c.get("compress", DEFAULT_COMPRESS)
   return " ".join(w for w in (
       c.get("format", "e4m3"), f"G={c.get('group_size')}",
       "Hadamard" if _hadamard(c) else "no-Hadamard",
       f"link={link}" if link not in (None, "auto") else "",
-      f"{impl} kernels" if impl != "auto" else "") if w)
+      f"{impl} kernels" if impl != "auto" else "",
+      f"of {compress}" if compress != DEFAULT_COMPRESS else "") if w)
 
 
 MFU_WORDS = ("`MFU off (spec)`: the `off` step's model FLOP/s against the dense bf16 spec "
@@ -282,25 +285,48 @@ def _mfu_of_measured(d: dict, r: dict):
 
 # The variants of one remat policy: a column per name + the policy's suffix ("off_il2_save").
 POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
-# (variant suffix, words) of each remat policy bench_train names; "" is the run's model.remat
-POLICIES = (("", None), ("_save", "save TP outputs"), ("_dots", "save dots"),
-            ("_save_dots", "save TP outputs + dots"), ("_noremat", "none"))
+# The modifiers that make a step program of its own, a row each (its off / on / ideal ...
+# in the columns); any other modifier (_cm, _pgle, _1f1b, ...) is listed among the others.
+ROW_MODIFIERS = ("save", "dots", "zero", "unroll", "noremat")
+
+
+def _row_suffix(variant: str) -> str | None:
+  """'_save_dots_unroll' for off_il2_save_dots_unroll; None for a variant without a column
+  (GSPMD, _cm, _pgle, ...)."""
+  from benchmarks.bench_train import parse_variant
+  if variant == "gspmd":
+    return None
+  v = parse_variant(variant)
+  mods = [m for m in v.name.removeprefix(v.base).split("_") if m]
+  if mods[:1] == ["il2"]:
+    mods = mods[1:]
+  return "".join(f"_{m}" for m in mods) if set(mods) <= set(ROW_MODIFIERS) else None
+
+
+def _row_words(suffix: str, remat: bool) -> str:
+  """'save TP outputs + dots, ZeRO, unrolled' for '_save_dots_zero_unroll'."""
+  mods = suffix.split("_")
+  kept = [w for m, w in (("save", "save TP outputs"), ("dots", "dots")) if m in mods]
+  words = [("save " + " + ".join(kept).removeprefix("save ") if kept else
+            "none" if "noremat" in mods or not remat else "recompute")]
+  words += [w for m, w in (("zero", "ZeRO"), ("unroll", "unrolled")) if m in mods]
+  return ", ".join(words)
 
 
 def _policy_rows(results: list[dict], layout: str, remat: bool) -> list[tuple[str, str, dict]]:
-  """(variant suffix, policy words, {column: ms}) for each remat policy measured at
-  `layout`; one empty policy when only other variants (GSPMD) ran there."""
+  """(variant suffix, its words, {column: ms}) for each step program measured at `layout`
+  (`_row_suffix`); one empty row when only other variants (GSPMD) ran there."""
   ms = {r["variant"]: r["step_ms"] for r in results if r["layout"] == layout}
-  rows = [(suffix, words or ("recompute" if remat else "none"),
-           {c: ms.get(c + suffix) for c in POLICY_COLUMNS}) for suffix, words in POLICIES]
-  return [r for r in rows if any(v is not None for v in r[2].values())] or rows[:1]
+  suffixes = [s for s in dict.fromkeys(map(_row_suffix, ms)) if s is not None] or [""]
+  return [(s, _row_words(s, remat), {c: ms.get(c + s) for c in POLICY_COLUMNS})
+          for s in suffixes]
 
 
 def _other_variants(results: list[dict], layout: str) -> str:
   """'name ms, ...' of a layout's variants without a column of their own (e.g. *_pgle)."""
-  shown = {c + suffix for c in POLICY_COLUMNS for suffix, _ in POLICIES} | {"gspmd"}
   return ", ".join(f"{r['variant']} {r['step_ms']:.0f}" for r in results
-                   if r["layout"] == layout and r["variant"] not in shown) or "–"
+                   if r["layout"] == layout and r["variant"] != "gspmd"
+                   and _row_suffix(r["variant"]) is None) or "–"
 
 
 def _ratios(summary: dict, suffix: str) -> list:

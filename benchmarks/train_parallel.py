@@ -39,6 +39,7 @@ from benchmarks.args import add_output_args, parse_with_smoke, results_path  # n
 SIZES = {"tiny": (2, 64, 8, 256), "125m": (12, 768, 12, 3072), "350m": (24, 1024, 16, 4096),
          "760m": (24, 1536, 16, 6144), "1.3b": (24, 2048, 16, 8192),
          "2.7b": (32, 2560, 32, 10240)}
+DEFAULT_COMPRESS = "tp_forward,tp_backward,pp"  # the families the `on` variants compress
 
 
 # --smoke: a tiny fp32 model on 8 fake CPU devices (each script adds its layouts)
@@ -59,7 +60,7 @@ def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps:
   p.add_argument("--vocab", type=int, default=50304)
   p.add_argument("--dtype", default="bfloat16")
   p.add_argument("--lr", type=float, default=6e-4)
-  p.add_argument("--compress", default="tp_forward,tp_backward,pp",
+  p.add_argument("--compress", default=DEFAULT_COMPRESS,
                  help="families compressed in the 'on' variant (tp_forward,tp_backward,pp,dp,"
                       "dp_params; dp_params needs a sharded optimizer: bench_train's _zero)")
   p.add_argument("--format", default="e4m3", choices=["e4m3", "e5m2"])

@@ -147,13 +147,13 @@ def test_report_has_a_row_per_remat_policy_with_its_own_ratios(tmp_path, monkeyp
 
 def test_report_rows_of_the_saving_policies_with_both_mfus_and_the_attention(tmp_path,
                                                                              monkeypatch):
-  """`_dots`, `_save_dots` and `_noremat` get rows of their own; MFU against the spec peak
-  and against the run's measured matmul ceiling (none where that ceiling is implausible);
-  a table per setup (device count)."""
+  """`_dots`, `_save_dots`, `_noremat` and `_zero` / `_unroll` programs get rows of their
+  own, in the run's order; MFU against the spec peak and against the run's measured matmul
+  ceiling (none where that ceiling is implausible); a table per setup (device count)."""
   from benchmarks import report
   monkeypatch.setattr(report, "RESULTS", tmp_path)
   _write_bench_train(tmp_path, "p", num_devices=2, off_save=200.0, off_save_dots=180.0,
-                     off_noremat=170.0, off_dots=190.0, extra=dict(
+                     off_noremat=170.0, off_dots=190.0, off_dots_zero_unroll=185.0, extra=dict(
                          attention=dict(backend="cudnn"),
                          ceilings=dict(matmul_bf16=dict(tflops=500.0))))
   _write_bench_train(tmp_path, "q", off=210.0, extra=dict(
@@ -161,11 +161,11 @@ def test_report_rows_of_the_saving_policies_with_both_mfus_and_the_attention(tmp
   two, four = report.bench_train_section().split("### Training step")[1:]
   assert "2x NVIDIA H200" in two and "4x NVIDIA H200" in four
   assert "Columns as in the table above." in four
-  header, _, *rows = two.strip().splitlines()[-6:]
+  header, _, *rows = two.strip().splitlines()[-7:]
   cols = [dict(zip(_cells(header), _cells(r))) for r in rows]
   assert [(c["remat"], c["off"]) for c in cols] == [
-      ("save TP outputs", "200"), ("save dots", "190"), ("save TP outputs + dots", "180"),
-      ("none", "170")]
+      ("save TP outputs", "200"), ("save TP outputs + dots", "180"), ("none", "170"),
+      ("save dots", "190"), ("save dots, ZeRO, unrolled", "185")]
   assert {c["attention"] for c in cols} == {"cudnn"}
   tflops = 1e5 * 1e10 / 1e12  # 1000 TFLOP/s over 2 devices
   assert cols[0]["MFU off (spec)"] == f"{tflops / (2 * 989.4):.3g}"
