@@ -41,6 +41,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           the backward pass recomputes each block without communicating again
   _dots   the layer remat keeps the blocks' weight-matmul outputs too (`parallel.save_dots`):
           the backward pass recomputes only norms, activation and attention
+  _ogr    each layer's gradients all-reduced over "data" inside the backward pass
+          (`parallel.overlap_grad_reduce`: they travel while the earlier layers' backward
+          runs), not all of them after it; pp = 1 and no _zero
   _zero   the optimizer sharded over "data" (`parallel.shard_optimizer`, ZeRO-1/2): the
           gradients reduce-scattered, the parameters all-gathered; `on_zero` compresses them
           where --compress lists dp (gradients) and dp_params (weight differences)
@@ -106,7 +109,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "zero", "unroll", "noremat",
+MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat",
              "cif2", "cif4", "pgle")  # in this order: off_cm_1f1b_save_cif2_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -128,6 +131,7 @@ class Variant:
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
+  overlap_grad_reduce: bool = False  # _ogr: parallel.overlap_grad_reduce
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
 
@@ -166,7 +170,8 @@ def parse_variant(name: str) -> Variant:
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
-                 shard_optimizer="zero" in mods, scan_layers="unroll" not in mods,
+                 shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
+                 scan_layers="unroll" not in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1))
 
 
@@ -278,6 +283,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots,
                                           shard_optimizer=variant.shard_optimizer,
+                                          overlap_grad_reduce=variant.overlap_grad_reduce,
                                           scan_layers=variant.scan_layers)
     ctx = (collectives.free_communication(TENSOR) if variant.base == "ideal" else
            contextlib.nullcontext())

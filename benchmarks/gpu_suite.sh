@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel layers (<= 10 min)
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
@@ -147,12 +148,12 @@ for job in "$@"; do
         --variants on_save,on_il2_save,on_save_cif2,on_save_pgle,on_il2_save_cif2_pgle \
         --deadline-s 520 --out-dir "$out" ;;
     cm_dots)  # issues 15 + 19 on 2xH200 (TP=2): the strong bf16 step (cuDNN attention,
-      # matmul outputs kept, layers unrolled: gpt_1_3b's setting), GSPMD, the kernel layers
-      # (scanned), the free-comm ideal and the compressed step; variants in that order, as
-      # many as the deadline lets compile
+      # matmul outputs kept, layers unrolled: gpt_1_3b's setting), its free-comm ideal, the
+      # compressed step, the kernel layers and GSPMD; in that order, as many as the
+      # deadline lets compile (2026-11-23: ~40 s each unrolled, 62-93 s the kernels scanned)
       timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
         --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
-        off_save_dots_unroll,gspmd,off_cm_save_dots,on_cm_save_dots,ideal_save_dots_unroll,on_save_dots_unroll ;;
+        off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
     dp2_zero)  # issues 18 + 19 on 2xH200 (DP=2): the strong step (matmul outputs kept,
       # unrolled) replicated, with the optimizer sharded, and sharded with the DP traffic
       # compressed; NVLink, then through host memory
@@ -162,6 +163,15 @@ for job in "$@"; do
           --compress dp,dp_params --deadline-s 275 --out-dir "$out" \
           --variants off_dots_unroll,off_dots_zero_unroll,on_dots_zero_unroll
       done ;;
+    dp2_ogr)  # issues 19 + 18 on 2xH200 (DP=2): the gradients all-reduced layer by layer
+      # inside the backward pass (_ogr) against after it, keeping the matmul outputs or
+      # nothing recomputed; compressed (dp); then the same through host memory
+      timeout 330 python3 benchmarks/bench_train.py --label nvlink_dp2_ogr --layouts 2,1,1 \
+        --attention cudnn --compress dp --deadline-s 310 --out-dir "$out" --variants \
+        off_dots_unroll,off_dots_ogr_unroll,off_ogr_unroll_noremat,on_dots_ogr_unroll
+      NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_dp2_ogr \
+        --layouts 2,1,1 --attention cudnn --compress dp --deadline-s 225 --out-dir "$out" \
+        --variants off_dots_unroll,off_dots_ogr_unroll,on_dots_ogr_unroll ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
         --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \

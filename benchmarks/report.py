@@ -287,7 +287,7 @@ def _mfu_of_measured(d: dict, r: dict):
 POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
 # The modifiers that make a step program of its own, a row each (its off / on / ideal ...
 # in the columns); any other modifier (_cm, _pgle, _1f1b, ...) is listed among the others.
-ROW_MODIFIERS = ("save", "dots", "zero", "unroll", "noremat")
+ROW_MODIFIERS = ("save", "dots", "ogr", "zero", "unroll", "noremat")
 
 
 def _row_suffix(variant: str) -> str | None:
@@ -309,7 +309,8 @@ def _row_words(suffix: str, remat: bool) -> str:
   kept = [w for m, w in (("save", "save TP outputs"), ("dots", "dots")) if m in mods]
   words = [("save " + " + ".join(kept).removeprefix("save ") if kept else
             "none" if "noremat" in mods or not remat else "recompute")]
-  words += [w for m, w in (("zero", "ZeRO"), ("unroll", "unrolled")) if m in mods]
+  words += [w for m, w in (("ogr", "grads reduced in backward"), ("zero", "ZeRO"),
+                           ("unroll", "unrolled")) if m in mods]
   return ", ".join(words)
 
 

@@ -55,6 +55,15 @@ def test_bad_values_name_the_field(section, key, value, needle):
   assert needle in str(e.value)
 
 
+def test_overlap_grad_reduce_needs_one_backward_pass_per_step():
+  c = tiny.get_micro_config()
+  c.parallel.overlap_grad_reduce = True
+  validate(c)
+  c.parallel.shard_optimizer = True
+  with pytest.raises(ValueError, match='parallel.overlap_grad_reduce=True reduces each layer'):
+    validate(c)
+
+
 def test_model_fields():
   c = tiny.get_micro_config()
   c.model.update(block='gpt', n_kv_heads=2, rope_theta=1e4)  # shared fields: accepted, ignored

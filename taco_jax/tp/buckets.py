@@ -7,6 +7,7 @@ along the rows and never straddle two of them).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from taco_jax import collectives, monitor
@@ -49,3 +50,25 @@ def all_reduce(leaves, axis, compression, site: str = "") -> list:
   flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
   return [y.reshape(x.shape).astype(x.dtype)
           for y, x in zip(unpack(flat, [x.size for x in leaves]), leaves)]
+
+
+def all_reduce_in_backward(tree, axis, compression, site: str = "", scale: float = 1.0):
+  """`tree` unchanged; in the backward pass its cotangent is summed over `axis` (one
+  `all_reduce` of its leaves) and multiplied by `scale`.
+
+  Applied to each layer's parameters where the layer reads them, this reduces that layer's
+  gradients as soon as the backward pass has made them, so XLA can send them while the
+  backward pass of the layers before runs (`parallel.overlap_grad_reduce`), instead of
+  sending every gradient after the whole backward pass."""
+
+  @jax.custom_vjp
+  def identity(t):
+    return t
+
+  def backward(_, ct):
+    leaves, treedef = jax.tree.flatten(ct)
+    return (treedef.unflatten([g * scale for g in all_reduce(leaves, axis, compression,
+                                                              site)]),)
+
+  identity.defvjp(lambda t: (t, None), backward)
+  return identity(tree)

@@ -35,7 +35,7 @@ def _model_sizes(m) -> dict:
 
 def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_outputs=False,
                   save_dots=False, tp_overlap="none", schedule="gpipe", virtual_stages=1,
-                  log_errors=False,
+                  log_errors=False, overlap_grad_reduce=False, shard_optimizer=False,
                   batch_size: int | None = None, seq_len: int | None = None,
                   n_devices: int | None = None, n_local_devices: int | None = None
                   ) -> list[str]:
@@ -87,6 +87,11 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
                 "(its ring permutes and its kernels' cross-GPU barrier involve every device, "
                 "so the stages would wait on each other): use tp_overlap='none' or "
                 "schedule='gpipe'")
+  if overlap_grad_reduce and (pp > 1 or mb > 1 or shard_optimizer):
+    errs.append("parallel.overlap_grad_reduce=True reduces each layer's gradients once, "
+                "inside the backward pass, which needs one backward pass per step over "
+                "replicated optimizer state: parallel.pp=1, parallel.microbatches=1 and "
+                f"parallel.shard_optimizer=False (now {pp}, {mb}, {shard_optimizer})")
   if seq_len is not None and seq_len % tp:
     errs.append(f"data.seq_len={seq_len} is not divisible by parallel.tp={tp} (sequence "
                 f"parallelism shards it); use a multiple of {tp}")

@@ -108,6 +108,10 @@ class ParallelSpec:
   # parallel.shard_optimizer; `taco_jax.tp.zero`): gradients reduce-scattered, parameters
   # all-gathered after the update
   shard_optimizer: bool = False
+  # all-reduce each layer's gradients over "data" inside the backward pass, as soon as they
+  # are made, so they travel while the earlier layers' backward runs (Megatron's
+  # overlap_grad_reduce; `buckets.all_reduce_in_backward`); else all of them after it
+  overlap_grad_reduce: bool = False
 
   def __post_init__(self):
     _raise("invalid parallel layout", self.cfg.errors() + self.layout_errors()
@@ -124,7 +128,9 @@ class ParallelSpec:
                          schedule=self.schedule, virtual_stages=self.virtual_stages,
                          log_errors=self.plan.log_errors,
                          save_tp_outputs=self.save_tp_outputs,
-                         save_dots=self.save_dots, tp_overlap=self.tp_overlap, **batch)
+                         save_dots=self.save_dots, tp_overlap=self.tp_overlap,
+                         overlap_grad_reduce=self.overlap_grad_reduce,
+                         shard_optimizer=self.shard_optimizer, **batch)
 
   @property
   def ctx(self) -> layers.TPContext:
@@ -211,10 +217,12 @@ def _embed(spec: ParallelSpec, params, tokens_BT):
   return h_BSD
 
 
-def _trunk(spec: ParallelSpec, constrain: Callable | None = None):
+def _trunk(spec: ParallelSpec, constrain: Callable | None = None, reduce_grads_over_data=False):
   """(stacked blocks [n, ...], h_BSD) -> h_BSD: the n blocks in order (a scan, or unrolled
   without `spec.scan_layers`); `constrain`, if given, is applied to each block's output
   (GSPMD's sharding constraint on the residual stream: `stacked_loss`).
+  `reduce_grads_over_data`: each block's parameter gradients leave already averaged over
+  "data", reduced where the backward pass makes them (`parallel.overlap_grad_reduce`).
 
   With `spec.interleave` = k > 1 each micro-batch is split into k sub-batches and every
   layer of the scan runs its block on each of them: k independent chains in one loop body,
@@ -235,6 +243,10 @@ def _trunk(spec: ParallelSpec, constrain: Callable | None = None):
 
   if cfg.remat:
     layer = jax.checkpoint(layer, policy=remat_policy(spec))
+  if reduce_grads_over_data:
+    checkpointed, codec = layer, spec.plan.codec("dp")
+    layer = lambda hs, p: checkpointed(hs, buckets.all_reduce_in_backward(  # noqa: E731
+        p, DATA, codec, "dp", scale=1 / spec.dp))
 
   def trunk(blocks, h_BSD):
     hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)
@@ -289,11 +301,12 @@ def _on_stage(spec: ParallelSpec, stage: int, f, zeros):
   return jax.lax.cond(on_stage, f, lambda: zeros)
 
 
-def _local_loss(spec: ParallelSpec, params, tokens_BT1):
+def _local_loss(spec: ParallelSpec, params, tokens_BT1, reduce_grads_over_data=False):
   """Mean token loss of this device's batch on the last stage, 0 on the others (GPipe).
 
   The embedding runs on the first stage only and the head and loss on the last only
-  (`_on_stage`); the stages between run their blocks only."""
+  (`_on_stage`); the stages between run their blocks only. `reduce_grads_over_data`: the
+  blocks' gradients are averaged over "data" in the backward pass (`_trunk`)."""
   m = spec.microbatches
   inputs, targets = _microbatches(spec, tokens_BT1)
   b, t = inputs.shape[1:]
@@ -301,7 +314,8 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1):
   zeros = jnp.zeros((m, *h_shape.shape), h_shape.dtype)
   h_MBSD = _on_stage(spec, 0, lambda: _embed(spec, params, inputs.reshape(m * b, t)).reshape(
       zeros.shape), zeros)
-  out_MBSD = pipeline.gpipe(lambda h: _trunk(spec)(params["blocks"], h), h_MBSD, pp=spec.pp,
+  trunk = _trunk(spec, reduce_grads_over_data=reduce_grads_over_data)
+  out_MBSD = pipeline.gpipe(lambda h: trunk(params["blocks"], h), h_MBSD, pp=spec.pp,
                             fwd=spec.plan.codec("pp/fwd"), bwd=spec.plan.codec("pp/bwd"))
   head = jax.checkpoint(lambda h, tgt: _head_loss(spec, params, h, tgt))  # no [b, T, V/tp]
   #                                                    logits kept for the backward pass
@@ -324,9 +338,10 @@ def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):
   return loss, dict(grads, blocks=one_f_one_b.from_chunks(grads["blocks"], pp, v))
 
 
-def reduce_grads(spec: ParallelSpec, grads, specs):
+def reduce_grads(spec: ParallelSpec, grads, specs, blocks_reduced_over_data=False):
   """Sums each gradient over the axes its parameter is replicated on; means over "data"
-  (with `spec.shard_optimizer`, each rank keeping its chunk: `zero.scatter_mean`)."""
+  (with `spec.shard_optimizer`, each rank keeping its chunk: `zero.scatter_mean`), except
+  the blocks' with `blocks_reduced_over_data` (done in the backward pass: `_trunk`)."""
   leaves, treedef = jax.tree.flatten(grads)
   spec_leaves = treedef.flatten_up_to(specs)
   for axis, size in ((TENSOR, spec.tp), (PIPE, spec.pp)):
@@ -338,8 +353,18 @@ def reduce_grads(spec: ParallelSpec, grads, specs):
   if spec.shard_optimizer:
     leaves = zero.scatter_mean(spec, leaves)
   elif spec.dp > 1:
-    leaves = [g / spec.dp for g in buckets.all_reduce(leaves, DATA, spec.plan.codec("dp"), "dp")]
+    blocks = set(_block_leaf_indices(grads)) if blocks_reduced_over_data else set()
+    idx = [i for i in range(len(leaves)) if i not in blocks]
+    reduced = buckets.all_reduce([leaves[i] for i in idx], DATA, spec.plan.codec("dp"), "dp")
+    for i, g in zip(idx, reduced):
+      leaves[i] = g / spec.dp
   return treedef.unflatten(leaves)
+
+
+def _block_leaf_indices(grads) -> list[int]:
+  """Positions of grads["blocks"]'s leaves in `jax.tree.leaves(grads)`."""
+  paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+  return [i for i, path in enumerate(paths) if path[0] == jax.tree_util.DictKey("blocks")]
 
 
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
@@ -373,8 +398,10 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
       return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
     loss_fn = lambda p: _local_loss(spec, p, tokens_BT1)
     if not log and capture is None:  # the plain program
-      loss, grads = jax.value_and_grad(loss_fn)(params)
-      return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
+      in_backward = spec.overlap_grad_reduce and spec.dp > 1
+      loss, grads = jax.value_and_grad(lambda p: _local_loss(
+          spec, p, tokens_BT1, reduce_grads_over_data=in_backward))(params)
+      return loss.reshape(1, 1), reduce_grads(spec, grads, specs, in_backward)
     watcher = monitor.ErrorLog() if log else capture
     loss, grads, probe_ct = monitor.value_and_grad(loss_fn, params, watcher)
     with monitor.watching(watcher):
