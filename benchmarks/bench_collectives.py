@@ -194,8 +194,7 @@ def run(args) -> dict:
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
       timing="host wall-clock around block_until_ready of a jitted fori_loop of `inner` "
              "collectives, / inner; median of `iters` interleaved repetitions",
-      env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
-                                          "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+      env=common.run_env(),
       config=dict(vars(args), compression=dataclasses.asdict(cfg),
                   resolved_implementation=cfg.resolved_implementation()),
       environment=common.environment(), ceilings=ceilings, results=results,

@@ -492,8 +492,7 @@ def main(argv=None) -> pathlib.Path:
                         "meaningless",
                   gspmd="plain jax.jit + NamedSharding (benchmarks.gspmd) on a "
                         "(dp*pp, tp) data x tensor mesh; activation=" + args.gspmd_activation,
-                  env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
-                                                      "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+                  env=common.run_env(),
                   config=dict({k: v for k, v in vars(args).items() if not k.startswith("_")},
                               model_cfg=dataclasses.asdict(cfg), flops_per_token=fpt),
                   environment=env, ceilings=dict(matmul_bf16=ceiling), attention=attention,

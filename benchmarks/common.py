@@ -138,6 +138,16 @@ def environment() -> dict:
       xla_flags=os.environ.get("XLA_FLAGS", ""))
 
 
+RUN_ENV = ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE", "NCCL_NVLS_ENABLE", "XLA_FLAGS",
+           "JAX_COMPILATION_CACHE_DIR")
+
+
+def run_env() -> dict:
+  """The environment variables that change what a multi-GPU run measures (the links NCCL
+  may use, XLA's flags) or its compile times (a persistent compilation cache)."""
+  return {k: os.environ.get(k) for k in RUN_ENV}
+
+
 def _jaxlib_version():
   try:
     import jaxlib

@@ -48,6 +48,10 @@
 # returns at most 8 files a call: keep a call's jobs within that.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0   # never NVLink multicast
+# a job's second run of the same programs (e.g. NVLink, then NCCL_P2P_DISABLE=1) loads them
+# from here instead of compiling them again; its compile_s is then the load (the results'
+# env says so)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/taco_jax_cache}
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

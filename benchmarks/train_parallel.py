@@ -289,8 +289,7 @@ def main(argv=None) -> pathlib.Path:
                 num_devices=n, jax_version=jax.__version__, date=env["date"],
                 timing="host wall-clock around block_until_ready per step; median after "
                        "warm-up; off/on interleaved step by step on the same batches",
-                env={k: os.environ.get(k) for k in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
-                                                    "NCCL_NVLS_ENABLE", "XLA_FLAGS")},
+                env=common.run_env(),
                 config=dict(vars(args), model_cfg=dataclasses.asdict(cfg),
                             flops_per_token=fpt),
                 environment=env, ceilings=dict(matmul_bf16=ceiling), results=rows,

@@ -4,6 +4,8 @@ backward pass (`buckets.all_reduce_in_backward`) against the one all-reduce afte
 A tiny fp32 GPT on 8 CPU devices: the same loss and gradients, one data all-reduce per
 layer in the compiled step, FP8 messages when compressed, and the layouts it refuses.
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +25,7 @@ CODEC = CompressionConfig(format="e4m3", group_size=32)
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
+@functools.cache  # two tests read the same program
 def _loss_and_grads(layout, overlap, plan=CompressionPlan(), scan_layers=True):
   """(loss, grads as numpy, the compiled program's collectives over "data") of one step."""
   dp, pp, tp = layout
