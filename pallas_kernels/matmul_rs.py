@@ -29,6 +29,7 @@ a local ``sent`` output, and the peers' partials for this rank come from ``recei
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -99,18 +100,46 @@ def default_phases(row_tiles: int) -> int:
   return max(p for p in range(1, MAX_PHASES + 1) if row_tiles % p == 0)
 
 
-def schedule(n: int, phases: int) -> list[tuple[int, int]]:
-  """The order of a rank's work: ``(q, p)`` is phase p of chunk ``r + q`` (q = n: its own).
-  Phase p of every peer's chunk comes one phase before phase p of the own chunk, which
-  waits for the peers' partials of that phase: every rank sends what the others wait for
-  before it waits itself."""
-  order = []
+def schedule(n: int, phases: int, mix: bool = False) -> list[tuple[tuple[int, int], ...]]:
+  """The order of a rank's work, as tile loops run one after the other: each loop is a
+  tuple of ``(q, p)``, phase p of chunk ``r + q`` (q = n: its own), whose row tiles it
+  interleaves. Phase p of every peer's chunk comes one phase before phase p of the own
+  chunk, which waits for the peers' partials of that phase: every rank sends what the
+  others wait for before it waits itself.
+
+  Without ``mix`` each (chunk, phase) is a loop of its own: a rank sends during the peers'
+  loops only, and the link idles while it computes its own chunk. With ``mix`` the peers'
+  phase p and the own phase p - 1 are one loop whose row tiles alternate, so partial tiles
+  leave all through the kernel at a steady rate."""
+  loops = []
   for p in range(phases + 1):
-    if p < phases:
-      order += [(q, p) for q in range(1, n)]
-    if p > 0:
-      order.append((n, p - 1))
-  return order
+    loop = tuple((q, p) for q in range(1, n) if p < phases) + (((n, p - 1),) if p > 0 else ())
+    loops += [loop] if mix else [(item,) for item in loop]
+  return loops
+
+
+def _pick(k, values: list):
+  """values[k] for a traced index k (a static value where they are all the same)."""
+  if len(set(values)) == 1:
+    return values[0]
+  out = values[0]
+  for j, v in enumerate(values[1:], 1):
+    out = jnp.where(k == j, v, out)
+  return out
+
+
+def _branch(cond, if_true: Callable, if_false: Callable | None = None):
+  """if_true() where ``cond`` holds, else if_false(): a Python bool picks while tracing,
+  a traced one becomes two ``pl.when`` blocks."""
+  if isinstance(cond, bool):
+    if cond:
+      if_true()
+    elif if_false is not None:
+      if_false()
+    return
+  pl.when(cond)(if_true)
+  if if_false is not None:
+    pl.when(jnp.logical_not(cond))(if_false)
 
 
 class _Epilogues:
@@ -254,7 +283,7 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, fp8=None, received=None):
+          num_sms: int, out_dtype, phases: int, mix: bool, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): the receive slots' arrays that peers would have written. Returns the
   output rows ``[B S, D]``, the receive slots, and in local mode the partials sent."""
@@ -288,42 +317,69 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                        collective_axes=gemm.WG)
     def _scope(allocs):
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
-      for q, p in schedule(n, phases):
-        c = lax.rem(r + q, n)
-        own = q == n
-        first = p * phase_tiles  # the phase's first row tile
-        if own and sems is not None:  # every peer's partials of this phase have landed
-          pl.semaphore_wait(sems.at[p], value=(n - 1) * signals, decrement=False)
+      for group in schedule(n, phases, mix):
+        own_phase = next((p for q, p in group if q == n), None)
+        if own_phase is not None and sems is not None:  # every peer's partials have landed
+          pl.semaphore_wait(sems.at[own_phase], value=(n - 1) * signals, decrement=False)
 
-        def at(m_idx, n_idx, wg, first=first):  # a warpgroup tile's (row, column)
+        def entry(m_idx, group=group):
+          """(k, i): the loop's row tile m_idx is row tile i of the phase group[k]; the
+          loop's row tiles take the group's (chunk, phase)s in turn."""
+          if len(group) == 1:
+            return 0, m_idx
+          return lax.rem(m_idx, len(group)), m_idx // len(group)
+
+        def per_entry(k, body, group=group):
+          """body(q, p) for the group's entry k: one static branch per entry, so that a
+          peer's device id is known outside the tile loop (Mosaic GPU computes it on the
+          host)."""
+          for j, (q, p) in enumerate(group):
+            _branch(k == j, functools.partial(body, q, p))
+
+        def at(p, i, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
-          return (first + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
+          return (p * phase_tiles + i) * t.cta_m + row0, n_idx * t.cta_n + col0
 
-        def epilogue(m_idx, n_idx, wg, acc, c=c, own=own, at=at):
-          row, col = at(m_idx, n_idx, wg)
-          if own:
-            epi.finish(acc, wg, r, row, col, inbox, out_ref)
-            return
-          if local:
-            dest = [a.at[c] for a in sent]
-          else:
-            dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
-          epi.send(acc, wg, row, col, [tuple(dest) + ((None,) if fp8 is None else ())])
+        def epilogue(m_idx, n_idx, wg, acc, entry=entry, per_entry=per_entry):
+          k, i = entry(m_idx)
 
-        def prefetch(m_idx, n_idx, wg, at=at):
-          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), inbox)
+          def tile(q, p):
+            row, col = at(p, i, n_idx, wg)
+            if q == n:
+              epi.finish(acc, wg, r, row, col, inbox, out_ref)
+              return
+            c = lax.rem(r + q, n)
+            if local:
+              dest = [a.at[c] for a in sent]
+            else:
+              dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
+            epi.send(acc, wg, row, col, [tuple(dest) + ((None,) if fp8 is None else ())])
 
-        loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
-                 a_refs=lambda m_idx, c=c, first=first: [
-                     y_ref.at[pl.ds(y_row(c, first + m_idx), t.cta_m)]],
-                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own else None,
+          per_entry(k, tile)
+
+        def prefetch(m_idx, n_idx, wg, entry=entry, per_entry=per_entry):
+          k, i = entry(m_idx)
+          per_entry(k, lambda q, p: (epi.prefetch(wg, r, *at(p, i, n_idx, wg), inbox)
+                                     if q == n else None))
+
+        def a_rows(m_idx, entry=entry, group=group):  # the row tile's rows of y
+          k, i = entry(m_idx)
+          c = lax.rem(r + _pick(k, [q for q, _ in group]), n)
+          return [y_ref.at[pl.ds(y_row(c, _pick(k, [p * phase_tiles for _, p in group]) + i),
+                                 t.cta_m)]]
+
+        tiles = len(group) * phase_tiles
+        loop.run(allocs, m=tiles * t.cta_m, n=d, a_refs=a_rows, w_ref=w_ref,
+                 epilogue=epilogue, before_tile=prefetch if own_phase is not None else None,
                  first_sm=dealt % num_sms)
-        dealt += phase_tiles * (d // t.cta_n)
-        if not own and sems is not None:  # this SM's partials of (c, p) are on rank c
+        dealt += tiles * (d // t.cta_n)
+        peers = [(q, p) for q, p in group if q < n]
+        if peers and sems is not None:  # this SM's partials of the loop are on their ranks
           @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
-          def _signal(c=c, p=p):
+          def _signal(peers=peers):
             plgpu.wait_smem_to_gmem(0)
-            pl.semaphore_signal(sems.at[p], device_id={axis_name: c})
+            for q, p in peers:
+              pl.semaphore_signal(sems.at[p], device_id={axis_name: lax.rem(r + q, n)})
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
@@ -348,12 +404,13 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          rank=None, n=None, received=None):
+                          mix: bool = False, rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
-  groups of the schedule (default ``default_phases``). Local mode: ``rank``,
+  groups of the schedule (default ``default_phases``); ``mix``: the own chunk's row tiles
+  interleaved with the peers' (``schedule``). Local mode: ``rank``,
   ``n`` and ``received`` (the receive slots' arrays, sender p in slot p; see
   ``slot_shapes``); it returns ``(out, sent)``, the partials sent in slot c for rank c."""
   if rank is None:
@@ -369,7 +426,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                codes_dtype=jnp.dtype(FP8_DTYPES[fp8["fmt"]]))
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or y_BTF.dtype, phases=phases, fp8=fp8, received=received)
+              out_dtype=out_dtype or y_BTF.dtype, phases=phases, mix=mix, fp8=fp8,
+              received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -70,12 +70,12 @@ def _partials(n, b, s, f, d, seed):
   return ys, ws
 
 
-def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
+def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, mix=False):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   with _interpret():
     sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=tiling, num_sms=num_sms,
-                                            rank=p, n=n, received=slots, fp8=fp8)[1]
+                                            rank=p, n=n, received=slots, fp8=fp8, mix=mix)[1]
             for p in range(n)]
     outs = []
     for r in range(n):
@@ -83,22 +83,24 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
       outs.append(matmul_rs.matmul_reduce_scatter(ys[r], ws[r], "t", tiling=tiling,
                                                   num_sms=num_sms, rank=r, n=n,
                                                   received=received,
-                                                  fp8=fp8)[0])
+                                                  fp8=fp8, mix=mix)[0])
   return outs, sent
 
 
-def test_matmul_reduce_scatter_kernel_per_rank():
+@pytest.mark.parametrize("mix", [False, True], ids=["loop_per_chunk", "mixed_loops"])
+def test_matmul_reduce_scatter_kernel_per_rank(mix):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two row tiles per chunk: the
   schedule runs them as two phases of one tile each, which three SMs deal round-robin on
-  from loop to loop (gemm.dealt): every tile is computed once, whichever SM takes it."""
+  from loop to loop (gemm.dealt): every tile is computed once, whichever SM takes it, also
+  where one loop interleaves a peer's row tiles with the own chunk's (``mix``)."""
   n, b, s, f, d = 2, 2, 64, 128, 128
   assert matmul_rs.default_phases(b * s // TILING.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),),
-                         num_sms=3)
+                         num_sms=3, mix=mix)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -116,13 +118,16 @@ def test_matmul_reduce_scatter_kernel_per_rank():
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling", [(1, TILING), (2, TILING), (3, TALL)],
-                         ids=["1_rank", "2_ranks", "3_ranks_tall"])
-def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling):
+@pytest.mark.parametrize("n,tiling,mix", [(1, TILING, False), (2, TILING, False),
+                                          (3, TALL, False), (2, TILING, True)],
+                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_mixed"])
+def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, mix):
   """The FP8 kernel encodes each partial tile as the codec does (same codes, same
   multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
-  make every partial exact, so accumulation order cannot change a code."""
-  b, s, f, d = 1, tiling.cta_m, 128, 128
+  make every partial exact, so accumulation order cannot change a code. Mixed loops
+  (``mix``): the owned tiles' prefetch into the send buffers waits for the sent tiles
+  before them (two row tiles per chunk: the middle loop mixes)."""
+  b, s, f, d = 1, tiling.cta_m * (2 if mix else 1), 128, 128
   ky, kw = jax.random.split(jax.random.key(3))
   ys = [jax.random.randint(jax.random.fold_in(ky, p), (b, n * s, f), -3, 4).astype(
       jnp.bfloat16) for p in range(n)]
@@ -131,7 +136,7 @@ def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tilin
   fp8 = dict(FP8)
   slots = (jnp.zeros((n, b * s, d), jnp.float8_e4m3fn),
            jnp.zeros((n, d // fp8["group_size"], b * s), jnp.float32))
-  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling)
+  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, mix=mix)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32
                       ).astype(jnp.bfloat16) for p in range(n)]
   g = fp8["group_size"]
@@ -176,17 +181,23 @@ def test_decode_tile_is_the_codecs_decode():
 
 
 @pytest.mark.parametrize("n, phases", [(1, 1), (2, 1), (2, 4), (4, 3)])
-def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
-  """Every (chunk, phase) once; a rank's own phase p (which waits for the peers' partials of
-  phase p) comes after it sent its own partials of phase p to every peer, and the peers'
-  phase p + 1 comes before it too, so the link has work while the own phase computes."""
-  order = matmul_rs.schedule(n, phases)
+@pytest.mark.parametrize("mix", [False, True])
+def test_reduce_scatter_schedule_sends_before_it_waits(n, phases, mix):
+  """Every (chunk, phase) once; a rank's own phase p (which waits, before its loop, for the
+  peers' partials of phase p) comes in a later loop than its own partials of phase p for
+  every peer, and the peers' phase p + 1 comes no later, so the link has work while the own
+  phase computes. Mixed, the peers' phase p + 1 shares the own phase p's loop."""
+  loops = matmul_rs.schedule(n, phases, mix)
+  loop_of = {item: i for i, loop in enumerate(loops) for item in loop}
+  order = [item for loop in loops for item in loop]
   assert sorted(order) == sorted((q, p) for q in range(1, n + 1) for p in range(phases))
+  assert len(loops) == (phases + 1 if mix else len(order))
   for p in range(phases):
-    own = order.index((n, p))
-    assert all(order.index((q, p)) < own for q in range(1, n))
+    own = loop_of[(n, p)]
+    assert all(loop_of[(q, p)] < own for q in range(1, n))
     if p + 1 < phases:
-      assert all(order.index((q, p + 1)) < own for q in range(1, n))
+      assert all(loop_of[(q, p + 1)] <= own for q in range(1, n))
+      assert all((loop_of[(q, p + 1)] == own) == mix for q in range(1, n))
 
 
 @pytest.mark.parametrize("call, match", [
@@ -262,10 +273,12 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  fn = smap(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "tensor", num_sms=132, fp8=fp8),
-            in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
-  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
-                                            sd((2 * f, d), jnp.bfloat16))
+  for mix in (False, True):  # the reduce-scatter's loops per chunk, and mixed
+    fn = smap(lambda y, w, mix=mix: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, mix=mix),
+        in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
+                                              sd((2 * f, d), jnp.bfloat16))
 
 
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
