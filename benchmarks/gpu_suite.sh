@@ -36,6 +36,7 @@
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel layers (<= 10 min)
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
+#   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -281,6 +282,11 @@ for job in "$@"; do
         --model 2.7b --layouts 1,1,4 --variants off,on --deadline-s 205 --out-dir "$out" ;;
     accuracy) timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink \
                 --deadline-s 540 --out-dir "$out" ;;
+    accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
+      # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED
+      timeout 570 python3 benchmarks/bench_accuracy.py --config configs/gpt_125m_dp2_zero.py \
+        --label "nvlink_dp2_zero_seed${SEED:-0}" --seed "${SEED:-0}" --variants off,on \
+        --deadline-s 540 --out-dir "$out" ;;
     accuracy_seed*)  # e.g. accuracy_seed2: off and on (the default codec) from seed 2
       seed=${job#accuracy_seed}
       timeout 280 python3 benchmarks/bench_accuracy.py --label "nvlink_seed$seed" \

@@ -1,4 +1,5 @@
 """Config validation and config-file resolution: clear errors before anything is built."""
+import importlib
 import pathlib
 
 import pytest
@@ -53,6 +54,14 @@ def test_bad_values_name_the_field(section, key, value, needle):
   with pytest.raises(ValueError, match='invalid config') as e:
     validate(c)
   assert needle in str(e.value)
+
+
+@pytest.mark.parametrize('name', sorted(
+    p.stem for p in CONFIGS_DIR.glob('*.py') if p.stem not in ('__init__', 'common')))
+def test_every_shipped_config_is_valid(name):
+  """Each config file as shipped, on as many devices as its layout needs."""
+  c = importlib.import_module(f'taco_jax.configs.{name}').get_config()
+  validate(c, n_devices=c.parallel.dp * c.parallel.pp * c.parallel.tp)
 
 
 def test_overlap_grad_reduce_needs_one_backward_pass_per_step():
