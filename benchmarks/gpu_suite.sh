@@ -35,6 +35,7 @@
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel layers (<= 10 min)
+#   bash benchmarks/gpu_suite.sh baseline_nop2p    # issue 19, TP=2, P2P off: strong step vs compressed (<= 7 min)
 #   bash benchmarks/gpu_suite.sh pp_sched          # issue 17, PP=2: GPipe, 1F1B, interleaved (<= 7.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
@@ -160,6 +161,11 @@ for job in "$@"; do
       timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
         --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
         off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
+    baseline_nop2p)  # issue 19 on 2xH200 (TP=2) through host memory: the strong bf16 step,
+      # the compressed one and GSPMD, so that compression is compared with the faster step
+      NCCL_P2P_DISABLE=1 timeout 400 python3 benchmarks/bench_train.py --label nop2p_dots \
+        --layouts 1,1,2 --attention cudnn --deadline-s 380 --out-dir "$out" \
+        --variants off_save_dots_unroll,on_save_dots_unroll,gspmd ;;
     pp_sched)  # issue 17 on 2xH200 (PP=2, m = 8): GPipe, 1F1B, interleaved (v = 2) and 1F1B
       # with FP8 hand-offs, keeping the TP outputs (layers scanned)
       timeout 440 python3 benchmarks/bench_train.py --label nvlink_pp_sched --layouts 1,2,1 \
