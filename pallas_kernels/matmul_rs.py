@@ -128,18 +128,13 @@ def _pick(k, values: list):
   return out
 
 
-def _branch(cond, if_true: Callable, if_false: Callable | None = None):
-  """if_true() where ``cond`` holds, else if_false(): a Python bool picks while tracing,
-  a traced one becomes two ``pl.when`` blocks."""
-  if isinstance(cond, bool):
-    if cond:
-      if_true()
-    elif if_false is not None:
-      if_false()
-    return
-  pl.when(cond)(if_true)
-  if if_false is not None:
-    pl.when(jnp.logical_not(cond))(if_false)
+def _when(cond, body: Callable):
+  """body() where ``cond`` holds: a Python bool decides while tracing, a traced one
+  becomes a ``pl.when`` block."""
+  if not isinstance(cond, bool):
+    pl.when(cond)(body)
+  elif cond:
+    body()
 
 
 class _Epilogues:
@@ -334,7 +329,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           peer's device id is known outside the tile loop (Mosaic GPU computes it on the
           host)."""
           for j, (q, p) in enumerate(group):
-            _branch(k == j, functools.partial(body, q, p))
+            _when(k == j, functools.partial(body, q, p))
 
         def at(p, i, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
@@ -357,10 +352,10 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
           per_entry(k, tile)
 
-        def prefetch(m_idx, n_idx, wg, entry=entry, per_entry=per_entry):
+        def prefetch(m_idx, n_idx, wg, entry=entry, group=group):  # the own entry only
           k, i = entry(m_idx)
-          per_entry(k, lambda q, p: (epi.prefetch(wg, r, *at(p, i, n_idx, wg), inbox)
-                                     if q == n else None))
+          j = next(j for j, (q, _) in enumerate(group) if q == n)
+          _when(k == j, lambda: epi.prefetch(wg, r, *at(group[j][1], i, n_idx, wg), inbox))
 
         def a_rows(m_idx, entry=entry, group=group):  # the row tile's rows of y
           k, i = entry(m_idx)

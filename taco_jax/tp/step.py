@@ -396,11 +396,12 @@ def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
     if spec.schedule != "gpipe":
       loss, grads = _scheduled_loss_grads(spec, params, tokens_BT1)
       return loss.reshape(1, 1), reduce_grads(spec, grads, specs)
-    loss_fn = lambda p: _local_loss(spec, p, tokens_BT1)
+    # the plain program may reduce the blocks' gradients in the backward pass; a watched one
+    # reduces them after it, where the monitor sees the message
+    in_backward = spec.overlap_grad_reduce and spec.dp > 1 and not log and capture is None
+    loss_fn = lambda p: _local_loss(spec, p, tokens_BT1, reduce_grads_over_data=in_backward)
     if not log and capture is None:  # the plain program
-      in_backward = spec.overlap_grad_reduce and spec.dp > 1
-      loss, grads = jax.value_and_grad(lambda p: _local_loss(
-          spec, p, tokens_BT1, reduce_grads_over_data=in_backward))(params)
+      loss, grads = jax.value_and_grad(loss_fn)(params)
       return loss.reshape(1, 1), reduce_grads(spec, grads, specs, in_backward)
     watcher = monitor.ErrorLog() if log else capture
     loss, grads, probe_ct = monitor.value_and_grad(loss_fn, params, watcher)
