@@ -10,15 +10,15 @@ from __future__ import annotations
 import argparse
 import pathlib
 
-from benchmarks.report import ROOT, _codec_words, _load
+from benchmarks.report import ROOT, _accuracy_codec, _load
 
 
 COLORS = {"off": "C0", "on": "C1", "calibrated": "C2"}
+COLUMNS = 6  # runs per row of plots
 
 
 def label(variant: str, run: dict) -> str:
-  z = run["compression"]
-  return variant if not z["enabled"] else f"{variant} ({_codec_words(z['tp_forward'])})"
+  return variant if not run["compression"]["enabled"] else f"{variant} ({_accuracy_codec(run)})"
 
 
 def plot(out: pathlib.Path) -> pathlib.Path:
@@ -29,11 +29,13 @@ def plot(out: pathlib.Path) -> pathlib.Path:
   files = [(n, d) for n, d in _load("accuracy_*.json") if d["environment"]["platform"] == "gpu"]
   if not files:
     raise SystemExit("no GPU accuracy results in benchmarks/results")
-  fig, axes = plt.subplots(2, len(files), figsize=(6 * len(files), 7), squeeze=False,
+  cols = min(len(files), COLUMNS)
+  rows = -(-len(files) // cols)
+  fig, axes = plt.subplots(2 * rows, cols, figsize=(6 * cols, 7 * rows), squeeze=False,
                            sharex=True)
-  for col, (name, d) in enumerate(files):
+  for i, (name, d) in enumerate(files):
     off = dict(map(tuple, d["runs"]["off"]["curves"]["val_loss"]))
-    top, bottom = axes[0, col], axes[1, col]
+    top, bottom = axes[2 * (i // cols), i % cols], axes[2 * (i // cols) + 1, i % cols]
     for v, run in d["runs"].items():
       steps, vals = zip(*run["curves"]["val_loss"])
       style = dict(marker="o", ms=3, label=label(v, run), color=COLORS.get(v))
@@ -41,9 +43,10 @@ def plot(out: pathlib.Path) -> pathlib.Path:
       if v != "off":
         bottom.plot(steps, [100 * (x - off[s]) / off[s] for s, x in zip(steps, vals)], **style)
     m = d["runs"]["off"]["model"]
-    top.set_title(f"{name}\nGPT {m['n_layers']}x{m['d_model']}, TP="
-                  f"{d['runs']['off']['parallel']['tp']}, seed {d['config'].get('seed') or 0}",
-                  fontsize=9)
+    par = d["runs"]["off"]["parallel"]
+    mesh = ",".join(str(par.get(a, 1)) for a in ("dp", "pp", "tp"))
+    top.set_title(f"{name}\nGPT {m['n_layers']}x{m['d_model']}, dp,pp,tp = {mesh}, "
+                  f"seed {d['config'].get('seed') or 0}", fontsize=9)
     top.set_ylabel("validation loss (nats / byte)")
     top.set_yscale("log")
     top.legend(fontsize=8)
@@ -53,6 +56,9 @@ def plot(out: pathlib.Path) -> pathlib.Path:
     bottom.set_ylabel("val loss vs off (%)")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
+  for i in range(len(files), rows * cols):  # the last row's empty places
+    axes[2 * (i // cols), i % cols].axis("off")
+    axes[2 * (i // cols) + 1, i % cols].axis("off")
   fig.tight_layout()
   out.parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(out, dpi=110)

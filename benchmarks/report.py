@@ -526,55 +526,82 @@ def dp_codec_section() -> str:
       "`tokens`: groups along the token axis instead of the hidden one.", parts)
 
 
+def _accuracy_codec(run: dict) -> str:
+  """The codec of each family that sends something on the run's mesh, e.g.
+  "e4m3 G=128 no-Hadamard (dp, dp_params)", or "off"."""
+  c, p = run["compression"], run["parallel"]
+  if not c["enabled"]:
+    return "off"
+  families = ((["tp_forward", "tp_backward"] if p.get("tp", 1) > 1 else [])
+              + (["pp"] if p.get("pp", 1) > 1 else [])
+              + (["dp"] if p.get("dp", 1) > 1 else [])
+              + (["dp_params"] if p.get("dp", 1) > 1 and p.get("shard_optimizer") else []))
+  by_words: dict[str, list] = {}
+  for fam in families:
+    by_words.setdefault(_codec_words(c[fam]), []).append(fam)
+  return "; ".join(f"{w} ({', '.join(fams)})" for w, fams in by_words.items())
+
+
+def _accuracy_setup(d: dict) -> str:
+  """The heading of the runs that compare with each other: config, model, mesh, device."""
+  off = d["runs"]["off"]
+  m, p = off["model"], off["parallel"]
+  config = pathlib.Path(d["config"].get("config") or "configs/gpt_125m_tp4.py").stem
+  return (f"`{config}`: GPT {m['n_layers']} x {m['d_model']}, byte vocab, dp,pp,tp = "
+          f"{p.get('dp', 1)},{p.get('pp', 1)},{p.get('tp', 1)}"
+          + (", optimizer sharded" if p.get("shard_optimizer") else "")
+          + f", {d['config']['steps']} steps, {d['num_devices']}x {d['device']}")
+
+
+def _ablation_table(name: str, d: dict) -> str:
+  sites = sorted(d["ablations"])
+  names = [r["name"] for r in d["ablations"][sites[0]]]
+  rows = []
+  for i, ab in enumerate(names):
+    per = [d["ablations"][s][i] for s in sites]
+    rows.append([ab] + [r["rel_l2"] for r in per]
+                + [sum(r["share_off_by_8th"] for r in per) / len(per)])
+  choice = "; ".join(f"{fam}: {c['setting']}" for fam, c in d["calibration"]["choices"].items())
+  return (f"\nCodec settings on the messages each compressed collective sent, captured "
+          f"from the trained model (`{name}`): relative L2 error per site, and the share of "
+          "elements off by more than 1/8 of themselves (mean over sites). Calibration's "
+          f"choice (lowest mean relative L2 at no more wire bytes): {choice}.\n\n"
+          + _table(["setting"] + sites + ["share off by > 1/8"], rows) + "\n")
+
+
 def accuracy_section() -> str:
   runs = [(n, d) for n, d in _load("accuracy_*.json") if d["environment"]["platform"] == "gpu"]
   if not runs:
     return ""
-  rows = []
+  setups: dict[str, list] = {}
   for name, d in runs:
-    for v, r in d["runs"].items():
-      cost = r.get("accuracy_cost")
-      rows.append([d["label"], d["config"].get("seed") or 0, v,
-                   _codec_words(r["compression"]["tp_forward"])
-                   if r["compression"]["enabled"] else "off",
-                   r["summary"]["val_loss"], None if cost is None else 100 * cost])
-  d0 = runs[-1][1]
-  m = d0["runs"]["off"]["model"]
-  text = (f"### Accuracy (`benchmarks/bench_accuracy.py`: GPT {m['n_layers']} x "
-          f"{m['d_model']}, byte vocab, TP={d0['runs']['off']['parallel']['tp']}, "
-          f"{d0['config']['steps']} steps, {d0['num_devices']}x {d0['device']})\n\n"
+    setups.setdefault(_accuracy_setup(d), []).append((name, d))
+  text = ("### Accuracy (`benchmarks/bench_accuracy.py`)\n\n"
           "Validation loss after the same steps from the same seed and batches; `cost %` = "
           "(val on - val off) / val off. `calibrated` trains with the codec "
           "`taco_jax.apps.calibrate` chose from tensors of the trained `off` model. Curves: "
-          "`docs/accuracy_loss.png` (`python -m benchmarks.plot_accuracy`).\n\n"
-          + _table(["run", "seed", "variant", "codec (TP)", "val loss", "cost %"], rows)
-          + "\n")
-  by_codec = {}
-  for row in rows:
-    if row[-1] is not None:
-      by_codec.setdefault(row[3], []).append(row[-1])
-  text += ("\nPer codec over the seeds: " + "; ".join(
-      f"{codec}: mean {sum(v) / len(v):+.2f}% over {len(v)} (from {min(v):+.2f}% to "
-      f"{max(v):+.2f}%)" for codec, v in by_codec.items()) + ".\n")
-
-  def has_share(d):  # runs before the metric existed measured rel. L2 only
-    return any("share_off_by_8th" in rows[0] for rows in d.get("ablations", {}).values())
-
-  name, d = next(((n, d) for n, d in reversed(runs) if has_share(d)), (None, None))
-  if name:
-    sites = sorted(d["ablations"])
-    names = [r["name"] for r in d["ablations"][sites[0]]]
+          "`docs/accuracy_loss.png` (`python -m benchmarks.plot_accuracy`).\n")
+  for setup, group in setups.items():
     rows = []
-    for i, ab in enumerate(names):
-      per = [d["ablations"][s][i] for s in sites]
-      rows.append([ab] + [r["rel_l2"] for r in per]
-                  + [sum(r["share_off_by_8th"] for r in per) / len(per)])
-    choice = "; ".join(f"{fam}: {c['setting']}" for fam, c in d["calibration"]["choices"].items())
-    text += (f"\nCodec settings on the messages each compressed collective sent, captured "
-             f"from the trained model (`{name}`): relative L2 error per site, and the share of "
-             "elements off by more than 1/8 of themselves (mean over sites). Calibration's "
-             f"choice (lowest mean relative L2 at no more wire bytes): {choice}.\n\n"
-             + _table(["setting"] + sites + ["share off by > 1/8"], rows) + "\n")
+    for name, d in group:
+      for v, r in d["runs"].items():
+        cost = r.get("accuracy_cost")
+        rows.append([d["label"], d["config"].get("seed") or 0, v, _accuracy_codec(r),
+                     r["summary"]["val_loss"], None if cost is None else 100 * cost])
+    by_codec: dict[str, list] = {}
+    for row in rows:
+      if row[-1] is not None:
+        by_codec.setdefault(row[3], []).append(row[-1])
+    text += (f"\n#### {setup}\n\n"
+             + _table(["run", "seed", "variant", "codec (families)", "val loss", "cost %"], rows)
+             + "\n\nPer codec over the seeds: " + "; ".join(
+                 f"{codec}: mean {sum(v) / len(v):+.2f}% over {len(v)} (from {min(v):+.2f}% "
+                 f"to {max(v):+.2f}%)" for codec, v in by_codec.items()) + ".\n")
+    # runs before the metric existed measured rel. L2 only
+    with_share = [(n, d) for n, d in group if any(
+        "share_off_by_8th" in r[0] for r in d.get("ablations", {}).values())]
+    if with_share:
+      text += _ablation_table(*with_share[-1])
   return text
 
 

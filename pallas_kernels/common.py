@@ -1,5 +1,6 @@
 """Constants and small pieces shared by the encode and decode kernels and references."""
 import functools
+import logging
 import warnings
 
 import jax
@@ -70,13 +71,40 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
   return jax.lax.pcast(outs, tuple(sorted(varying, key=str)), to="varying")
 
 
+# Triton stages the transform's H operand in shared memory (227 KiB a CTA on Hopper): H of
+# G = 512, or the two-term H of fp32 inputs at G = 256 ([2G, G] bf16), does not fit.
+MAX_H_BYTES = 128 * 1024
+_fallbacks_said: set[str] = set()
+
+
+def transform_misfit(group_size: int, hadamard: bool, dtype=jnp.bfloat16) -> str | None:
+  """Why a compiled codec kernel cannot hold the Hadamard matrix for inputs of ``dtype``
+  (fp32 ones need ``hadamard_dot``'s two-term H), or None when it can."""
+  if not hadamard:
+    return None
+  h_bytes = 2 * group_size * group_size * (1 + needs_two_terms(dtype))
+  if h_bytes <= MAX_H_BYTES:
+    return None
+  return (f"the Hadamard matrix for {jnp.dtype(dtype).name} values at G={group_size} takes "
+          f"{h_bytes >> 10} KiB of shared memory, over the kernels' {MAX_H_BYTES >> 10} KiB")
+
+
 def dispatch(what: str, implementation: str, table: dict, *args, kernel_kwargs: dict,
-             **kwargs):
+             dtype=jnp.bfloat16, **kwargs):
   """``table[implementation](*args, **kwargs)``: the one dispatcher of the codec's entry
   points, ``table`` being ``{"xla": reference, "pallas": kernel}``; the kernel also gets
-  ``kernel_kwargs`` (``interpret`` and its tiling), which the reference has no use for."""
+  ``kernel_kwargs`` (``interpret`` and its tiling), which the reference has no use for.
+  Where the compiled kernel cannot hold the transform (``transform_misfit`` for values of
+  ``dtype``) the reference runs instead, and says so once."""
   if implementation not in table:
     raise NotImplementedError(f"{what} implementation {implementation!r}")
+  problem = transform_misfit(kwargs["group_size"], kwargs["hadamard"], dtype)
+  if implementation == "pallas" and problem and not kernel_kwargs.get("interpret"):
+    if problem not in _fallbacks_said:
+      _fallbacks_said.add(problem)
+      logging.warning("the codec runs as its XLA reference, not the Pallas kernel: %s",
+                      problem)
+    implementation = "xla"
   extra = kernel_kwargs if implementation == "pallas" else {}
   return table[implementation](*args, **kwargs, **extra)
 

@@ -83,3 +83,23 @@ def test_kernels_lower_inside_shard_map_with_check_vma():
 
   f = jax.shard_map(body, mesh=mesh_1d(2), in_specs=P("x"), out_specs=P("x"), check_vma=True)
   assert triton_calls(f, jax.ShapeDtypeStruct((64, 256), jnp.bfloat16)) == 4
+
+
+@pytest.mark.parametrize("dtype,group_size,hadamard,kernels", [
+    (jnp.float32, 256, True, 0),    # two-term H [512, 256] bf16: 256 KiB of shared memory
+    (jnp.bfloat16, 256, True, 1),   # H [256, 256] bf16: 128 KiB
+    (jnp.float32, 128, True, 1),
+    (jnp.float32, 512, False, 1),   # no transform, no H
+])
+def test_codec_takes_the_reference_where_the_kernel_cannot_hold_the_transform(
+    dtype, group_size, hadamard, kernels):
+  from taco_jax.pallas_kernels.common import transform_misfit
+  from taco_jax.pallas_kernels.encode import encode
+  x = jax.ShapeDtypeStruct((64, 4 * group_size), dtype)
+  kw = dict(group_size=group_size, hadamard=hadamard, implementation="pallas")
+  assert triton_calls(functools.partial(encode, **kw), x) == kernels
+  assert (transform_misfit(group_size, hadamard, dtype) is None) == bool(kernels)
+  codes, alpha, scale = encoded_shapes(x.shape, dtype, group_size=group_size,
+                                       hadamard=hadamard)[1]
+  decode = functools.partial(pallas_kernels.decode, **kw)
+  assert triton_calls(decode, codes, alpha, scale) == 1  # codes are bf16-exact: one-term H
