@@ -213,20 +213,39 @@ def stage_out(value, out_smem, wg, slot: int, dest) -> None:
 
 
 def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
-  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
-  slots to ``dest(i, j)``, the gmem ref of epilogue sub-tile (i, j); one sub-tile's TMA
-  store overlaps the staging of the next."""
+  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its staging slots
+  (``out_smem_type``) to ``dest(i, j)``, the gmem ref of epilogue sub-tile (i, j).
+
+  With two slots, one sub-tile's TMA store overlaps the staging of the next. With a slot
+  per sub-tile (``tile_slots``), the warpgroup waits once, for the previous tile's stores to
+  have read their slots, then stages and issues the whole tile and goes on to its next
+  one while the stores drain: a store to a peer GPU drains at the link's rate, shared by
+  every SM that sends, so waiting on it slot by slot would stall the tensor cores for the
+  whole transfer."""
   t = tiling
   cols = t.tile_n // t.epi_n
-  for i in range(t.tile_m // t.epi_m):
-    for j in range(cols):
-      stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
-                wg, (i * cols + j) % 2, dest(i, j))
+  parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(cols)]
+  sub = lambda i, j: value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]  # noqa: E731
+  if out_smem.shape[1] < len(parts):
+    for k, (i, j) in enumerate(parts):
+      stage_out(sub(i, j), out_smem, wg, k % 2, dest(i, j))
+    return
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  for k, (i, j) in enumerate(parts):
+    out_smem[wg, k] = sub(i, j)
+  plgpu.commit_smem()
+  for k, (i, j) in enumerate(parts):
+    plgpu.copy_smem_to_gmem(out_smem.at[wg, k], dest(i, j))
 
 
-def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:
-  """The epilogue's staging buffers: two slots per compute warpgroup."""
-  return plgpu.SMEM((COMPUTE_WGS, 2, tiling.epi_m, tiling.epi_n), dtype,
+def tile_slots(tiling: Tiling) -> int:
+  """Staging slots for a whole warpgroup tile (``store_tiles``)."""
+  return (tiling.tile_m // tiling.epi_m) * (tiling.tile_n // tiling.epi_n)
+
+
+def out_smem_type(tiling: Tiling, dtype, slots: int = 2) -> plgpu.SMEM:
+  """The epilogue's staging buffers: ``slots`` per compute warpgroup."""
+  return plgpu.SMEM((COMPUTE_WGS, slots, tiling.epi_m, tiling.epi_n), dtype,
                     transforms=swizzled(tiling.epi_n, dtype))
 
 

@@ -103,14 +103,14 @@ def default_phases(row_tiles: int) -> int:
 def schedule(n: int, phases: int, mix: bool = False) -> list[tuple[tuple[int, int], ...]]:
   """The order of a rank's work, as tile loops run one after the other: each loop is a
   tuple of ``(q, p)``, phase p of chunk ``r + q`` (q = n: its own), whose row tiles it
-  interleaves. Phase p of every peer's chunk comes one phase before phase p of the own
-  chunk, which waits for the peers' partials of that phase: every rank sends what the
-  others wait for before it waits itself.
+  takes one after the other. Phase p of every peer's chunk comes one phase before phase p
+  of the own chunk, which waits for the peers' partials of that phase: every rank sends
+  what the others wait for before it waits itself.
 
   Without ``mix`` each (chunk, phase) is a loop of its own: a rank sends during the peers'
   loops only, and the link idles while it computes its own chunk. With ``mix`` the peers'
-  phase p and the own phase p - 1 are one loop whose row tiles alternate, so partial tiles
-  leave all through the kernel at a steady rate."""
+  phase p and the own phase p - 1 are one loop: an SM computes a peer's tile, sends it,
+  and computes an own tile while the partials drain."""
   loops = []
   for p in range(phases + 1):
     loop = tuple((q, p) for q in range(1, n) if p < phases) + (((n, p - 1),) if p > 0 else ())
@@ -262,7 +262,9 @@ class _Epilogues:
 
   def scratch_types(self) -> dict:
     t, wgs = self.t, gemm.COMPUTE_WGS
-    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
+    # plain: a sent tile's stores drain over the link while the next tile computes
+    slots = 2 if self.fp8 else gemm.tile_slots(t)
+    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype, slots),
                # FP8: per warpgroup, receive slot and (codes, multipliers)
                in_barrier=plgpu.Barrier(num_barriers=wgs * (4 if self.fp8 else 1)))
     if self.fp8:
@@ -318,11 +320,15 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           pl.semaphore_wait(sems.at[own_phase], value=(n - 1) * signals, decrement=False)
 
         def entry(m_idx, group=group):
-          """(k, i): the loop's row tile m_idx is row tile i of the phase group[k]; the
-          loop's row tiles take the group's (chunk, phase)s in turn."""
+          """(k, i): the loop's row tile m_idx is row tile i of the phase group[k]. The
+          group's (chunk, phase)s come one after the other, the peers' first: the SMs are
+          dealt the sent tiles first and the own ones next, so what a tile sends drains
+          while the SM computes its next. (Taking the entries in turn, row tile by row
+          tile, dealt every SM tiles of one entry only: the tiles walk strips of 8 row
+          tiles, and 132 SMs is a multiple of 2.)"""
           if len(group) == 1:
             return 0, m_idx
-          return lax.rem(m_idx, len(group)), m_idx // len(group)
+          return m_idx // phase_tiles, lax.rem(m_idx, phase_tiles)
 
         def per_entry(k, body, group=group):
           """body(q, p) for the group's entry k: one static branch per entry, so that a
@@ -405,7 +411,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``); ``mix``: the own chunk's row tiles
-  interleaved with the peers' (``schedule``). Local mode: ``rank``,
+  in the peers' loops (``schedule``). Local mode: ``rank``,
   ``n`` and ``received`` (the receive slots' arrays, sender p in slot p; see
   ``slot_shapes``); it returns ``(out, sent)``, the partials sent in slot c for rank c."""
   if rank is None:
