@@ -118,6 +118,17 @@ def schedule(n: int, phases: int, mix: bool = False) -> list[tuple[tuple[int, in
   return loops
 
 
+def loop_entry(m_idx, *, entries: int, phase_tiles: int):
+  """(k, i): a loop's row tile ``m_idx`` is row tile i of its ``schedule`` entry k. The
+  entries come one after the other, the peers' first: the SMs are dealt the sent tiles
+  first and the own ones next, so what a tile sends drains while its SM computes the next.
+  (Taking the entries in turn, row tile by row tile, dealt each SM the tiles of one entry
+  only: the tiles walk strips of 8 row tiles, and 132 SMs is an even number.)"""
+  if entries == 1:
+    return 0, m_idx
+  return m_idx // phase_tiles, lax.rem(m_idx, phase_tiles)
+
+
 def _pick(k, values: list):
   """values[k] for a traced index k (a static value where they are all the same)."""
   if len(set(values)) == 1:
@@ -319,16 +330,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         if own_phase is not None and sems is not None:  # every peer's partials have landed
           pl.semaphore_wait(sems.at[own_phase], value=(n - 1) * signals, decrement=False)
 
-        def entry(m_idx, group=group):
-          """(k, i): the loop's row tile m_idx is row tile i of the phase group[k]. The
-          group's (chunk, phase)s come one after the other, the peers' first: the SMs are
-          dealt the sent tiles first and the own ones next, so what a tile sends drains
-          while the SM computes its next. (Taking the entries in turn, row tile by row
-          tile, dealt every SM tiles of one entry only: the tiles walk strips of 8 row
-          tiles, and 132 SMs is a multiple of 2.)"""
-          if len(group) == 1:
-            return 0, m_idx
-          return m_idx // phase_tiles, lax.rem(m_idx, phase_tiles)
+        entry = functools.partial(loop_entry, entries=len(group), phase_tiles=phase_tiles)
 
         def per_entry(k, body, group=group):
           """body(q, p) for the group's entry k: one static branch per entry, so that a

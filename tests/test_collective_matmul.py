@@ -200,6 +200,23 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases, mix):
       assert all((loop_of[(q, p + 1)] == own) == mix for q in range(1, n))
 
 
+def test_mixed_loops_deal_each_sm_a_sent_tile_before_an_own_one():
+  """A mixed loop at the 1.3B TP=2 out-projection (a chunk's phase of 16 row tiles x 8
+  column tiles, 132 SMs, the kernel's own tile walk and deal): an SM that gets a peer's
+  tile and an own one gets the peer's first, so its partials drain while it computes."""
+  t, sms, cols, phase_tiles = matmul_rs.TILING, 132, 8, 16
+  group = matmul_rs.schedule(2, 4, mix=True)[1]  # the peer's phase 1, the own phase 0
+  tiles = len(group) * phase_tiles * cols
+  kinds = {}  # SM -> the entries of its tiles, in the order it computes them
+  for idx in range(tiles):
+    m_idx, _ = (int(v) for v in plgpu.planar_snake(
+        jnp.int32(idx), (tiles // cols, cols), "mn".index(t.grid_minor), t.grid_width))
+    k, _ = matmul_rs.loop_entry(m_idx, entries=len(group), phase_tiles=phase_tiles)
+    kinds.setdefault(idx % sms, []).append(group[int(k)][0] == 2)  # own tile?
+  both = [seq for seq in kinds.values() if len(set(seq)) == 2]
+  assert len(both) >= 0.9 * sms and all(seq == [False, True] for seq in both)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 100), jnp.bfloat16),
                                          jnp.zeros((100, 128), jnp.bfloat16), "t",
