@@ -207,12 +207,13 @@ def test_mixed_loops_deal_each_sm_a_sent_tile_before_an_own_one():
   t, sms, cols, phase_tiles = matmul_rs.TILING, 132, 8, 16
   group = matmul_rs.schedule(2, 4, mix=True)[1]  # the peer's phase 1, the own phase 0
   tiles = len(group) * phase_tiles * cols
+  walk = jax.vmap(lambda idx: plgpu.planar_snake(
+      idx, (tiles // cols, cols), "mn".index(t.grid_minor), t.grid_width)[0])
+  m_idx = walk(jnp.arange(tiles, dtype=jnp.int32))
+  k, _ = matmul_rs.loop_entry(m_idx, entries=len(group), phase_tiles=phase_tiles)
   kinds = {}  # SM -> the entries of its tiles, in the order it computes them
-  for idx in range(tiles):
-    m_idx, _ = (int(v) for v in plgpu.planar_snake(
-        jnp.int32(idx), (tiles // cols, cols), "mn".index(t.grid_minor), t.grid_width))
-    k, _ = matmul_rs.loop_entry(m_idx, entries=len(group), phase_tiles=phase_tiles)
-    kinds.setdefault(idx % sms, []).append(group[int(k)][0] == 2)  # own tile?
+  for idx, entry in enumerate(np.asarray(k)):
+    kinds.setdefault(idx % sms, []).append(group[entry][0] == 2)  # own tile?
   both = [seq for seq in kinds.values() if len(set(seq)) == 2]
   assert len(both) >= 0.9 * sms and all(seq == [False, True] for seq in both)
 
