@@ -40,6 +40,7 @@
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
@@ -189,6 +190,12 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_dp2_ogr \
         --layouts 2,1,1 --attention cudnn --compress dp --deadline-s 225 --out-dir "$out" \
         --variants off_dots_unroll,off_dots_ogr_unroll,on_dots_ogr_unroll ;;
+    profile_dp2)  # issue 19 on 2xH200 (DP=2): where the step's 30 ms above half a GPU's
+      # batch go (exposed NCCL vs compute), reducing after the backward pass and layer by
+      # layer inside it (which was slower over NVLink)
+      timeout 400 python3 benchmarks/profile_step.py --label nvlink_dp2 --layouts 2,1,1 \
+        --attention cudnn --variants off_dots_unroll,off_dots_ogr_unroll --steps 2 \
+        --warmup 2 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
         --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
