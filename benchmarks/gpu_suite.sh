@@ -41,6 +41,7 @@
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
+#   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers' step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
@@ -195,6 +196,12 @@ for job in "$@"; do
       # layer inside it (which was slower over NVLink)
       timeout 400 python3 benchmarks/profile_step.py --label nvlink_dp2 --layouts 2,1,1 \
         --attention cudnn --variants off_dots_unroll,off_dots_ogr_unroll --steps 2 \
+        --warmup 2 --out-dir "$out" ;;
+    profile_cm)  # issue 15 on 2xH200 (TP=2): where the kernel layers' 23 ms above the
+      # free-communication ideal go (the reduce-scatter kernels, XLA's cross-GPU barrier
+      # before each Mosaic GPU kernel, the collectives left to XLA), beside the plain step
+      timeout 420 python3 benchmarks/profile_step.py --label nvlink_cm_dots --layouts 1,1,2 \
+        --attention cudnn --variants off_cm_save_dots_unroll,off_save_dots_unroll --steps 2 \
         --warmup 2 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
