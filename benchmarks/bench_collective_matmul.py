@@ -7,8 +7,8 @@ count), the same random inputs go through:
 * ``xla``: the plain collective, then the matmul (``*_reference``: what the layers do today);
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
   kernel (its own time is reported apart as ``fp8_kernel``); for the reduce-scatter also
-  ``fused[mix]`` / ``fused_fp8[mix]``, its own row tiles interleaved with the peers'
-  (``matmul_rs.schedule``);
+  ``fused[mix]`` / ``fused_fp8[mix]``, its own row tiles in the peers' loops, after them
+  (``matmul_rs.schedule``, ``matmul_rs.loop_entry``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
 * ``cublas``: XLA's matmul of the same full shape on one GPU: the ideal;
 * ``jax_gemm``: jax's own Hopper matmul example (``hopper_matmul_mgpu``) on that shape, with
