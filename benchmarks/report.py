@@ -529,15 +529,13 @@ def dp_codec_section() -> str:
 def _accuracy_codec(run: dict) -> str:
   """The codec of each family that sends something on the run's mesh, e.g.
   "e4m3 G=128 no-Hadamard (dp, dp_params)", or "off"."""
+  from taco_jax.tp.mesh import sending_families
   c, p = run["compression"], run["parallel"]
   if not c["enabled"]:
     return "off"
-  families = ((["tp_forward", "tp_backward"] if p.get("tp", 1) > 1 else [])
-              + (["pp"] if p.get("pp", 1) > 1 else [])
-              + (["dp"] if p.get("dp", 1) > 1 else [])
-              + (["dp_params"] if p.get("dp", 1) > 1 and p.get("shard_optimizer") else []))
   by_words: dict[str, list] = {}
-  for fam in families:
+  for fam in sending_families(dp=p["dp"], pp=p["pp"], tp=p["tp"],
+                              shard_optimizer=p.get("shard_optimizer", False)):
     by_words.setdefault(_codec_words(c[fam]), []).append(fam)
   return "; ".join(f"{w} ({', '.join(fams)})" for w, fams in by_words.items())
 
@@ -546,9 +544,9 @@ def _accuracy_setup(d: dict) -> str:
   """The heading of the runs that compare with each other: config, model, mesh, device."""
   off = d["runs"]["off"]
   m, p = off["model"], off["parallel"]
-  config = pathlib.Path(d["config"].get("config") or "configs/gpt_125m_tp4.py").stem
+  config = pathlib.Path(d["config"]["config"]).stem
   return (f"`{config}`: GPT {m['n_layers']} x {m['d_model']}, byte vocab, dp,pp,tp = "
-          f"{p.get('dp', 1)},{p.get('pp', 1)},{p.get('tp', 1)}"
+          f"{p['dp']},{p['pp']},{p['tp']}"
           + (", optimizer sharded" if p.get("shard_optimizer") else "")
           + f", {d['config']['steps']} steps, {d['num_devices']}x {d['device']}")
 

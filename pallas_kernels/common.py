@@ -98,8 +98,9 @@ def dispatch(what: str, implementation: str, table: dict, *args, kernel_kwargs: 
   ``dtype``) the reference runs instead, and says so once."""
   if implementation not in table:
     raise NotImplementedError(f"{what} implementation {implementation!r}")
-  problem = transform_misfit(kwargs["group_size"], kwargs["hadamard"], dtype)
-  if implementation == "pallas" and problem and not kernel_kwargs.get("interpret"):
+  compiled = implementation == "pallas" and not kernel_kwargs.get("interpret")
+  if compiled and (problem := transform_misfit(kwargs["group_size"], kwargs["hadamard"],
+                                               dtype)):
     if problem not in _fallbacks_said:
       _fallbacks_said.add(problem)
       logging.warning("the codec runs as its XLA reference, not the Pallas kernel: %s",

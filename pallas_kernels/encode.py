@@ -189,5 +189,5 @@ def encode(x_RD, *, group_size: int, fmt: str = "e4m3", hadamard: bool = True,
       encode_reference
   return dispatch("encode", implementation, {"xla": reference, "pallas": encode_pallas}, x_RD,
                   group_size=group_size, fmt=fmt, hadamard=hadamard, dual_scale=dual_scale,
-                  lam=lam, dtype=x_RD.dtype, kernel_kwargs=dict(interpret=interpret, packed=packed,
-                                              **block_kwargs))
+                  lam=lam, dtype=x_RD.dtype,
+                  kernel_kwargs=dict(interpret=interpret, packed=packed, **block_kwargs))

@@ -225,7 +225,10 @@ def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
   t = tiling
   cols = t.tile_n // t.epi_n
   parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(cols)]
-  sub = lambda i, j: value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]  # noqa: E731
+
+  def sub(i, j):
+    return value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]
+
   if out_smem.shape[1] < len(parts):
     for k, (i, j) in enumerate(parts):
       stage_out(sub(i, j), out_smem, wg, k % 2, dest(i, j))

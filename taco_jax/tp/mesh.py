@@ -25,6 +25,15 @@ FAMILY_AXES = {"tp_forward": TENSOR, "tp_backward": TENSOR, "pp": PIPE, "dp": DA
                "dp_params": DATA}
 
 
+def sending_families(*, dp: int, pp: int, tp: int, shard_optimizer: bool) -> tuple[str, ...]:
+  """The compression families whose collectives send something on a (dp, pp, tp) mesh:
+  those whose axis has more than one device; dp_params only with the sharded optimizer
+  (its parameter all-gather)."""
+  size = {DATA: dp, PIPE: pp, TENSOR: tp}
+  return tuple(f for f, axis in FAMILY_AXES.items()
+               if size[axis] > 1 and (f != "dp_params" or shard_optimizer))
+
+
 def _model_sizes(m) -> dict:
   """The model sizes that must split evenly, from a model config (GPT or Qwen); KV heads
   only where the model groups queries (Qwen), as GPT's are its n_heads."""

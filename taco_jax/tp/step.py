@@ -35,8 +35,8 @@ from jax.sharding import PartitionSpec as P
 
 from taco_jax import mappings, monitor
 from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline, zero
-from taco_jax.plan import FAMILIES, CompressionPlan
-from taco_jax.tp.mesh import DATA, FAMILY_AXES, PIPE, TENSOR, layout_errors
+from taco_jax.plan import CompressionPlan
+from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors, sending_families
 
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
 
@@ -369,9 +369,9 @@ def _block_leaf_indices(grads) -> list[int]:
 
 def logged_families(spec: ParallelSpec) -> tuple[str, ...]:
   """The families whose errors `compression.log_errors` reports: compressed and present."""
-  size = {DATA: spec.dp, PIPE: spec.pp, TENSOR: spec.tp}
-  return tuple(f for f in FAMILIES if spec.plan.compresses(f) and size[FAMILY_AXES[f]] > 1
-               and (f != "dp_params" or spec.shard_optimizer))
+  return tuple(f for f in sending_families(dp=spec.dp, pp=spec.pp, tp=spec.tp,
+                                           shard_optimizer=spec.shard_optimizer)
+               if spec.plan.compresses(f))
 
 
 def _loss_grads_metrics(spec: ParallelSpec, mesh, capture=None) -> Callable:
