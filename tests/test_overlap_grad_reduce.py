@@ -1,8 +1,8 @@
 """`parallel.overlap_grad_reduce`: each layer's gradients all-reduced over "data" inside the
-backward pass (`buckets.all_reduce_in_backward`) against the one all-reduce after it.
+backward pass (`buckets.all_reduce_in_backward`) against reducing them all after it.
 
 A tiny fp32 GPT on 8 CPU devices: the same loss and gradients, one data all-reduce per
-layer in the compiled step, FP8 messages when compressed, and the layouts it refuses.
+layer inside the backward pass, FP8 messages when compressed, and the layouts it refuses.
 """
 import functools
 
@@ -55,15 +55,30 @@ def test_same_loss_and_gradients_as_reducing_after_the_backward_pass(layout, sca
     np.testing.assert_allclose(g_o, g, atol=F32_TOL * scale, err_msg=str(path))
 
 
-def test_one_data_all_reduce_per_layer_in_the_compiled_step():
-  """Unrolled, each layer's gradients are their own all-reduce (whose operands the
-  backward pass makes layer by layer), besides the one of the embedding and the head."""
-  all_reduces = lambda colls: [c for c in colls if c.kind == "all-reduce"]  # noqa: E731
-  after = all_reduces(_loss_and_grads((8, 1, 1), False, scan_layers=False)[2])
-  inside = all_reduces(_loss_and_grads((8, 1, 1), True, scan_layers=False)[2])
-  assert len(after) == 1
-  assert len(inside) == CFG.n_layers + 1
-  assert sum(c.elements for c in inside) >= sum(c.elements for c in after) * 0.99
+def _traced_all_reduces(overlap) -> tuple[int, int]:
+  """(all-reduces, matmuls after the first of them) of the unrolled dp=8 step as traced,
+  before XLA combines and schedules its collectives."""
+  mesh = make_mesh(8, 1, 1, jax.devices())
+  spec = step_lib.ParallelSpec(CFG, 8, 1, 1, 1, scan_layers=False, overlap_grad_reduce=overlap)
+  params = layout_lib.init_params(CFG, mesh, seed=0)
+  tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=step_lib.batch_sharding(mesh))
+  lines = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).as_text(
+      dialect="hlo").splitlines()
+  reduces = [i for i, line in enumerate(lines) if " all-reduce(" in line]
+  return len(reduces), sum(" dot(" in line for line in lines[reduces[0]:])
+
+
+def test_each_layers_gradients_are_reduced_inside_the_backward_pass():
+  """Unrolled, each layer's gradients are all-reduced between the backward matmuls of the
+  layers after it and those before it; reducing after the backward pass, no matmul follows
+  the first all-reduce. Both send every gradient element once."""
+  after, inside = _traced_all_reduces(False), _traced_all_reduces(True)
+  assert after[1] == 0 and inside[1] > 0
+  assert inside[0] > after[0]  # the layers' own leaves, not the stacked ones
+  sent = [sum(c.elements for c in _loss_and_grads((8, 1, 1), overlap, scan_layers=False)[2]
+              if c.kind == "all-reduce") for overlap in (False, True)]
+  assert sent[0] == sent[1] == sum(x.size for x in jax.tree.leaves(
+      layout_lib.init_params(CFG, make_mesh(8, 1, 1, jax.devices()), seed=0)))
 
 
 def test_compressed_per_layer_gradients_travel_as_fp8():

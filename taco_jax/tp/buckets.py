@@ -1,9 +1,9 @@
 """Many gradient or parameter pieces as one fp32 buffer of whole rows, for one collective.
 
 The step reduces its gradients, and the sharded optimizer gathers its parameters, in one
-collective each instead of one per leaf: the pieces are flattened along their last axis,
-concatenated and cut into rows of `BUCKET` values (the codec's groups, at most 512 wide, run
-along the rows and never straddle two of them).
+compressed collective each instead of one per leaf: the pieces are flattened along their
+last axis, concatenated and cut into rows of `BUCKET` values (the codec's groups, at most
+512 wide, run along the rows and never straddle two of them).
 """
 from __future__ import annotations
 
@@ -28,6 +28,13 @@ def pack(parts, align: int = 1):
   return pad(flat, -flat.shape[-1] % BUCKET).reshape(*lead, -1, BUCKET)
 
 
+def packed_shape(sizes, align: int = 1) -> jax.ShapeDtypeStruct:
+  """What `pack` makes of parts of these sizes (`n_i`, no lead): to decide a message's codec
+  before, or instead of, packing it."""
+  n = sum(s + -s % align for s in sizes)
+  return jax.ShapeDtypeStruct((-(-n // BUCKET), BUCKET), jnp.float32)
+
+
 def unpack(buf, sizes, align: int = 1) -> list:
   """The parts of `pack(parts, align)` back, from their sizes (`n_i`): [*lead, n_i] fp32."""
   flat = buf.reshape(*buf.shape[:-2], -1)
@@ -39,13 +46,20 @@ def unpack(buf, sizes, align: int = 1) -> list:
 
 
 def all_reduce(leaves, axis, compression, site: str = "") -> list:
-  """Sum of every leaf over `axis`, as one collective on a [rows, BUCKET] buffer; the
-  compressed message is reported to the active monitor as `site`'s."""
+  """Sum of every leaf over `axis`, in fp32. Compressed: one collective on a
+  [rows, BUCKET] buffer, reported to the active monitor as `site`'s message. Plain: one
+  psum per leaf, which XLA combines and schedules itself; packing them would cost a copy
+  of every gradient (11 ms of the 1.3B model's DP=2 step on H200) and hold every send
+  until the last gradient is made."""
   if not leaves:
     return []
+  codec = collectives.decide("all_reduce", packed_shape([x.size for x in leaves]),
+                             compression, collectives.axis_size(axis), site=site)
+  if codec is None:
+    plain = collectives.Decided(None)
+    return [collectives.all_reduce(x.astype(jnp.float32), axis, compression=plain)
+            .astype(x.dtype) for x in leaves]
   flat = pack([x.reshape(-1) for x in leaves])
-  codec = collectives.decide("all_reduce", flat, compression, collectives.axis_size(axis),
-                             site=site)
   monitor.sent(flat, codec, site)  # no-op unless watched (and compressed)
   flat = collectives.all_reduce(flat, axis, compression=collectives.Decided(codec))
   return [y.reshape(x.shape).astype(x.dtype)

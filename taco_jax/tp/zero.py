@@ -150,10 +150,21 @@ def scatter_mean(spec, leaves: list) -> list:
     return out
   codec = spec.plan.codec("dp/scatter")
   align = codec.group_size if codec else 1
+  rows = buckets.packed_shape([leaves[i].size // dp for i in idx], align).shape[0]
+  wire = collectives.decide("reduce_scatter",
+                            jax.ShapeDtypeStruct((dp * rows, buckets.BUCKET), jnp.float32),
+                            codec, dp, site="dp/scatter")
+  if wire is None:  # leaf by leaf: XLA combines them, and nothing is copied into a buffer
+    for i in idx:
+      x = leaves[i]
+      out[i] = (collectives.reduce_scatter(x.astype(jnp.float32), DATA,
+                                           scatter_dimension=dims[i],
+                                           compression=collectives.Decided(None))
+                / dp).astype(x.dtype)
+    return out
   parts = [_split(leaves[i], dims[i], dp) for i in idx]
   buf = buckets.pack(parts, align)  # [dp, rows, BUCKET]: rank d's rows are row d
   buf = buf.reshape(-1, buckets.BUCKET)
-  wire = collectives.decide("reduce_scatter", buf, codec, dp, site="dp/scatter")
   monitor.sent(buf, wire, "dp/scatter")
   buf = collectives.reduce_scatter(buf, DATA, scatter_dimension=0,
                                    compression=collectives.Decided(wire))
@@ -172,23 +183,28 @@ def _gather(spec, chunks: list, params: list) -> list:
   out = list(chunks)  # the replicated leaves: every rank ran their update
   if dp == 1 or not idx:
     return out
+  wire = codec and collectives.decide(
+      "all_gather", buckets.packed_shape([chunks[i].size for i in idx], codec.group_size),
+      codec, dp, site="dp_params")
+  if wire is None:  # the chunks themselves, leaf by leaf: no delta, no buffer to copy into
+    for i in idx:
+      out[i] = collectives.all_gather(chunks[i], DATA, axis=dims[i], tiled=True,
+                                      compression=collectives.Decided(None)
+                                      ).astype(params[i].dtype)
+    return out
   d = jax.lax.axis_index(DATA)
   sent = []
-  for i in idx:
+  for i in idx:  # the difference to this rank's chunk of what every rank holds
     c, k = chunks[i], dims[i]
-    if codec is not None:  # the difference to this rank's chunk of what every rank holds
-      c = c - jax.lax.dynamic_slice_in_dim(params[i], d * c.shape[k], c.shape[k], axis=k)
+    c = c - jax.lax.dynamic_slice_in_dim(params[i], d * c.shape[k], c.shape[k], axis=k)
     sent.append(c.reshape(-1))
-  align = codec.group_size if codec else 1
-  buf = buckets.pack(sent, align)  # [rows, BUCKET]
-  wire = collectives.decide("all_gather", buf, codec, dp, site="dp_params")
+  buf = buckets.pack(sent, wire.group_size)  # [rows, BUCKET]
   monitor.sent(buf, wire, "dp_params")
   buf = collectives.all_gather(buf, DATA, axis=0, tiled=False,
                                compression=collectives.Decided(wire))
-  for i, rows in zip(idx, buckets.unpack(buf, [x.size for x in sent], align)):
+  for i, rows in zip(idx, buckets.unpack(buf, [x.size for x in sent], wire.group_size)):
     x = params[i]
-    got = _join(rows, x.shape, dims[i], dp)
-    out[i] = (x + got if codec is not None else got).astype(x.dtype)
+    out[i] = (x + _join(rows, x.shape, dims[i], dp)).astype(x.dtype)
   return out
 
 
