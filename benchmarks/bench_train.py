@@ -77,8 +77,8 @@ comm_ms / off, and recovered = (off - on) / (off - ideal): the share of that com
 time compression wins back (1 = compressed step as fast as free communication). The `best_*`
 figures take the fastest of our bf16 and of our compressed programs (what a user would
 pick); speedup_<modifiers>_<off|on> compares a modified program with the plain one.
-Timing as in train_parallel.py (host wall-clock around block_until_ready, median after
---warmup). MFU two ways, as there: `mfu` against the device's spec peak (989 TFLOP/s on
+Timing as in train_parallel.py (host wall-clock between the completions of steps
+dispatched back to back, as the trainer runs them; median after --warmup). MFU two ways, as there: `mfu` against the device's spec peak (989 TFLOP/s on
 H100 / H200), `mfu_of_measured` against the bf16 matmul rate measured in the same run.
 
 GPU, 4xH200, two calls (each < 10 minutes; NVLink multicast is off):
@@ -105,7 +105,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
 from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
-    SMOKE, add_run_args, bench_setup, build_step, comm_summary, compression_plan,
+    SMOKE, TIMING, add_run_args, bench_setup, build_step, comm_summary, compression_plan,
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
@@ -485,8 +485,7 @@ def main(argv=None) -> pathlib.Path:
     summary = summarize(rows)
     report = dict(benchmark="bench_train", label=args.label, device=env["device_kind"],
                   num_devices=n, jax_version=jax.__version__, date=env["date"],
-                  timing="host wall-clock around block_until_ready per step; median after "
-                         "warm-up; variants interleaved step by step on the same batches",
+                  timing=TIMING,
                   ideal="off with collectives over 'tensor' replaced by local stand-ins of "
                         "the same shapes (collectives.free_communication); its loss is "
                         "meaningless",
@@ -514,7 +513,8 @@ def main(argv=None) -> pathlib.Path:
                            temp_gib=gib(r["memory_temp_bytes"]),
                            dev_peak_gib=gib(r["device_peak_bytes"]),
                            opt_gib=gib(r["opt_state_bytes_per_device"])) for r in rows],
-                     ["layout", "variant", "steps", "compile_s", "step_ms", "tokens_per_s",
+                     ["layout", "variant", "steps", "compile_s", "step_ms", "step_ms_synced",
+                      "tokens_per_s",
                       "mfu", "mfu_of_measured", "opt_gib", "peak_gib", "temp_gib",
                       "dev_peak_gib", "final_loss"]))
   print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",

@@ -337,6 +337,11 @@ def _ratios(summary: dict, suffix: str) -> list:
           summary.get(f"recovered{suffix}"), summary.get(f"off{suffix}_vs_gspmd")]
 
 
+def _timing(d: dict) -> str:
+  """How a bench_train run timed its steps (`train_parallel.step_interleaved`)."""
+  return "back to back" if "step_ms_synced" in d["results"][0] else "synced"
+
+
 def _bench_train_rows(d: dict) -> tuple[list[list], list[list]]:
   """(table rows, their [off il2, on il2] cells) of one bench_train run: a row per layout
   and remat policy."""
@@ -350,7 +355,8 @@ def _bench_train_rows(d: dict) -> tuple[list[list], list[list]]:
     gspmd = by.get((layout, "gspmd"), {}).get("step_ms")
     for suffix, words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
       off = by.get((layout, "off" + suffix))
-      rows.append([d["label"], c["model"], layout, attention, words, _codec_words(c),
+      rows.append([d["label"], c["model"], layout, attention, _timing(d), words,
+                   _codec_words(c),
                    t["off"], t["on"], t["ring_off"], t["ring_on"], t["ideal"], gspmd,
                    *_ratios(summaries[layout], suffix), off and _mfu(d, off),
                    off and _mfu_of_measured(d, off), _other_variants(d["results"], layout)])
@@ -359,7 +365,12 @@ def _bench_train_rows(d: dict) -> tuple[list[list], list[list]]:
 
 
 BENCH_TRAIN_WORDS = (
-    "Step times in ms (median after warm-up, variants interleaved on the same batches). "
+    "Step times in ms (median after warm-up, variants taking turns on the same batches). "
+    "`timing`: `back to back` = steps dispatched as the trainer dispatches them, each timed "
+    "from the previous one's completion to its own (`--steps-per-turn`, since "
+    "2026-11-23's `dp2_leaves`); `synced` = each step alone, dispatch to completion, "
+    "the host's dispatch included (in the runs that timed both, the 1.3B steps' medians "
+    "differ by -3 to +17 ms). "
     "One row per run, layout and remat policy: `recompute` = the layer's backward "
     "recomputes its forward, TP collectives included; `save TP outputs` = the "
     "recomputation keeps what the TP collectives returned (`parallel.save_tp_outputs`, "
@@ -393,14 +404,15 @@ def bench_train_section() -> str:
     il2_ms += more_il2
   parts = []
   for (seq, batch, n, device), (rows, il2_ms) in tables.items():
-    header = ["run", "model", "dp,pp,tp", "attention", "remat", "codec (on)", "off", "on",
+    header = ["run", "model", "dp,pp,tp", "attention", "timing", "remat", "codec (on)",
+              "off", "on",
               "ring off", "ring on", "ideal", "GSPMD", "on speedup", "comm share",
               "recovered", "GSPMD / off", "MFU off (spec)", "MFU off (matmul)",
               "other variants (ms)"]
     il2 = ""
     if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
-      header[10:10] = ["off il2", "on il2"]
-      rows = [r[:10] + ms + r[10:] for r, ms in zip(rows, il2_ms)]
+      header[11:11] = ["off il2", "on il2"]
+      rows = [r[:11] + ms + r[11:] for r, ms in zip(rows, il2_ms)]
       il2 = ("; `il2` = each micro-batch as 2 sub-batches whose blocks run side by side "
              "(`parallel.interleave=2`)")
     words = (BENCH_TRAIN_WORDS.format(il2=il2, mfu=MFU_WORDS) if not parts else

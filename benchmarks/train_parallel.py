@@ -2,10 +2,12 @@
 
 For each layout, both variants start from the same parameters and train on the same
 batches (the embedded byte corpus; model vocab padded to a realistic 50304 so the
-vocab-parallel head costs what it would with a BPE vocab), steps interleaved off/on (the
-order alternates every step). Timing: host wall-clock around `block_until_ready` of each
-step (steps are well over 10 ms on the target GPUs); tokens/s from the median step time
-after `--warmup` steps. MFU = model FLOP/s / (devices x the device's dense bf16 peak,
+vocab-parallel head costs what it would with a BPE vocab), in turns of
+`--steps-per-turn` steps per variant (the order rotating every turn). Timing: host
+wall-clock between the completions of steps dispatched back to back, as the trainer
+dispatches them (steps are well over 10 ms on the target GPUs; `step_ms_synced`: a step
+alone, dispatch to completion); tokens/s from the median step time after `--warmup`
+samples. MFU = model FLOP/s / (devices x the device's dense bf16 peak,
 `common.peak_tflops`); `mfu_of_measured` divides by the bf16 matmul rate measured in
 the same run instead. The compiled program's collective instructions are
 summarized per mesh axis and dtype (`comm_bytes_static`: bytes per device summed over the
@@ -47,13 +49,24 @@ SMOKE = dict(model="tiny", steps=4, warmup=1, seq=32, batch=8, microbatches=2, v
              dtype="float32", group_size=32, label="smoke")
 
 
+TIMING = ("host wall-clock between the completions of steps dispatched back to back "
+          "(--steps-per-turn per variant, the variants' order rotating every turn, on the "
+          "same batches); median after warm-up; step_ms_synced: a step alone, dispatch to "
+          "completion (the timing of results before 2026-11-23)")
+
+
 def add_run_args(p: argparse.ArgumentParser, *, model: str, layouts: str, steps: int,
                  warmup: int, seq: int, batch: int) -> None:
   """The model, layout, data, optimizer and codec flags of both end-to-end scripts."""
   p.add_argument("--model", default=model, choices=sorted(SIZES))
   p.add_argument("--layouts", default=layouts, help="dp,pp,tp;... (product = devices)")
   p.add_argument("--steps", type=int, default=steps, help="training steps per variant (max)")
-  p.add_argument("--warmup", type=int, default=warmup, help="steps left out of the timing")
+  p.add_argument("--warmup", type=int, default=warmup,
+                 help="step times left out of the timing (the first turns')")
+  p.add_argument("--steps-per-turn", type=int, default=4,
+                 help="steps a variant runs back to back before the next variant's turn; "
+                      "each but the turn's first is timed completion to completion "
+                      "(1: every step synced, dispatch to completion)")
   p.add_argument("--seq", type=int, default=seq)
   p.add_argument("--batch", type=int, default=batch, help="global batch (sequences)")
   p.add_argument("--microbatches", type=int, default=4, help="GPipe micro-batches (pp > 1)")
@@ -180,51 +193,76 @@ def run_layout(layout, args, cfg, tx, corpus, step_until):
 
 
 def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> dict[str, str]:
-  """Steps every run on the same batches, rotating their order every step, until
-  `args.steps` or (after warm-up) `t_end`; records each step's time and loss in the run.
+  """Steps every run on the same batches, in turns of `args.steps_per_turn` steps per run
+  (the runs' order rotating every turn), until `args.steps` or (after warm-up) `t_end`.
+
+  Within a turn the steps are dispatched back to back, as the trainer runs them (it
+  fetches its metrics every `log_every` steps): each step after the first is timed from
+  the previous step's completion to its own, so the host's dispatch of a step runs while
+  the device computes the one before. `r["times"]` holds those intervals; `r["synced"]`
+  the turn's first step, dispatch to completion (host overhead included, the timing of
+  results before 2026-11-23). With one step per turn, `times` is that too.
+
   A run holds `exe` (compiled step), `state` (params, opt_state) and `batch` (tokens ->
   the program's input). A run whose step fails on the device (e.g. out of memory beside
   the others) is taken out of `runs`, freeing its buffers, and the rest go on; returns
   {name: error} of those."""
   from taco_jax.train.metrics import device_peak_bytes
   import jax
-  from benchmarks import common
-  names, failed = list(runs), {}
+  names, failed, k = list(runs), {}, max(1, args.steps_per_turn)
   for r in runs.values():
-    r["times"], r["losses"] = [], []
-  for i in range(args.steps):
+    r["times"], r["synced"], r["losses"] = [], [], []
+  for turn, first in enumerate(range(0, args.steps, k)):
     if not names:
       break
-    tokens = tokens_at(i)
-    for name in names[i % len(names):] + names[:i % len(names)]:
+    tokens = [tokens_at(i) for i in range(first, min(first + k, args.steps))]
+    for name in names[turn % len(names):] + names[:turn % len(names)]:
       r = runs[name]
-      b = r["batch"](tokens)
-      t0 = time.perf_counter()
       try:
-        params, opt_state, met = r["exe"](*r["state"], b)
-        loss = float(jax.block_until_ready(met["loss"]))
+        done, state = _turn(r, [r["batch"](t) for t in tokens])
       except jax.errors.JaxRuntimeError as e:
-        failed[name] = f"{type(e).__name__} at step {i}: {str(e)[:2000]}"
+        failed[name] = f"{type(e).__name__} at step {first}: {str(e)[:2000]}"
         print(f"{name}: {failed[name][:300]}", flush=True)
         names.remove(name)
         del runs[name]
         continue
-      r["times"].append(time.perf_counter() - t0)
-      r["losses"].append(loss)
-      if i == 0:  # memory_stats: the process's peak so far (None on CPU)
+      r["synced"].append(done[1] - done[0])
+      r["times"].extend([b - a for a, b in zip(done[1:], done[2:])] or r["synced"][-1:])
+      if turn == 0:  # memory_stats: the process's peak so far (None on CPU)
         r["device_peak_bytes"] = device_peak_bytes()
-      r["state"] = (params, opt_state)
-    if time.perf_counter() > t_end and i + 1 > args.warmup + 2:
+      r["state"] = state
+    if time.perf_counter() > t_end and len(next(iter(runs.values()), {}).get(
+        "times", ())) > args.warmup + 2:
       break
   return failed
+
+
+def _turn(r: dict, batches: list):
+  """One run's steps on `batches`, each dispatched before the previous one's loss is read:
+  ([dispatch of the first, completion of each step...], the state after the last). The
+  losses go to r["losses"]."""
+  import jax
+  state, pending, done = r["state"], None, [time.perf_counter()]
+  for b in batches:
+    params, opt_state, met = r["exe"](*state, b)
+    state = (params, opt_state)
+    if pending is not None:
+      r["losses"].append(float(jax.block_until_ready(pending)))
+      done.append(time.perf_counter())
+    pending = met["loss"]
+  r["losses"].append(float(jax.block_until_ready(pending)))
+  done.append(time.perf_counter())
+  return done, state
 
 
 def timing_record(r: dict, args) -> dict:
   """Step-time statistics (median after warm-up), tokens/s and the loss of a stepped run."""
   timed = r["times"][args.warmup:] or r["times"]
   med = statistics.median(timed)
-  return dict(steps=len(r["times"]), compile_s=r["compile_s"], step_ms=med * 1e3,
+  synced = r["synced"][1:] or r["synced"]  # the first turn's includes the first run
+  return dict(steps=len(r["losses"]), compile_s=r["compile_s"], step_ms=med * 1e3,
               step_ms_min=min(timed) * 1e3, step_ms_max=max(timed) * 1e3,
+              step_ms_synced=statistics.median(synced) * 1e3,
               tokens_per_s=args.batch * args.seq / med, step_times_s=r["times"],
               loss_curve=r["losses"], final_loss=statistics.fmean(r["losses"][-10:]),
               comm_bytes_static=r["comm_static"])
@@ -287,8 +325,7 @@ def main(argv=None) -> pathlib.Path:
     r["accuracy_cost"] = (r["final_loss"] - base["final_loss"]) / base["final_loss"]
   report = dict(benchmark="train_parallel", label=args.label, device=env["device_kind"],
                 num_devices=n, jax_version=jax.__version__, date=env["date"],
-                timing="host wall-clock around block_until_ready per step; median after "
-                       "warm-up; off/on interleaved step by step on the same batches",
+                timing=TIMING,
                 env=common.run_env(),
                 config=dict(vars(args), model_cfg=dataclasses.asdict(cfg),
                             flops_per_token=fpt),
