@@ -30,8 +30,33 @@ def test_a_variant_that_fails_on_the_device_leaves_the_others_running():
 
   runs = {name: dict(exe=exe, state=(0, 0), batch=float) for name, exe in
           (("a", ok), ("big", out_of_memory), ("b", ok))}
-  args = types.SimpleNamespace(steps=4, warmup=1)
+  args = types.SimpleNamespace(steps=4, warmup=1, steps_per_turn=1)
   failed = step_interleaved(runs, lambda i: i, args, t_end=float("inf"))
   assert list(failed) == ["big"] and "RESOURCE_EXHAUSTED" in failed["big"]
   assert set(runs) == {"a", "b"}
   assert all(r["losses"] == [0.0, 1.0, 2.0, 3.0] for r in runs.values())
+
+
+def test_runs_take_turns_of_steps_timed_back_to_back():
+  """Each run steps `steps_per_turn` batches in a row (the runs' order rotating each turn),
+  on the same batches as the others; a turn of k steps gives k - 1 completion-to-completion
+  times and one synced time."""
+  import types
+  import jax.numpy as jnp
+  from benchmarks.train_parallel import step_interleaved
+
+  calls = []
+
+  def stepper(name):
+    def step(params, opt_state, batch):
+      calls.append((name, batch))
+      return params + 1, opt_state, {"loss": jnp.float32(batch)}
+    return step
+
+  runs = {name: dict(exe=stepper(name), state=(0, 0), batch=float) for name in "ab"}
+  args = types.SimpleNamespace(steps=7, warmup=0, steps_per_turn=3)
+  assert step_interleaved(runs, lambda i: 10 * i, args, t_end=float("inf")) == {}
+  assert [n for n, _ in calls] == list("aaabbbbbbaaaab")
+  assert all(r["losses"] == [10.0 * i for i in range(7)] for r in runs.values())
+  assert all(r["state"] == (7, 0) for r in runs.values())
+  assert all(len(r["times"]) == 2 + 2 + 1 and len(r["synced"]) == 3 for r in runs.values())
