@@ -35,11 +35,13 @@
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel layers (<= 10 min)
+#   bash benchmarks/gpu_suite.sh cm_dots_pipelined # ... its first three, timed back to back (<= 7 min)
 #   bash benchmarks/gpu_suite.sh baseline_nop2p    # issue 19, TP=2, P2P off: strong step vs compressed (<= 7 min)
 #   bash benchmarks/gpu_suite.sh pp_sched          # issue 17, PP=2: GPipe, 1F1B, interleaved (<= 7.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers' step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
@@ -145,6 +147,13 @@ for job in "$@"; do
         --layouts 1,1,2 --deadline-s 520 \
         --variants off_save,on_save,on_il2_save,on_save_cif2,on_save_cif4,on_save_pgle \
         --out-dir "$out" ;;
+    slow_links_dots)  # issue 16 on the strong step (cuDNN attention, matmul outputs kept,
+      # layers unrolled) through host memory: compressed alone, then with each overlap lever
+      v=off_save_dots_unroll,on_save_dots_unroll,on_il2_save_dots_unroll
+      v=$v,on_save_dots_unroll_cif2,on_save_dots_unroll_pgle,on_il2_save_dots_unroll_cif2_pgle
+      NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py --attention cudnn \
+        --label nop2p_levers_dots --layouts 1,1,2 --variants "$v" --deadline-s 520 \
+        --out-dir "$out" ;;
     slow_links_combined)  # ... the levers together
       v=on_save,on_il2_save_cif2,on_il2_save_pgle,on_save_cif2_pgle,on_il2_save_cif2_pgle
       NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py \
@@ -163,6 +172,11 @@ for job in "$@"; do
       timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
         --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
         off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
+    cm_dots_pipelined)  # issues 15 + 19 on 2xH200 (TP=2), steps timed back to back: the
+      # strong bf16 step, its free-comm ideal and the kernel layers (cm_dots' first three)
+      timeout 420 python3 benchmarks/bench_train.py --label nvlink_cm_dots_pipelined \
+        --layouts 1,1,2 --attention cudnn --deadline-s 380 --out-dir "$out" \
+        --variants off_save_dots_unroll,ideal_save_dots_unroll,off_cm_save_dots_unroll ;;
     baseline_nop2p)  # issue 19 on 2xH200 (TP=2) through host memory: the strong bf16 step,
       # the compressed one and GSPMD, so that compression is compared with the faster step
       NCCL_P2P_DISABLE=1 timeout 400 python3 benchmarks/bench_train.py --label nop2p_dots \
@@ -191,6 +205,11 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 240 python3 benchmarks/bench_train.py --label nop2p_dp2_ogr \
         --layouts 2,1,1 --attention cudnn --compress dp --deadline-s 225 --out-dir "$out" \
         --variants off_dots_unroll,off_dots_ogr_unroll,on_dots_ogr_unroll ;;
+    dp2_leaves)  # issue 19 on 2xH200 (DP=2): the plain gradient reduction leaf by leaf (no
+      # fp32 buffer to pack), after the backward pass and inside it, replicated and sharded
+      timeout 420 python3 benchmarks/bench_train.py --label nvlink_dp2_leaves --layouts 2,1,1 \
+        --attention cudnn --deadline-s 400 --out-dir "$out" --variants \
+        off_dots_unroll,off_dots_ogr_unroll,off_dots_zero_unroll,off_ogr_unroll_noremat,gspmd ;;
     profile_dp2)  # issue 19 on 2xH200 (DP=2): where the step's 30 ms above half a GPU's
       # batch go (exposed NCCL vs compute), reducing after the backward pass and layer by
       # layer inside it (which was slower over NVLink)
