@@ -109,8 +109,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   p.overlap_grad_reduce = False  # all-reduce each layer's gradients over "data" inside the
   #                                backward pass, while the earlier layers' backward runs
   #                                (Megatron's option of that name); needs pp=1,
-  #                                microbatches=1, shard_optimizer=False. Off: all gradients
-  #                                after the backward pass, in one bucketed all-reduce
+  #                                microbatches=1, shard_optimizer=False. Off: after the
+  #                                backward pass, leaf by leaf (XLA starts each as soon as
+  #                                its gradient exists; compressed: one bucketed all-reduce)
   p.pgle = False                 # profile-guided scheduling (XLA's PGLE): steps 2-3 of the
   #                                run (after one warm-up step) run under the profiler, then
   #                                the step is compiled again with their measured instruction
