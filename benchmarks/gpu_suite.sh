@@ -38,6 +38,7 @@
 #   bash benchmarks/gpu_suite.sh cm_dots_pipelined # ... its first three, timed back to back (<= 7 min)
 #   bash benchmarks/gpu_suite.sh baseline_nop2p    # issue 19, TP=2, P2P off: strong step vs compressed (<= 7 min)
 #   bash benchmarks/gpu_suite.sh pp_sched          # issue 17, PP=2: GPipe, 1F1B, interleaved (<= 7.5 min)
+#   bash benchmarks/gpu_suite.sh pp_memory         # issue 17, PP=2: schedules' memory vs m, compiled only (<= 8 min)
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
@@ -187,6 +188,10 @@ for job in "$@"; do
       timeout 440 python3 benchmarks/bench_train.py --label nvlink_pp_sched --layouts 1,2,1 \
         --variants off_save,off_1f1b_save,off_vs2_save,on_1f1b_save --microbatches 8 \
         --deadline-s 420 --out-dir "$out" ;;
+    pp_memory)  # issue 17 on 2xH200 (PP=2), compiled only: GPipe's and 1F1B's temporaries at
+      # m = 2, 4, 8, 16 micro-batches of one sequence (1.3B, save_tp_outputs, cuDNN)
+      timeout 480 python3 benchmarks/pipeline_memory.py --label nvlink_pp2 --layouts 1,2,1 \
+        --attention cudnn --out-dir "$out" ;;
     dp2_zero)  # issues 18 + 19 on 2xH200 (DP=2): the strong step (matmul outputs kept,
       # unrolled) replicated, with the optimizer sharded, and sharded with the DP traffic
       # compressed; NVLink, then through host memory

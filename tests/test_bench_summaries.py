@@ -1,10 +1,10 @@
 """The arithmetic the benchmark scripts report: step-time summaries (and the interleaved
-variants' options and report columns), trace overlap, MFU."""
+variants' options and report columns), trace overlap, MFU, pipeline memory."""
 import json
 
 import pytest
 
-from benchmarks import bench_train, common, profile_step
+from benchmarks import bench_train, common, pipeline_memory, profile_step
 
 
 def _rows(**ms):
@@ -291,3 +291,17 @@ def test_report_lists_variants_without_a_column_of_their_own():
   results.append(dict(layout="1,2,2", variant="on_pgle", step_ms=250.0))
   assert report._other_variants(results, "1,1,4") == "off_pgle 209, on_il2_pgle 203"
   assert report._other_variants(results[:1], "1,1,4") == "–"
+
+
+def test_pipeline_memory_splits_gpipe_into_a_constant_and_a_slope():
+  """GPipe's temporaries 100 + 10 m: C = 100, A = 10; a 1F1B that holds 2 micro-batches
+  whatever m (120) has a share of 20 / (10 m) of GPipe's activations, pp / m at pp = 2."""
+  rows = [dict(schedule=s, microbatches=m, temp_bytes=t) for s, m, t in (
+      ("gpipe", 2, 120), ("gpipe", 4, 140), ("gpipe", 8, 180),
+      ("1f1b", 2, 120), ("1f1b", 4, 120), ("1f1b", 8, 120))]
+  s = pipeline_memory.summarize(rows, pp=2)
+  assert s["bytes_per_microbatch"] == pytest.approx({"gpipe": 10.0, "1f1b": 0.0})
+  assert s["constant_bytes"] == pytest.approx(100.0)
+  shares = s["share_of_gpipe_activations"]["1f1b"]
+  assert {m: v["share"] for m, v in shares.items()} == pytest.approx({2: 1.0, 4: 0.5, 8: 0.25})
+  assert all(v["pp_over_m"] == pytest.approx(2 / m) for m, v in shares.items())
