@@ -5,6 +5,7 @@ One tiny fp32 GPT, a few AdamW steps on one batch (clipping on). d_model = 36 le
 norms, the final norm and the QKV biases without a dimension divisible by 8, so at dp = 8 they stay
 replicated (all-reduced) beside the sharded leaves.
 """
+import dataclasses
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -122,6 +123,21 @@ def test_uncompressed_equals_the_replicated_optimizer(run):
   _assert_close(p_sh, p_rep, signal)
   assert jax.tree.structure(o_sh) == jax.tree.structure(o_rep)
   _assert_close(o_sh, o_rep)
+
+
+@pytest.mark.parametrize("run", [(8, 1, 1)], indirect=True, ids=_ids)
+def test_codecs_a_threshold_leaves_plain_send_the_uncompressed_messages(run, init):
+  """Codecs configured for both DP directions but too small a message for their threshold
+  (`min_bytes`): the step keeps a master, yet sends fp32 leaf by leaf and its parameters
+  are the uncompressed sharded step's, bit for bit."""
+  plain = dataclasses.replace(CODEC, min_bytes=1 << 40)
+  program = _program(run["layout"], True, CompressionPlan(dp=plain, dp_params=plain))
+  got = _train(program, init)
+  assert zero.keeps_master(program[0])
+  assert {c.dtype for c in got["colls"] if c.axes == {"data"}} == {"f32"}
+  want = run["sharded"]["states"][-1][0]
+  for g, w in zip(jax.tree.leaves(got["states"][-1][0]), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def _over_data(colls, kind):
