@@ -1,11 +1,11 @@
 """Constants and small pieces shared by the encode and decode kernels and references."""
 import functools
-import logging
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jax.experimental import pallas as pl
 from jax.sharding import ManualAxisType
 from jax.sharding import PartitionSpec as P
@@ -74,7 +74,15 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
 # Triton stages the transform's H operand in shared memory (227 KiB a CTA on Hopper): H of
 # G = 512, or the two-term H of fp32 inputs at G = 256 ([2G, G] bf16), does not fit.
 MAX_H_BYTES = 128 * 1024
-_fallbacks_said: set[str] = set()
+_warned: set[str] = set()
+
+
+def warn_once(reason: str, message: str, *args) -> None:
+  """``logging.warning(message, *args)``, once per ``reason`` in this process: a fallback
+  is decided each time a step is traced, and said once."""
+  if reason not in _warned:
+    _warned.add(reason)
+    logging.warning(message, *args)
 
 
 def transform_misfit(group_size: int, hadamard: bool, dtype=jnp.bfloat16) -> str | None:
@@ -101,10 +109,8 @@ def dispatch(what: str, implementation: str, table: dict, *args, kernel_kwargs: 
   compiled = implementation == "pallas" and not kernel_kwargs.get("interpret")
   if compiled and (problem := transform_misfit(kwargs["group_size"], kwargs["hadamard"],
                                                dtype)):
-    if problem not in _fallbacks_said:
-      _fallbacks_said.add(problem)
-      logging.warning("the codec runs as its XLA reference, not the Pallas kernel: %s",
-                      problem)
+    warn_once(problem, "the codec runs as its XLA reference, not the Pallas kernel: %s",
+              problem)
     implementation = "xla"
   extra = kernel_kwargs if implementation == "pallas" else {}
   return table[implementation](*args, **kwargs, **extra)

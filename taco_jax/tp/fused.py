@@ -29,10 +29,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-from absl import logging
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
+from taco_jax.pallas_kernels.common import warn_once
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
@@ -40,15 +40,10 @@ from taco_jax.tp.overlap import SEQ
 from taco_jax.codec import CompressionConfig
 from taco_jax.collectives import Decided
 
-_said: set[str] = set()
-
-
 def _say_once(problem: str, what: str) -> None:
   """Logs, once per reason, that a collective runs as XLA's instead of in a kernel."""
-  if problem not in _said:
-    _said.add(problem)
-    logging.warning("parallel.tp_overlap='kernel': %s runs as XLA's collective (and so "
-                    "does every collective for the same reason): %s", what, problem)
+  warn_once(problem, "parallel.tp_overlap='kernel': %s runs as XLA's collective (and so "
+            "does every collective for the same reason): %s", what, problem)
 
 
 def platform_problem() -> str | None:
