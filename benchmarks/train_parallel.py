@@ -212,10 +212,12 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> dict[str, str
   names, failed, k = list(runs), {}, max(1, args.steps_per_turn)
   for r in runs.values():
     r["times"], r["synced"], r["losses"] = [], [], []
+  timed = 0  # step times each run has so far
   for turn, first in enumerate(range(0, args.steps, k)):
     if not names:
       break
     tokens = [tokens_at(i) for i in range(first, min(first + k, args.steps))]
+    timed += max(len(tokens) - 1, 1)
     for name in names[turn % len(names):] + names[:turn % len(names)]:
       r = runs[name]
       try:
@@ -231,8 +233,7 @@ def step_interleaved(runs: dict, tokens_at, args, t_end: float) -> dict[str, str
       if turn == 0:  # memory_stats: the process's peak so far (None on CPU)
         r["device_peak_bytes"] = device_peak_bytes()
       r["state"] = state
-    if time.perf_counter() > t_end and len(next(iter(runs.values()), {}).get(
-        "times", ())) > args.warmup + 2:
+    if time.perf_counter() > t_end and timed > args.warmup + 2:
       break
   return failed
 
