@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.args import add_output_args, parse_with_smoke, write_report  # noqa: E402
 from benchmarks.train_parallel import SMOKE, add_run_args  # noqa: E402 (no JAX import)
@@ -38,25 +40,16 @@ def parse_args(argv=None):
   return parse_with_smoke(p, argv, dict(SMOKE, layouts="1,2,4", microbatch_counts="2,4,6"))
 
 
-def fit_line(xs, ys) -> tuple[float, float]:
-  """(slope, intercept) of the least-squares line through (xs, ys)."""
-  n = len(xs)
-  mx, my = sum(xs) / n, sum(ys) / n
-  sxx = sum((x - mx) ** 2 for x in xs)
-  slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-  return slope, my - slope * mx
-
-
 def summarize(rows: list[dict], pp: int) -> dict:
   """Per schedule, its temporaries' growth per micro-batch (least squares over m); GPipe's
   intercept as the constant C; each other schedule's share of GPipe's activations per m,
   (temp(m) - C) / (temp_gpipe(m) - C), beside pp / m."""
   temp = {(r["schedule"], r["microbatches"]): r["temp_bytes"] for r in rows}
-  growth = {}
+  growth = {}  # schedule -> (slope, intercept) of its temporaries over m
   for s in dict.fromkeys(s for s, _ in temp):
     ms = sorted(m for t, m in temp if t == s)
     if len(ms) > 1:
-      growth[s] = fit_line(ms, [temp[s, m] for m in ms])
+      growth[s] = tuple(float(c) for c in np.polyfit(ms, [temp[s, m] for m in ms], 1))
   if "gpipe" not in growth:
     return dict(bytes_per_microbatch={s: g[0] for s, g in growth.items()})
   constant = growth["gpipe"][1]
@@ -75,7 +68,6 @@ def main(argv=None) -> Path:
     from taco_jax.train.cli import use_cpu_devices
     use_cpu_devices(8)
   import jax
-  import numpy as np
   from benchmarks import common
   from benchmarks.train_parallel import build_step, model_and_optimizer
   from taco_jax.plan import CompressionPlan
