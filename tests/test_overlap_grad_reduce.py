@@ -26,8 +26,8 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 @functools.cache  # the tests share their programs
-def _loss_and_grads(layout, overlap, plan=CompressionPlan(), scan_layers=True):
-  """(loss, grads as numpy, the compiled program's collectives over "data") of one step."""
+def _lowered(layout, overlap, plan=CompressionPlan(), scan_layers=True):
+  """(the step lowered, its params, tokens, mesh)."""
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp, jax.devices()[:dp * pp * tp])
   spec = step_lib.ParallelSpec(CFG, dp, pp, tp, 1, plan, scan_layers=scan_layers,
@@ -36,8 +36,15 @@ def _loss_and_grads(layout, overlap, plan=CompressionPlan(), scan_layers=True):
   tokens = jax.device_put(
       jax.random.randint(jax.random.key(1), (8, 17), 0, CFG.vocab_size),
       step_lib.batch_sharding(mesh))
-  exe = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).compile(
-      FAST_COMPILE)
+  return (jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens), params,
+          tokens, mesh)
+
+
+@functools.cache
+def _loss_and_grads(layout, overlap, plan=CompressionPlan(), scan_layers=True):
+  """(loss, grads as numpy, the compiled program's collectives over "data") of one step."""
+  lowered, params, tokens, mesh = _lowered(layout, overlap, plan, scan_layers)
+  exe = lowered.compile(FAST_COMPILE)
   loss, grads = exe(params, tokens)
   over_data = [c for c in hlo.collectives(exe.as_text(), mesh) if c.axes == frozenset({DATA})]
   return float(loss), jax.device_get(grads), over_data
@@ -58,12 +65,7 @@ def test_same_loss_and_gradients_as_reducing_after_the_backward_pass(layout, sca
 def _traced_all_reduces(overlap) -> tuple[int, int]:
   """(all-reduces, matmuls after the first of them) of the unrolled dp=8 step as traced,
   before XLA combines and schedules its collectives."""
-  mesh = make_mesh(8, 1, 1, jax.devices())
-  spec = step_lib.ParallelSpec(CFG, 8, 1, 1, 1, scan_layers=False, overlap_grad_reduce=overlap)
-  params = layout_lib.init_params(CFG, mesh, seed=0)
-  tokens = jax.ShapeDtypeStruct((8, 17), jnp.int32, sharding=step_lib.batch_sharding(mesh))
-  lines = jax.jit(step_lib.loss_and_grads_fn(spec, mesh)).lower(params, tokens).as_text(
-      dialect="hlo").splitlines()
+  lines = _lowered((8, 1, 1), overlap, scan_layers=False)[0].as_text(dialect="hlo").splitlines()
   reduces = [i for i, line in enumerate(lines) if " all-reduce(" in line]
   return len(reduces), sum(" dot(" in line for line in lines[reduces[0]:])
 
@@ -78,7 +80,7 @@ def test_each_layers_gradients_are_reduced_inside_the_backward_pass():
   sent = [sum(c.elements for c in _loss_and_grads((8, 1, 1), overlap, scan_layers=False)[2]
               if c.kind == "all-reduce") for overlap in (False, True)]
   assert sent[0] == sent[1] == sum(x.size for x in jax.tree.leaves(
-      layout_lib.init_params(CFG, make_mesh(8, 1, 1, jax.devices()), seed=0)))
+      _lowered((8, 1, 1), False, scan_layers=False)[1]))
 
 
 def test_compressed_per_layer_gradients_travel_as_fp8():
