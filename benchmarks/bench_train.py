@@ -78,8 +78,9 @@ time compression wins back (1 = compressed step as fast as free communication). 
 figures take the fastest of our bf16 and of our compressed programs (what a user would
 pick); speedup_<modifiers>_<off|on> compares a modified program with the plain one.
 Timing as in train_parallel.py (host wall-clock between the completions of steps
-dispatched back to back, as the trainer runs them; median after --warmup). MFU two ways, as there: `mfu` against the device's spec peak (989 TFLOP/s on
-H100 / H200), `mfu_of_measured` against the bf16 matmul rate measured in the same run.
+dispatched back to back, as the trainer runs them; median after --warmup). MFU two ways,
+as there: `mfu` against the device's spec peak (989 TFLOP/s on H100 / H200),
+`mfu_of_measured` against the bf16 matmul rate measured in the same run.
 
 GPU, 4xH200, two calls (each < 10 minutes; NVLink multicast is off):
   python benchmarks/bench_train.py --label nvlink
@@ -514,9 +515,8 @@ def main(argv=None) -> pathlib.Path:
                            dev_peak_gib=gib(r["device_peak_bytes"]),
                            opt_gib=gib(r["opt_state_bytes_per_device"])) for r in rows],
                      ["layout", "variant", "steps", "compile_s", "step_ms", "step_ms_synced",
-                      "tokens_per_s",
-                      "mfu", "mfu_of_measured", "opt_gib", "peak_gib", "temp_gib",
-                      "dev_peak_gib", "final_loss"]))
+                      "tokens_per_s", "mfu", "mfu_of_measured", "opt_gib", "peak_gib",
+                      "temp_gib", "dev_peak_gib", "final_loss"]))
   print(common.table(summary, ["layout", "off_ms", "on_ms", "ideal_ms", "gspmd_ms", "comm_ms",
                                "comm_share", "recovered", "speedup_on_vs_off",
                                "off_vs_gspmd"]))

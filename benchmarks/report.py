@@ -356,8 +356,8 @@ def _bench_train_rows(d: dict) -> tuple[list[list], list[list]]:
     for suffix, words, t in _policy_rows(d["results"], layout, not c.get("no_remat")):
       off = by.get((layout, "off" + suffix))
       rows.append([d["label"], c["model"], layout, attention, _timing(d), words,
-                   _codec_words(c),
-                   t["off"], t["on"], t["ring_off"], t["ring_on"], t["ideal"], gspmd,
+                   _codec_words(c), t["off"], t["on"], t["ring_off"], t["ring_on"],
+                   t["ideal"], gspmd,
                    *_ratios(summaries[layout], suffix), off and _mfu(d, off),
                    off and _mfu_of_measured(d, off), _other_variants(d["results"], layout)])
       il2_ms.append([t["off_il2"], t["on_il2"]])
@@ -405,14 +405,14 @@ def bench_train_section() -> str:
   parts = []
   for (seq, batch, n, device), (rows, il2_ms) in tables.items():
     header = ["run", "model", "dp,pp,tp", "attention", "timing", "remat", "codec (on)",
-              "off", "on",
-              "ring off", "ring on", "ideal", "GSPMD", "on speedup", "comm share",
-              "recovered", "GSPMD / off", "MFU off (spec)", "MFU off (matmul)",
-              "other variants (ms)"]
+              "off", "on", "ring off", "ring on", "ideal", "GSPMD", "on speedup",
+              "comm share", "recovered", "GSPMD / off", "MFU off (spec)",
+              "MFU off (matmul)", "other variants (ms)"]
     il2 = ""
     if any(v is not None for ms in il2_ms for v in ms):  # only once a run measured them
-      header[11:11] = ["off il2", "on il2"]
-      rows = [r[:11] + ms + r[11:] for r, ms in zip(rows, il2_ms)]
+      at = header.index("ideal")
+      header[at:at] = ["off il2", "on il2"]
+      rows = [r[:at] + ms + r[at:] for r, ms in zip(rows, il2_ms)]
       il2 = ("; `il2` = each micro-batch as 2 sub-batches whose blocks run side by side "
              "(`parallel.interleave=2`)")
     words = (BENCH_TRAIN_WORDS.format(il2=il2, mfu=MFU_WORDS) if not parts else
