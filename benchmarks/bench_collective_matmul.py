@@ -6,9 +6,7 @@ count), the same random inputs go through:
 
 * ``xla``: the plain collective, then the matmul (``*_reference``: what the layers do today);
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
-  kernel (its own time is reported apart as ``fp8_kernel``); for the reduce-scatter also
-  ``fused[mix]`` / ``fused_fp8[mix]``, its own row tiles in the peers' loops, after them
-  (``matmul_rs.schedule``, ``matmul_rs.loop_entry``);
+  kernel (its own time is reported apart as ``fp8_kernel``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
 * ``cublas``: XLA's matmul of the same full shape on one GPU: the ideal;
 * ``jax_gemm``: jax's own Hopper matmul example (``hopper_matmul_mgpu``) on that shape, with
@@ -376,10 +374,6 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)
-    for name, fp8 in (("fused[mix]", None), ("fused_fp8[mix]", FP8)):  # matmul_rs.schedule
-      out[name] = (smap(lambda y, w, fp8=fp8: (rs.matmul_reduce_scatter(
-          y, w, t, num_sms=sms, fp8=fp8, mix=True),), mesh=mesh, in_specs=(a_spec, w_spec),
-          out_specs=(out_spec,)), False)
   return out
 
 

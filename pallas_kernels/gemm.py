@@ -196,20 +196,37 @@ def dealt(tiles: int, first_sm: int = 0):
   ended, so that no SM takes the remainder of every loop: at a tile count just above a
   multiple of the SMs, that remainder would make every loop take one more wave."""
   def loop(body):
-    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
-    place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
-    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
-    lax.fori_loop(0, count, lambda i, _: body(i * sms + place), None)
+    place, count = _deal(tiles, first_sm)
+    lax.fori_loop(0, count, lambda i, _: body(i * lax.axis_size(SM) + place), None)
   return loop
 
 
-def stage_out(value, out_smem, wg, slot: int, dest) -> None:
+def _deal(tiles: int, first_sm: int):
+  """This SM's place in the deal of ``dealt`` and how many of the tiles it gets."""
+  sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+  place = lax.rem(sm + (sms - first_sm % sms), sms)
+  return place, tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
+
+
+def wait_older_stores(tiles: int, first_sm: int, stores_per_tile: int, num_sms: int):
+  """Waits until every TMA store this warpgroup issued before the last ``dealt`` loop
+  (``tiles`` tiles from ``first_sm`` on, ``stores_per_tile`` stores each) has completed,
+  and not for that loop's own stores: they may still be on their way to a peer."""
+  _, count = _deal(tiles, first_sm)
+  lo = tiles // num_sms
+  for c in sorted({lo, lo + (tiles % num_sms > 0)}):  # the wait takes a static count
+    pl.when(count == c)(functools.partial(plgpu.wait_smem_to_gmem, c * stores_per_tile))
+
+
+def stage_out(value, out_smem, wg, slot: int, dest) -> int:
   """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
-  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it.
+  Returns the number of TMA stores issued (1), as ``store_tiles`` does."""
   plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   out_smem[wg, slot] = value
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
+  return 1
 
 
 def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
@@ -221,7 +238,7 @@ def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
   have read their slots, then stages and issues the whole tile and goes on to its next
   one while the stores drain: a store to a peer GPU drains at the link's rate, shared by
   every SM that sends, so waiting on it slot by slot would stall the tensor cores for the
-  whole transfer."""
+  whole transfer. Returns the number of TMA stores issued."""
   t = tiling
   cols = t.tile_n // t.epi_n
   parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(cols)]
@@ -230,15 +247,15 @@ def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
     return value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]
 
   if out_smem.shape[1] < len(parts):
-    for k, (i, j) in enumerate(parts):
-      stage_out(sub(i, j), out_smem, wg, k % 2, dest(i, j))
-    return
+    return sum(stage_out(sub(i, j), out_smem, wg, k % 2, dest(i, j))
+               for k, (i, j) in enumerate(parts))
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   for k, (i, j) in enumerate(parts):
     out_smem[wg, k] = sub(i, j)
   plgpu.commit_smem()
   for k, (i, j) in enumerate(parts):
     plgpu.copy_smem_to_gmem(out_smem.at[wg, k], dest(i, j))
+  return len(parts)
 
 
 def tile_slots(tiling: Tiling) -> int:

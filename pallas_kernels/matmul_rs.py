@@ -12,8 +12,9 @@ in fp32. The row tiles of every chunk come in ``phases`` groups (``schedule``): 
 each peer's chunk (``c = r + 1, ..., r + n - 1``), then phase p - 1 of the own chunk, whose
 partials the peers sent one phase earlier. So the transfers run beside compute all through
 the kernel, instead of the own chunk waiting for the last partial of every peer. A
-semaphore per phase counts the senders' SMs that finished it; the own phase starts once all
-have.
+semaphore per phase counts the senders' warpgroups whose partials of it have landed; the
+own phase starts once all have. A sender signals a loop's partials at the end of its next
+loop (``signal_plan``), so no loop ends waiting for its own stores to cross the link.
 
 Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
 groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
@@ -29,8 +30,6 @@ a local ``sent`` output, and the peers' partials for this rank come from ``recei
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -100,52 +99,38 @@ def default_phases(row_tiles: int) -> int:
   return max(p for p in range(1, MAX_PHASES + 1) if row_tiles % p == 0)
 
 
-def schedule(n: int, phases: int, mix: bool = False) -> list[tuple[tuple[int, int], ...]]:
-  """The order of a rank's work, as tile loops run one after the other: each loop is a
-  tuple of ``(q, p)``, phase p of chunk ``r + q`` (q = n: its own), whose row tiles it
-  takes one after the other. Phase p of every peer's chunk comes one phase before phase p
-  of the own chunk, which waits for the peers' partials of that phase: every rank sends
-  what the others wait for before it waits itself.
-
-  Without ``mix`` each (chunk, phase) is a loop of its own: a rank sends during the peers'
-  loops only, and the link idles while it computes its own chunk. With ``mix`` the peers'
-  phase p and the own phase p - 1 are one loop: an SM computes a peer's tile, sends it,
-  and computes an own tile while the partials drain."""
-  loops = []
+def schedule(n: int, phases: int) -> list[tuple[int, int]]:
+  """The order of a rank's tile loops, one after the other: ``(q, p)``, phase p of chunk
+  ``r + q`` (q = n: its own). Phase p of every peer's chunk comes one loop or more before
+  phase p of the own chunk, which waits for the peers' partials of that phase: every rank
+  sends what the others wait for before it waits itself, and the own phase p - 1 computes
+  while phase p's partials are on the link. (One loop that mixed the peers' phase p with
+  the own phase p - 1 measured slower on 2xH200: docs/parallel.md.)"""
+  order = []
   for p in range(phases + 1):
-    loop = tuple((q, p) for q in range(1, n) if p < phases) + (((n, p - 1),) if p > 0 else ())
-    loops += [loop] if mix else [(item,) for item in loop]
-  return loops
+    order += [(q, p) for q in range(1, n) if p < phases] + ([(n, p - 1)] if p > 0 else [])
+  return order
 
 
-def loop_entry(m_idx, *, entries: int, phase_tiles: int):
-  """(k, i): a loop's row tile ``m_idx`` is row tile i of its ``schedule`` entry k. The
-  entries come one after the other, the peers' first: the SMs are dealt the sent tiles
-  first and the own ones next, so what a tile sends drains while its SM computes the next.
-  (Taking the entries in turn, row tile by row tile, dealt each SM the tiles of one entry
-  only: the tiles walk strips of 8 row tiles, and 132 SMs is an even number.)"""
-  if entries == 1:
-    return 0, m_idx
-  return m_idx // phase_tiles, lax.rem(m_idx, phase_tiles)
+def signal_plan(n: int, phases: int) -> list[tuple[tuple[int, int], list, list]]:
+  """When each sent loop's semaphore signal goes out: per loop of ``schedule``, ``(loop,
+  before, after)``, the sent loops signalled before it starts (after every store has
+  landed) and those signalled after it (once every store older than this loop's has).
 
-
-def _pick(k, values: list):
-  """values[k] for a traced index k (a static value where they are all the same)."""
-  if len(set(values)) == 1:
-    return values[0]
-  out = values[0]
-  for j, v in enumerate(values[1:], 1):
-    out = jnp.where(k == j, v, out)
-  return out
-
-
-def _when(cond, body: Callable):
-  """body() where ``cond`` holds: a Python bool decides while tracing, a traced one
-  becomes a ``pl.when`` block."""
-  if not isinstance(cond, bool):
-    pl.when(cond)(body)
-  elif cond:
-    body()
+  A signal must wait for the loop's TMA stores to have landed on the peer, which takes the
+  link's time for the loop's last tiles. Signalled at the end of its own loop, that wait
+  held the tensor cores idle for every sent loop. Deferred to the end of the next loop, it
+  waits for stores that have long drained while the next loop computed; it is flushed
+  before a loop only where that loop is the own phase that waits for it."""
+  plan, pending = [], None
+  for q, p in schedule(n, phases):
+    before = []
+    if q == n and pending is not None and pending[1] == p:
+      before, pending = [pending], None
+    plan.append(((q, p), before, [pending] if pending else []))
+    pending = (q, p) if q < n else None
+  assert pending is None, "the schedule ends with the own chunk's last phase"
+  return plan
 
 
 class _Epilogues:
@@ -168,15 +153,16 @@ class _Epilogues:
         dual_scale=fp8["dual_scale"], lam=fp8["lam"], fixed_order=False)
     return codes, group_multiplier(alpha, scale)
 
-  def send(self, acc, wg, row, col, dests):
+  def send(self, acc, wg, row, col, dests) -> int:
     """``dests``: (codes or values, multipliers or None) refs of ``[rows, D]`` (and
-    ``[D / G, rows]``) into which this tile's partials go at (row, col)."""
+    ``[D / G, rows]``) into which this tile's partials go at (row, col). Returns the
+    number of TMA stores issued."""
     t = self.t
     if not self.fp8:
-      for values, _ in dests:
-        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], lambda i, j: values.at[
-            pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
-      return
+      return sum(gemm.store_tiles(
+          acc.astype(self.dtype), self.s["out_smem"], lambda i, j: values.at[
+              pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+                 for values, _ in dests)
     codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
     for i in self._slabs():
       codes, mult = self._encode(acc[i * t.epi_m:(i + 1) * t.epi_m])
@@ -190,6 +176,7 @@ class _Epilogues:
         plgpu.copy_smem_to_gmem(codes_smem.at[wg, slot], dest_codes.at[rows, pl.ds(col, t.tile_n)])
         plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
                                 dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
+    return 2 * len(dests) * len(self._slabs())
 
   def _peer_pairs(self):
     """The (slab, j) order in which ``finish`` reads the received partials: per slab, the
@@ -249,11 +236,13 @@ class _Epilogues:
       last = jnp.broadcast_to(r == n - 1, own.shape)
       yield i, jnp.where(last, total + own, total)
 
-  def finish(self, acc, wg, r, row, col, received, out_ref):
+  def finish(self, acc, wg, r, row, col, received, out_ref) -> int:
     """This rank's tile: its partial plus the received ones (``received``: the arrays of
     the receive slots, ``[n, rows, D]`` values or codes, and ``[n, D / G, rows]``
-    multipliers), stored to ``out_ref`` at (row, col)."""
+    multipliers), stored to ``out_ref`` at (row, col). Returns the number of TMA stores
+    issued."""
     t, n = self.t, self.n
+    stores = 0
     cols = t.tile_n // t.epi_n
     if self.fp8:
       slabs = self._fp8_sums(acc, wg, r, row, col, received)
@@ -268,8 +257,9 @@ class _Epilogues:
           for q in range(1, n):  # the peers' partials, in any order
             got = self._load(received[0].at[lax.rem(r + q, n), rows, sub], wg, "in_values")
             v = v + got[...].astype(jnp.float32)
-        gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, (i * cols + j) % 2,
-                       out_ref.at[rows, sub])
+        stores += gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg,
+                                 (i * cols + j) % 2, out_ref.at[rows, sub])
+    return stores
 
   def scratch_types(self) -> dict:
     t, wgs = self.t, gemm.COMPUTE_WGS
@@ -291,7 +281,7 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, mix: bool, fp8=None, received=None):
+          num_sms: int, out_dtype, phases: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): the receive slots' arrays that peers would have written. Returns the
   output rows ``[B S, D]``, the receive slots, and in local mode the partials sent."""
@@ -324,65 +314,60 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
+      computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
+
+      def signal(loops):  # this SM's partials of these loops are on their ranks
+        for q, p in loops:
+          pl.semaphore_signal(sems.at[p], device_id={axis_name: lax.rem(r + q, n)})
+
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
-      for group in schedule(n, phases, mix):
-        own_phase = next((p for q, p in group if q == n), None)
-        if own_phase is not None and sems is not None:  # every peer's partials have landed
-          pl.semaphore_wait(sems.at[own_phase], value=(n - 1) * signals, decrement=False)
-
-        entry = functools.partial(loop_entry, entries=len(group), phase_tiles=phase_tiles)
-
-        def per_entry(k, body, group=group):
-          """body(q, p) for the group's entry k: one static branch per entry, so that a
-          peer's device id is known outside the tile loop (Mosaic GPU computes it on the
-          host)."""
-          for j, (q, p) in enumerate(group):
-            _when(k == j, functools.partial(body, q, p))
-
-        def at(p, i, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
-          row0, col0 = t.wg_offsets(wg)
-          return (p * phase_tiles + i) * t.cta_m + row0, n_idx * t.cta_n + col0
-
-        def epilogue(m_idx, n_idx, wg, acc, entry=entry, per_entry=per_entry):
-          k, i = entry(m_idx)
-
-          def tile(q, p):
-            row, col = at(p, i, n_idx, wg)
-            if q == n:
-              epi.finish(acc, wg, r, row, col, inbox, out_ref)
-              return
-            c = lax.rem(r + q, n)
-            if local:
-              dest = [a.at[c] for a in sent]
-            else:
-              dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
-            epi.send(acc, wg, row, col, [tuple(dest) + ((None,) if fp8 is None else ())])
-
-          per_entry(k, tile)
-
-        def prefetch(m_idx, n_idx, wg, entry=entry, group=group):  # the own entry only
-          k, i = entry(m_idx)
-          j = next(j for j, (q, _) in enumerate(group) if q == n)
-          _when(k == j, lambda: epi.prefetch(wg, r, *at(group[j][1], i, n_idx, wg), inbox))
-
-        def a_rows(m_idx, entry=entry, group=group):  # the row tile's rows of y
-          k, i = entry(m_idx)
-          c = lax.rem(r + _pick(k, [q for q, _ in group]), n)
-          return [y_ref.at[pl.ds(y_row(c, _pick(k, [p * phase_tiles for _, p in group]) + i),
-                                 t.cta_m)]]
-
-        tiles = len(group) * phase_tiles
-        loop.run(allocs, m=tiles * t.cta_m, n=d, a_refs=a_rows, w_ref=w_ref,
-                 epilogue=epilogue, before_tile=prefetch if own_phase is not None else None,
-                 first_sm=dealt % num_sms)
-        dealt += tiles * (d // t.cta_n)
-        peers = [(q, p) for q, p in group if q < n]
-        if peers and sems is not None:  # this SM's partials of the loop are on their ranks
-          @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
-          def _signal(peers=peers):
+      for (q, p), before, after in signal_plan(n, phases):
+        if sems is not None and before:
+          @pl.when(computes)
+          def _flush(before=before):
             plgpu.wait_smem_to_gmem(0)
-            for q, p in peers:
-              pl.semaphore_signal(sems.at[p], device_id={axis_name: lax.rem(r + q, n)})
+            signal(before)
+
+        if q == n and sems is not None:  # every peer's partials of phase p have landed
+          pl.semaphore_wait(sems.at[p], value=(n - 1) * signals, decrement=False)
+
+        def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
+          row0, col0 = t.wg_offsets(wg)
+          return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
+
+        stores = []  # per tile, recorded as the loop's epilogue is traced
+
+        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at, stores=stores):
+          row, col = at(m_idx, n_idx, wg)
+          if q == n:
+            stores.append(epi.finish(acc, wg, r, row, col, inbox, out_ref))
+            return
+          c = lax.rem(r + q, n)
+          if local:
+            dest = [a.at[c] for a in sent]
+          else:
+            dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
+          stores.append(epi.send(acc, wg, row, col, [tuple(dest) + ((None,) * (fp8 is None))]))
+
+        def prefetch(m_idx, n_idx, wg, at=at):  # the own chunk's FP8 receive slots
+          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), inbox)
+
+        c = lax.rem(r + q, n)
+        tiles = phase_tiles * (d // t.cta_n)
+        first_sm = dealt % num_sms
+        loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
+                 a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
+                     y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
+                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
+                 first_sm=first_sm)
+        dealt += tiles
+        if sems is not None and after:
+          assert len(set(stores)) == 1, stores
+
+          @pl.when(computes)
+          def _signal(after=after, first_sm=first_sm, per_tile=stores[0]):
+            gemm.wait_older_stores(tiles, first_sm, per_tile, num_sms)
+            signal(after)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
@@ -407,15 +392,14 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          mix: bool = False, rank=None, n=None, received=None):
+                          rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
-  groups of the schedule (default ``default_phases``); ``mix``: the own chunk's row tiles
-  in the peers' loops (``schedule``). Local mode: ``rank``,
-  ``n`` and ``received`` (the receive slots' arrays, sender p in slot p; see
-  ``slot_shapes``); it returns ``(out, sent)``, the partials sent in slot c for rank c."""
+  groups of the schedule (default ``default_phases``). Local mode: ``rank``, ``n`` and
+  ``received`` (the receive slots' arrays, sender p in slot p; see ``slot_shapes``); it
+  returns ``(out, sent)``, the partials sent in slot c for rank c."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -429,7 +413,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                codes_dtype=jnp.dtype(FP8_DTYPES[fp8["fmt"]]))
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or y_BTF.dtype, phases=phases, mix=mix, fp8=fp8,
+              out_dtype=out_dtype or y_BTF.dtype, phases=phases, fp8=fp8,
               received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:

@@ -70,12 +70,12 @@ def _partials(n, b, s, f, d, seed):
   return ys, ws
 
 
-def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, mix=False):
+def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   with _interpret():
     sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=tiling, num_sms=num_sms,
-                                            rank=p, n=n, received=slots, fp8=fp8, mix=mix)[1]
+                                            rank=p, n=n, received=slots, fp8=fp8)[1]
             for p in range(n)]
     outs = []
     for r in range(n):
@@ -83,24 +83,22 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, mix=False):
       outs.append(matmul_rs.matmul_reduce_scatter(ys[r], ws[r], "t", tiling=tiling,
                                                   num_sms=num_sms, rank=r, n=n,
                                                   received=received,
-                                                  fp8=fp8, mix=mix)[0])
+                                                  fp8=fp8)[0])
   return outs, sent
 
 
-@pytest.mark.parametrize("mix", [False, True], ids=["loop_per_chunk", "mixed_loops"])
-def test_matmul_reduce_scatter_kernel_per_rank(mix):
+def test_matmul_reduce_scatter_kernel_per_rank():
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two row tiles per chunk: the
   schedule runs them as two phases of one tile each, which three SMs deal round-robin on
-  from loop to loop (gemm.dealt): every tile is computed once, whichever SM takes it, also
-  where one loop interleaves a peer's row tiles with the own chunk's (``mix``)."""
+  from loop to loop (gemm.dealt): every tile is computed once, whichever SM takes it."""
   n, b, s, f, d = 2, 2, 64, 128, 128
   assert matmul_rs.default_phases(b * s // TILING.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),),
-                         num_sms=3, mix=mix)
+                         num_sms=3)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -118,16 +116,15 @@ def test_matmul_reduce_scatter_kernel_per_rank(mix):
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,mix", [(1, TILING, False), (2, TILING, False),
-                                          (3, TALL, False), (2, TILING, True)],
-                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_mixed"])
-def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, mix):
+@pytest.mark.parametrize("n,tiling,row_tiles", [(1, TILING, 1), (2, TILING, 1),
+                                                (3, TALL, 1), (2, TILING, 2)],
+                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases"])
+def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles):
   """The FP8 kernel encodes each partial tile as the codec does (same codes, same
   multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
-  make every partial exact, so accumulation order cannot change a code. Mixed loops
-  (``mix``): the owned tiles' prefetch into the send buffers waits for the sent tiles
-  before them (two row tiles per chunk: the middle loop mixes)."""
-  b, s, f, d = 1, tiling.cta_m * (2 if mix else 1), 128, 128
+  make every partial exact, so accumulation order cannot change a code. Two phases: the
+  own tiles' prefetch into the send buffers comes after sent tiles and waits for them."""
+  b, s, f, d = 1, tiling.cta_m * row_tiles, 128, 128
   ky, kw = jax.random.split(jax.random.key(3))
   ys = [jax.random.randint(jax.random.fold_in(ky, p), (b, n * s, f), -3, 4).astype(
       jnp.bfloat16) for p in range(n)]
@@ -136,7 +133,7 @@ def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tilin
   fp8 = dict(FP8)
   slots = (jnp.zeros((n, b * s, d), jnp.float8_e4m3fn),
            jnp.zeros((n, d // fp8["group_size"], b * s), jnp.float32))
-  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, mix=mix)
+  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32
                       ).astype(jnp.bfloat16) for p in range(n)]
   g = fp8["group_size"]
@@ -181,41 +178,44 @@ def test_decode_tile_is_the_codecs_decode():
 
 
 @pytest.mark.parametrize("n, phases", [(1, 1), (2, 1), (2, 4), (4, 3)])
-@pytest.mark.parametrize("mix", [False, True])
-def test_reduce_scatter_schedule_sends_before_it_waits(n, phases, mix):
+def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
   """Every (chunk, phase) once; a rank's own phase p (which waits, before its loop, for the
   peers' partials of phase p) comes in a later loop than its own partials of phase p for
-  every peer, and the peers' phase p + 1 comes no later, so the link has work while the own
-  phase computes. Mixed, the peers' phase p + 1 shares the own phase p's loop."""
-  loops = matmul_rs.schedule(n, phases, mix)
-  loop_of = {item: i for i, loop in enumerate(loops) for item in loop}
-  order = [item for loop in loops for item in loop]
-  assert sorted(order) == sorted((q, p) for q in range(1, n + 1) for p in range(phases))
-  assert len(loops) == (phases + 1 if mix else len(order))
+  every peer, and the peers' phase p + 1 comes before it, so the link has work while the
+  own phase computes."""
+  loops = matmul_rs.schedule(n, phases)
+  assert sorted(loops) == sorted((q, p) for q in range(1, n + 1) for p in range(phases))
   for p in range(phases):
-    own = loop_of[(n, p)]
-    assert all(loop_of[(q, p)] < own for q in range(1, n))
+    own = loops.index((n, p))
+    assert all(loops.index((q, p)) < own for q in range(1, n))
     if p + 1 < phases:
-      assert all(loop_of[(q, p + 1)] <= own for q in range(1, n))
-      assert all((loop_of[(q, p + 1)] == own) == mix for q in range(1, n))
+      assert all(loops.index((q, p + 1)) < own for q in range(1, n))
 
 
-def test_mixed_loops_deal_each_sm_a_sent_tile_before_an_own_one():
-  """A mixed loop at the 1.3B TP=2 out-projection (a chunk's phase of 16 row tiles x 8
-  column tiles, 132 SMs, the kernel's own tile walk and deal): an SM that gets a peer's
-  tile and an own one gets the peer's first, so its partials drain while it computes."""
-  t, sms, cols, phase_tiles = matmul_rs.TILING, 132, 8, 16
-  group = matmul_rs.schedule(2, 4, mix=True)[1]  # the peer's phase 1, the own phase 0
-  tiles = len(group) * phase_tiles * cols
-  walk = jax.vmap(lambda idx: plgpu.planar_snake(
-      idx, (tiles // cols, cols), "mn".index(t.grid_minor), t.grid_width)[0])
-  m_idx = walk(jnp.arange(tiles, dtype=jnp.int32))
-  k, _ = matmul_rs.loop_entry(m_idx, entries=len(group), phase_tiles=phase_tiles)
-  kinds = {}  # SM -> the entries of its tiles, in the order it computes them
-  for idx, entry in enumerate(np.asarray(k)):
-    kinds.setdefault(idx % sms, []).append(group[entry][0] == 2)  # own tile?
-  both = [seq for seq in kinds.values() if len(set(seq)) == 2]
-  assert len(both) >= 0.9 * sms and all(seq == [False, True] for seq in both)
+@pytest.mark.parametrize("n, phases", [(1, 1), (2, 1), (2, 2), (2, 4), (4, 1), (4, 3)])
+def test_reduce_scatter_signals_every_sent_loop_before_its_owner_waits(n, phases):
+  """``signal_plan``: every sent loop is signalled once, after it has run (at the end of
+  the next loop, or before that loop where that loop is the own phase that waits for it),
+  and before the own loop of its phase starts, so that no rank waits for a signal that
+  its peers send only after waiting themselves. With more than one phase, no signal waits
+  for the stores of the loop it follows: only the flush before a one-phase own loop does."""
+  plan = matmul_rs.signal_plan(n, phases)
+  assert [loop for loop, _, _ in plan] == matmul_rs.schedule(n, phases)
+  sent_at = {}  # sent loop -> the index of the loop before which its signal is out
+  for i, (_, before, after) in enumerate(plan):
+    for loop in before:
+      sent_at[loop] = i
+    for loop in after:
+      sent_at[loop] = i + 1
+  sent = [loop for loop, _, _ in plan if loop[0] < n]
+  assert sorted(sent_at) == sorted(sent)
+  for i, ((q, p), _, _) in enumerate(plan):
+    if q < n:
+      assert sent_at[(q, p)] > i  # after its loop has run
+    else:
+      assert all(sent_at[(c, p)] <= i for c in range(1, n))
+  flushes = [loop for _, before, _ in plan for loop in before]
+  assert flushes == ([(n - 1, 0)] if phases == 1 and n > 1 else [])
 
 
 @pytest.mark.parametrize("call, match", [
@@ -291,9 +291,9 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  for mix in (False, True):  # the reduce-scatter's loops per chunk, and mixed
-    fn = smap(lambda y, w, mix=mix: matmul_rs.matmul_reduce_scatter(
-        y, w, "tensor", num_sms=132, fp8=fp8, mix=mix),
+  for phases in (None, 1):  # signals deferred to the next loop, and flushed before it
+    fn = smap(lambda y, w, phases=phases: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases),
         in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
                                               sd((2 * f, d), jnp.bfloat16))
