@@ -45,6 +45,7 @@
 #   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers' step (<= 7 min)
+#   bash benchmarks/gpu_suite.sh profile_rs        # issue 15, TP=2: inside the reduce-scatter kernel (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
@@ -105,6 +106,9 @@ for job in "$@"; do
       grep -i "ptxas\|spill\|registers\|stack frame" "$out/rs_1gpu.log" > "$out/rs_1gpu_ptxas.txt"
       rm -f "$out/rs_1gpu.log"; grep -i "entry\|spill\|registers" "$out/rs_1gpu_ptxas.txt" | head -40
       timeout 240 python3 -m benchmarks.probe_rs_epilogue --label parts --out-dir "$out" ;;
+    profile_rs)  # issue 15 on 2xH200: the reduce-scatter kernels' regions per warpgroup
+      # (Mosaic GPU's on-device profiler), 1.3B proj and down, plain and FP8
+      timeout 300 python3 -m benchmarks.profile_rs_kernel --out-dir "$out" ;;
     pgle_1gpu)  # issue 16: the trainer's parallel.pgle on a real profile, then resumed
       for steps in 30 40; do
         timeout 240 python3 -m taco_jax.train --config configs/tiny.py --workdir /tmp/pgle \

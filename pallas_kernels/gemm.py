@@ -24,6 +24,7 @@ blocks, after the structure of jax's Hopper matmul example.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -166,8 +167,10 @@ class TileLoop:
 
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.tile_m, t.tile_n), acc_dtype))
         def _acc(acc):
-          run_pipeline(acc)
-          epilogue(m_idx, n_idx, wg, acc[...])
+          with jax.named_scope("mma"):
+            run_pipeline(acc)
+          with jax.named_scope("epilogue"):
+            epilogue(m_idx, n_idx, wg, acc[...])
 
       def mma(idxs, *refs):
         *a_blocks, b_block, acc = refs
@@ -196,76 +199,36 @@ def dealt(tiles: int, first_sm: int = 0):
   ended, so that no SM takes the remainder of every loop: at a tile count just above a
   multiple of the SMs, that remainder would make every loop take one more wave."""
   def loop(body):
-    place, count = _deal(tiles, first_sm)
-    lax.fori_loop(0, count, lambda i, _: body(i * lax.axis_size(SM) + place), None)
+    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+    place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
+    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
+    lax.fori_loop(0, count, lambda i, _: body(i * sms + place), None)
   return loop
 
 
-def _deal(tiles: int, first_sm: int):
-  """This SM's place in the deal of ``dealt`` and how many of the tiles it gets."""
-  sms, sm = lax.axis_size(SM), lax.axis_index(SM)
-  place = lax.rem(sm + (sms - first_sm % sms), sms)
-  return place, tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
-
-
-def wait_older_stores(tiles: int, first_sm: int, stores_per_tile: int, num_sms: int):
-  """Waits until every TMA store this warpgroup issued before the last ``dealt`` loop
-  (``tiles`` tiles from ``first_sm`` on, ``stores_per_tile`` stores each) has completed,
-  and not for that loop's own stores: they may still be on their way to a peer."""
-  _, count = _deal(tiles, first_sm)
-  lo = tiles // num_sms
-  for c in sorted({lo, lo + (tiles % num_sms > 0)}):  # the wait takes a static count
-    pl.when(count == c)(functools.partial(plgpu.wait_smem_to_gmem, c * stores_per_tile))
-
-
-def stage_out(value, out_smem, wg, slot: int, dest) -> int:
+def stage_out(value, out_smem, wg, slot: int, dest) -> None:
   """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
-  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it.
-  Returns the number of TMA stores issued (1), as ``store_tiles`` does."""
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
   plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   out_smem[wg, slot] = value
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
-  return 1
 
 
 def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
-  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its staging slots
-  (``out_smem_type``) to ``dest(i, j)``, the gmem ref of epilogue sub-tile (i, j).
-
-  With two slots, one sub-tile's TMA store overlaps the staging of the next. With a slot
-  per sub-tile (``tile_slots``), the warpgroup waits once, for the previous tile's stores to
-  have read their slots, then stages and issues the whole tile and goes on to its next
-  one while the stores drain: a store to a peer GPU drains at the link's rate, shared by
-  every SM that sends, so waiting on it slot by slot would stall the tensor cores for the
-  whole transfer. Returns the number of TMA stores issued."""
+  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
+  slots (``out_smem_type``) to ``dest(i, j)``, the gmem ref of epilogue sub-tile (i, j):
+  one sub-tile's TMA store overlaps the staging of the next."""
   t = tiling
-  cols = t.tile_n // t.epi_n
-  parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(cols)]
-
-  def sub(i, j):
-    return value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]
-
-  if out_smem.shape[1] < len(parts):
-    return sum(stage_out(sub(i, j), out_smem, wg, k % 2, dest(i, j))
-               for k, (i, j) in enumerate(parts))
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
   for k, (i, j) in enumerate(parts):
-    out_smem[wg, k] = sub(i, j)
-  plgpu.commit_smem()
-  for k, (i, j) in enumerate(parts):
-    plgpu.copy_smem_to_gmem(out_smem.at[wg, k], dest(i, j))
-  return len(parts)
+    stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
+              wg, k % 2, dest(i, j))
 
 
-def tile_slots(tiling: Tiling) -> int:
-  """Staging slots for a whole warpgroup tile (``store_tiles``)."""
-  return (tiling.tile_m // tiling.epi_m) * (tiling.tile_n // tiling.epi_n)
-
-
-def out_smem_type(tiling: Tiling, dtype, slots: int = 2) -> plgpu.SMEM:
-  """The epilogue's staging buffers: ``slots`` per compute warpgroup."""
-  return plgpu.SMEM((COMPUTE_WGS, slots, tiling.epi_m, tiling.epi_n), dtype,
+def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:
+  """The epilogue's staging buffers: two per compute warpgroup."""
+  return plgpu.SMEM((COMPUTE_WGS, 2, tiling.epi_m, tiling.epi_n), dtype,
                     transforms=swizzled(tiling.epi_n, dtype))
 
 
@@ -291,12 +254,33 @@ def rank_and_semaphores(axis_name, rank, n: int, local: bool, count: int):
   return r, pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
 
 
+_profile_dir: list[tuple[str, int]] = []  # set by ``profiling``
+
+
+@contextlib.contextmanager
+def profiling(trace_dir: str, events: int = 96):
+  """Kernels built inside record, per warpgroup, when each ``jax.named_scope`` region of
+  their bodies (``mma``, ``epilogue``, the waits) begins and ends, up to ``events``
+  regions, and write a Chrome trace per call to ``trace_dir`` (Mosaic GPU's on-device
+  profiler; benchmarks/profile_rs_kernel.py reads them)."""
+  _profile_dir.append((trace_dir, events))
+  try:
+    yield
+  finally:
+    _profile_dir.pop()
+
+
 def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str):
   """A persistent kernel: ``num_sms`` CTAs of 2 compute + 1 memory warpgroups."""
+  profile = {}
+  if _profile_dir:
+    trace_dir, events = _profile_dir[-1]
+    profile = dict(profile_dir=trace_dir, profile_space=events, profile_bounds_check=True)
   return plgpu.kernel(
       body, out_type=out_type, grid=(num_sms,), grid_names=(SM,), num_threads=COMPUTE_WGS + 1,
       thread_name=WG, scratch_types=scratch_types or {}, kernel_name=name,
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile))
 
 
 def num_sms(default: int = 4) -> int:

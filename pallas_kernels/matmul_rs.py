@@ -6,15 +6,21 @@ Inside a ``jax.shard_map`` over ``axis`` (n ranks; this rank r), y ``[B, T, F]``
 rank's slice of the features for the full sequence and w ``[F, D]`` its rows of the weight;
 rank c owns chunk c of the sequence (rows ``c S .. (c + 1) S`` of every sequence, S = T / n)
 of the sum over ranks. Each partial output tile of a peer's chunk goes, straight from the
-epilogue, into slot r of that peer's receive buffer (``plgpu.remote_ref``), while the next
-tiles are computed; the own chunk's epilogue adds the received partials to its accumulator,
-in fp32. The row tiles of every chunk come in ``phases`` groups (``schedule``): phase p of
-each peer's chunk (``c = r + 1, ..., r + n - 1``), then phase p - 1 of the own chunk, whose
-partials the peers sent one phase earlier. So the transfers run beside compute all through
-the kernel, instead of the own chunk waiting for the last partial of every peer. A
-semaphore per phase counts the senders' warpgroups whose partials of it have landed; the
-own phase starts once all have. A sender signals a loop's partials at the end of its next
-loop (``signal_plan``), so no loop ends waiting for its own stores to cross the link.
+epilogue, into slot c of this rank's outbox, in local memory, while the next tiles are
+computed; the owner's epilogue reads the peers' partials for its tile out of their
+outboxes (``plgpu.remote_ref``; the TMA loads start before the tile's matmul, so they land
+while it runs) and adds them to its accumulator, in fp32. The row tiles of every chunk come
+in ``phases`` groups (``schedule``): phase p of each peer's chunk (``c = r + 1, ..., r + n -
+1``), then phase p - 1 of the own chunk, whose partials the peers wrote one phase earlier.
+Once every warpgroup of a rank has written its partials of a phase for a peer, one relayed
+signal tells the peer (``relay``); the peer's own phase starts when every peer's has come.
+A last one holds every rank until its peers have read its outbox.
+
+Why the owner pulls: a TMA store to a peer reads shared memory only as fast as the link
+takes it, and with every SM's tile finishing at once that is ~20 us a tile, during which
+the stores held up the matmul (on 2xH200 the pushing kernel took the matmul's time plus
+the whole transfer's, at every shape: docs/parallel.md). Local stores drain at once, and
+loads from a peer wait in their barriers, not in the SM's stores.
 
 Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
 groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
@@ -24,8 +30,8 @@ decoded partials in fp32 in rank order: the codes and the sum of the compressed
 reduce-scatter (``matmul_reduce_scatter_reference``).
 
 ``rank`` and ``received`` give local mode, for the CPU tests (jax's GPU interpret mode
-simulates no peer copies or semaphores): the partials meant for rank c land in slot c of
-a local ``sent`` output, and the peers' partials for this rank come from ``received``.
+simulates no peer copies or semaphores): the peers' partials for this rank come from
+``received`` instead of their outboxes.
 """
 from __future__ import annotations
 
@@ -112,27 +118,6 @@ def schedule(n: int, phases: int) -> list[tuple[int, int]]:
   return order
 
 
-def signal_plan(n: int, phases: int) -> list[tuple[tuple[int, int], list, list]]:
-  """When each sent loop's semaphore signal goes out: per loop of ``schedule``, ``(loop,
-  before, after)``, the sent loops signalled before it starts (after every store has
-  landed) and those signalled after it (once every store older than this loop's has).
-
-  A signal must wait for the loop's TMA stores to have landed on the peer, which takes the
-  link's time for the loop's last tiles. Signalled at the end of its own loop, that wait
-  held the tensor cores idle for every sent loop. Deferred to the end of the next loop, it
-  waits for stores that have long drained while the next loop computed; it is flushed
-  before a loop only where that loop is the own phase that waits for it."""
-  plan, pending = [], None
-  for q, p in schedule(n, phases):
-    before = []
-    if q == n and pending is not None and pending[1] == p:
-      before, pending = [pending], None
-    plan.append(((q, p), before, [pending] if pending else []))
-    pending = (q, p) if q < n else None
-  assert pending is None, "the schedule ends with the own chunk's last phase"
-  return plan
-
-
 class _Epilogues:
   """What each compute warpgroup does with its fp32 ``[tile_m, tile_n]`` accumulator:
   ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
@@ -153,16 +138,15 @@ class _Epilogues:
         dual_scale=fp8["dual_scale"], lam=fp8["lam"], fixed_order=False)
     return codes, group_multiplier(alpha, scale)
 
-  def send(self, acc, wg, row, col, dests) -> int:
+  def send(self, acc, wg, row, col, dests):
     """``dests``: (codes or values, multipliers or None) refs of ``[rows, D]`` (and
-    ``[D / G, rows]``) into which this tile's partials go at (row, col). Returns the
-    number of TMA stores issued."""
+    ``[D / G, rows]``) into which this tile's partials go at (row, col)."""
     t = self.t
     if not self.fp8:
-      return sum(gemm.store_tiles(
-          acc.astype(self.dtype), self.s["out_smem"], lambda i, j: values.at[
-              pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
-                 for values, _ in dests)
+      for values, _ in dests:
+        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], lambda i, j: values.at[
+            pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+      return
     codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
     for i in self._slabs():
       codes, mult = self._encode(acc[i * t.epi_m:(i + 1) * t.epi_m])
@@ -176,98 +160,97 @@ class _Epilogues:
         plgpu.copy_smem_to_gmem(codes_smem.at[wg, slot], dest_codes.at[rows, pl.ds(col, t.tile_n)])
         plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
                                 dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
-    return 2 * len(dests) * len(self._slabs())
 
-  def _peer_pairs(self):
-    """The (slab, j) order in which ``finish`` reads the received partials: per slab, the
-    peers in rank order (rank ``j + (j >= r)``, this rank skipped)."""
-    return [(i, j) for i in self._slabs() for j in range(self.n - 1)]
+  def _reads(self):
+    """The order in which ``finish`` reads the peers' partials: ``(slab, block, j)``, the
+    peers in rank order (rank ``j + (j >= r)``, this rank skipped) per ``[epi_m, epi_n]``
+    block of each slab; the FP8 kernel reads a slab's codes whole (one block)."""
+    blocks = 1 if self.fp8 else self.t.tile_n // self.t.epi_n
+    return [(i, c, j) for i in self._slabs() for c in range(blocks) for j in range(self.n - 1)]
 
   def _barrier(self, wg, slot: int, which: int):
     return self.s["in_barrier"].at[(wg * 2 + slot) * 2 + which]
 
-  def _fetch(self, k: int, wg, r, row, col, received):
-    """Starts the TMA loads of pair ``k`` of ``_peer_pairs`` (a peer's codes and
-    multipliers of one slab) into receive slot ``k % 2``."""
-    t, (i, j), slot = self.t, self._peer_pairs()[k], k % 2
+  def _fetch(self, k: int, wg, r, row, col, peer):
+    """Starts the TMA loads of read ``k`` (``_reads``) from the peer's partials (``peer(a,
+    p)``: array a of what rank p sent this rank) into receive slot ``k % 2``."""
+    t, (i, c, j), slot = self.t, self._reads()[k], k % 2
     p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
-    plgpu.copy_gmem_to_smem(received[0].at[p, rows, pl.ds(col, t.tile_n)],
+    if not self.fp8:
+      plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
+                              self.s["in_values"].at[wg, slot], self._barrier(wg, slot, 0))
+      return
+    plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col, t.tile_n)],
                             self.s["codes_smem"].at[wg, slot], self._barrier(wg, slot, 0))
-    plgpu.copy_gmem_to_smem(received[1].at[p, pl.ds(col // t.tile_n, 1), rows],
+    plgpu.copy_gmem_to_smem(peer(1, p).at[pl.ds(col // t.tile_n, 1), rows],
                             self.s["mult_smem"].at[wg, slot], self._barrier(wg, slot, 1))
 
-  def prefetch(self, wg, r, row, col, received):
-    """Before this rank's own tile is computed (FP8): the loads of its first two received
-    partials, so that they land while the matmul runs. They reuse the send buffers (an
-    own tile sends nothing), once the last sent tile has been read out of them."""
-    if not self.fp8:
-      return
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for k in range(min(2, len(self._peer_pairs()))):
-      self._fetch(k, wg, r, row, col, received)
+  def prefetch(self, wg, r, row, col, peer):
+    """Before this rank's own tile is computed: the loads of its first two reads, so that
+    they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own tile
+    sends nothing), once the last sent tile has been read out of them."""
+    if self.fp8:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for k in range(min(2, len(self._reads()))):
+      self._fetch(k, wg, r, row, col, peer)
 
-  def _load(self, src, wg, what):
-    """One TMA load of ``src`` into this warpgroup's ``what`` buffer, awaited."""
-    buf, barrier = self.s[what].at[wg], self.s["in_barrier"].at[wg]
-    plgpu.copy_gmem_to_smem(src, buf, barrier)
-    plgpu.barrier_wait(barrier)
-    return buf
+  def _take(self, k: int, wg, r, row, col, peer):
+    """Read ``k``'s partial in fp32, once its loads have landed; its slot is refilled with
+    read k + 2."""
+    slot = k % 2
+    with jax.named_scope("wait_read"):
+      plgpu.barrier_wait(self._barrier(wg, slot, 0))
+      if self.fp8:
+        plgpu.barrier_wait(self._barrier(wg, slot, 1))
+    if self.fp8:
+      got = decode_tile(self.s["codes_smem"][wg, slot], self.s["mult_smem"][wg, slot, 0],
+                        jnp.float32)
+    else:
+      got = self.s["in_values"][wg, slot].astype(jnp.float32)
+    if k + 2 < len(self._reads()):
+      plgpu.commit_smem()  # every warp has read the slot before the TMA refills it
+      self._fetch(k + 2, wg, r, row, col, peer)
+    return got
 
-  def _fp8_sums(self, acc, wg, r, row, col, received):
+  def _fp8_sums(self, acc, wg, r, row, col, peer):
     """Per slab, the n decoded partials (this rank's own, encoded and decoded as sent)
-    summed in fp32 in rank order, as the reference sums; reads the slots ``prefetch``
-    filled and refills each with the pair after next."""
-    t, n, pairs = self.t, self.n, len(self._peer_pairs())
+    summed in fp32 in rank order, as the reference sums."""
+    t, n = self.t, self.n
     for i in self._slabs():
       own = decode_tile(*self._encode(acc[i * t.epi_m:(i + 1) * t.epi_m]), jnp.float32)
       total = jnp.zeros_like(own)
       for j in range(n - 1):
         mine = jnp.broadcast_to(r == j, own.shape)  # select_n takes no scalar predicate
         total = jnp.where(mine, total + own, total)  # this rank's place in rank order
-        k = i * (n - 1) + j
-        slot = k % 2
-        plgpu.barrier_wait(self._barrier(wg, slot, 0))
-        plgpu.barrier_wait(self._barrier(wg, slot, 1))
-        total = total + decode_tile(self.s["codes_smem"][wg, slot],
-                                    self.s["mult_smem"][wg, slot, 0], jnp.float32)
-        if k + 2 < pairs:
-          plgpu.commit_smem()  # every warp has read the slot before the TMA refills it
-          self._fetch(k + 2, wg, r, row, col, received)
+        total = total + self._take(i * (n - 1) + j, wg, r, row, col, peer)
       last = jnp.broadcast_to(r == n - 1, own.shape)
       yield i, jnp.where(last, total + own, total)
 
-  def finish(self, acc, wg, r, row, col, received, out_ref) -> int:
-    """This rank's tile: its partial plus the received ones (``received``: the arrays of
-    the receive slots, ``[n, rows, D]`` values or codes, and ``[n, D / G, rows]``
-    multipliers), stored to ``out_ref`` at (row, col). Returns the number of TMA stores
-    issued."""
+  def finish(self, acc, wg, r, row, col, peer, out_ref):
+    """This rank's tile: its partial plus the peers' (``peer(a, p)``: array a of what rank
+    p sent this rank, ``[rows, D]`` values or codes and ``[D / G, rows]`` multipliers),
+    stored to ``out_ref`` at (row, col)."""
     t, n = self.t, self.n
-    stores = 0
     cols = t.tile_n // t.epi_n
     if self.fp8:
-      slabs = self._fp8_sums(acc, wg, r, row, col, received)
+      slabs = self._fp8_sums(acc, wg, r, row, col, peer)
     else:
       slabs = ((i, acc[i * t.epi_m:(i + 1) * t.epi_m]) for i in self._slabs())
     for i, slab in slabs:
       rows = pl.ds(row + i * t.epi_m, t.epi_m)
-      for j in range(cols):
-        sub = pl.ds(col + j * t.epi_n, t.epi_n)
-        v = slab[:, j * t.epi_n:(j + 1) * t.epi_n]
+      for c in range(cols):
+        v = slab[:, c * t.epi_n:(c + 1) * t.epi_n]
         if not self.fp8:
-          for q in range(1, n):  # the peers' partials, in any order
-            got = self._load(received[0].at[lax.rem(r + q, n), rows, sub], wg, "in_values")
-            v = v + got[...].astype(jnp.float32)
-        stores += gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg,
-                                 (i * cols + j) % 2, out_ref.at[rows, sub])
-    return stores
+          for j in range(n - 1):  # the peers' partials, in rank order
+            v = v + self._take((i * cols + c) * (n - 1) + j, wg, r, row, col, peer)
+        gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, (i * cols + c) % 2,
+                       out_ref.at[rows, pl.ds(col + c * t.epi_n, t.epi_n)])
 
   def scratch_types(self) -> dict:
     t, wgs = self.t, gemm.COMPUTE_WGS
-    # plain: a sent tile's stores drain over the link while the next tile computes
-    slots = 2 if self.fp8 else gemm.tile_slots(t)
-    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype, slots),
-               # FP8: per warpgroup, receive slot and (codes, multipliers)
-               in_barrier=plgpu.Barrier(num_barriers=wgs * (4 if self.fp8 else 1)))
+    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
+               # per warpgroup and receive slot: values or codes, and multipliers
+               in_barrier=plgpu.Barrier(num_barriers=wgs * 4))
     if self.fp8:
       codes_dtype = jnp.dtype(self.fp8["codes_dtype"])
       out.update(
@@ -275,7 +258,7 @@ class _Epilogues:
                                 transforms=gemm.swizzled(t.tile_n, codes_dtype)),
           mult_smem=plgpu.SMEM((wgs, 2, 1, t.epi_m), jnp.float32))
     else:
-      out.update(in_values=plgpu.SMEM((wgs, t.epi_m, t.epi_n), self.dtype,
+      out.update(in_values=plgpu.SMEM((wgs, 2, t.epi_m, t.epi_n), self.dtype,
                                       transforms=gemm.swizzled(t.epi_n, self.dtype)))
     return out
 
@@ -283,8 +266,8 @@ class _Epilogues:
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
-  (local mode): the receive slots' arrays that peers would have written. Returns the
-  output rows ``[B S, D]``, the receive slots, and in local mode the partials sent."""
+  (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
+  sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
   t = tiling
   local = received is not None
   rows, f = y_RF.shape
@@ -299,80 +282,89 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8)
 
   def body(*refs, **scratch):
-    extra = n_slots if local else 0
-    (y_ref, w_ref), inbox, (out_ref,), slots, sent = gemm.split_refs(
-        refs, 2, extra, 1, n_slots, extra)
-    inbox = inbox or slots  # the peers write the receive slots themselves
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, phases)
+    (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
+        refs, 2, n_slots if local else 0, 1, n_slots)
+    # per phase and for the release at the end: the peers' relayed signals, then the counts
+    # of this rank's own warpgroups (``_relay``)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
+
+    def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
+      if local:
+        return received_refs[a].at[p]
+      return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
     epi = epilogues(scratch=scratch)
     phase_tiles = out_rows // t.cta_m // phases
+    cols = d // t.cta_n
 
     def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
       row = m_idx * t.cta_m
       return (row // s) * t_len + c * s + row % s
 
+    def relay(slot: int, times: int, owners):
+      """This warpgroup's part of a loop is done (its partials are in the outbox, or its
+      reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
+      warpgroup 0 of SM 0) waits until every warpgroup has counted ``times`` times and
+      signals ``owners`` once. A signal to a peer is a release at system scope: given by
+      every warpgroup at once, the signals held each SM for up to ~200 us, one after the
+      other (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU
+      scope, and the relay's signal carries what it saw."""
+      count = sems.at[phases + 1 + slot]
+      plgpu.semaphore_signal(count, memory_scope="gpu")
+
+      @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.WG) == 0))
+      def _relay():
+        plgpu.semaphore_wait(count, value=times * signals, decrement=False, memory_scope="gpu")
+        for owner in owners:
+          pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
+
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
       computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
-
-      def signal(loops):  # this SM's partials of these loops are on their ranks
-        for q, p in loops:
-          pl.semaphore_signal(sems.at[p], device_id={axis_name: lax.rem(r + q, n)})
-
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
-      for (q, p), before, after in signal_plan(n, phases):
-        if sems is not None and before:
-          @pl.when(computes)
-          def _flush(before=before):
-            plgpu.wait_smem_to_gmem(0)
-            signal(before)
-
-        if q == n and sems is not None:  # every peer's partials of phase p have landed
-          pl.semaphore_wait(sems.at[p], value=(n - 1) * signals, decrement=False)
+      for q, p in schedule(n, phases):
+        if q == n and sems is not None:  # every peer's partials of phase p are written
+          with jax.named_scope("wait_peers"):
+            pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
 
         def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
           return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
 
-        stores = []  # per tile, recorded as the loop's epilogue is traced
-
-        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at, stores=stores):
+        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at):
           row, col = at(m_idx, n_idx, wg)
           if q == n:
-            stores.append(epi.finish(acc, wg, r, row, col, inbox, out_ref))
+            epi.finish(acc, wg, r, row, col, peer, out_ref)
             return
-          c = lax.rem(r + q, n)
-          if local:
-            dest = [a.at[c] for a in sent]
-          else:
-            dest = [plgpu.remote_ref(a, {axis_name: c}).at[r] for a in slots]
-          stores.append(epi.send(acc, wg, row, col, [tuple(dest) + ((None,) * (fp8 is None))]))
+          dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
+          epi.send(acc, wg, row, col, [dest])
 
-        def prefetch(m_idx, n_idx, wg, at=at):  # the own chunk's FP8 receive slots
-          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), inbox)
+        def prefetch(m_idx, n_idx, wg, at=at):  # the own tile's first reads of the peers'
+          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
 
         c = lax.rem(r + q, n)
-        tiles = phase_tiles * (d // t.cta_n)
-        first_sm = dealt % num_sms
         loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
                  a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
                      y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                  w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
-                 first_sm=first_sm)
-        dealt += tiles
-        if sems is not None and after:
-          assert len(set(stores)) == 1, stores
-
+                 first_sm=dealt % num_sms)
+        dealt += phase_tiles * cols
+        if q < n and sems is not None:
           @pl.when(computes)
-          def _signal(after=after, first_sm=first_sm, per_tile=stores[0]):
-            gemm.wait_older_stores(tiles, first_sm, per_tile, num_sms)
-            signal(after)
+          def _signal(q=q, p=p):
+            with jax.named_scope("signal"):
+              plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
+              relay(p, q, [lax.rem(r + q, n)])
+
+      if sems is not None:  # every read of the peers' outboxes has landed: they may go
+        @pl.when(computes)
+        def _release():
+          with jax.named_scope("release"):
+            relay(phases, 1, [lax.rem(r + q, n) for q in range(1, n)])
+            pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
-  if local:
-    out_type += slot_types  # what was sent: slot c for rank c
   kernel = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms,
                        scratch_types=epilogues(scratch=None).scratch_types(),
                        name=f"taco_matmul_reduce_scatter{'_fp8' if fp8 else ''}_{n}")
@@ -380,8 +372,8 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
 
 def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDtypeStruct]:
-  """The receive slots' arrays of a kernel whose chunk has ``rows`` rows of width ``d``
-  (sender p's partials in slot p): ``[n, rows, D]`` values in the transfer dtype, or with
+  """The outbox's arrays of a kernel whose chunk has ``rows`` rows of width ``d`` (the
+  partials for rank c in slot c): ``[n, rows, D]`` values in the transfer dtype, or with
   ``fp8`` (the codec's settings: ``fmt``, ``group_size``) FP8 codes ``[n, rows, D]`` and
   fp32 group multipliers ``[n, D / G, rows]``."""
   if fp8 is None:
@@ -398,8 +390,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). Local mode: ``rank``, ``n`` and
-  ``received`` (the receive slots' arrays, sender p in slot p; see ``slot_shapes``); it
-  returns ``(out, sent)``, the partials sent in slot c for rank c."""
+  ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by p; see
+  ``slot_shapes``); it returns ``(out, outbox)``."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -418,4 +410,4 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result
-  return result, tuple(out[-len(received):])
+  return result, tuple(out[1:])

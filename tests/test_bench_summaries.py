@@ -305,3 +305,27 @@ def test_pipeline_memory_splits_gpipe_into_a_constant_and_a_slope():
   shares = s["share_of_gpipe_activations"]["1f1b"]
   assert {m: v["share"] for m, v in shares.items()} == pytest.approx({2: 1.0, 4: 0.5, 8: 0.25})
   assert all(v["pp_over_m"] == pytest.approx(2 / m) for m, v in shares.items())
+
+
+def test_profile_rs_kernel_summary_counts_regions_per_compute_warpgroup():
+  """`profile_rs_kernel.summarize`: per region the mean time per warpgroup that ran `mma`
+  (the memory warpgroup's track is left out), nested regions counted inside their parent,
+  and `other` the part of a track outside its top-level regions."""
+  from benchmarks.profile_rs_kernel import summarize
+
+  def region(tid, name, begin, end):
+    return [dict(name=name, ph="B", ts=begin, pid=1, tid=tid),
+            dict(name=name, ph="E", ts=end, pid=1, tid=tid)]
+
+  events = []
+  for tid, wait in ((1, 2.0), (2, 4.0)):
+    begin, end = region(tid, "epilogue", 12, 20)
+    events += region(tid, "mma", 0, 10) + [begin, *region(tid, "wait_read", 13, 13 + wait), end]
+  events += region(3, "wait_peers", 0, 30)  # the memory warpgroup
+  got = summarize(dict(traceEvents=events))
+  assert got["compute_warpgroups"] == 2 and got["span_us"] == 30
+  assert got["regions"]["mma"] == dict(mean_us=10.0, mean_count=1.0)
+  assert got["regions"]["epilogue"]["mean_us"] == 8.0
+  assert got["regions"]["wait_read"]["mean_us"] == 3.0
+  assert got["regions"]["other"]["mean_us"] == 2.0
+  assert "wait_peers" not in got["regions"]
