@@ -1,12 +1,13 @@
 """Where the matmul + reduce-scatter kernel's time goes, seen from inside it.
 
-On 2xH200 the kernel takes about its matmul's time plus the whole transfer's, whether the
-partials are pushed to the owner or pulled by it (``bench_collective_matmul``). Mosaic
-GPU's on-device profiler (``gemm.profiling``) records, for every warpgroup of every SM,
-when each named region of the kernel begins and ends: ``mma`` (a tile's pipelined
+Mosaic GPU's on-device profiler (``gemm.profiling``) records, for every warpgroup of every
+SM, when each named region of the kernel begins and ends: ``mma`` (a tile's pipelined
 matmul), ``epilogue``, and inside or between them the waits: ``wait_read`` (a read of a
 peer's partials landing), ``wait_peers`` (the peers' partials of a phase written),
-``signal``, ``flush``, ``release``. This runs the kernels of the 1.3B layers at TP = the
+``signal`` (a sent loop's stores landed and counted), ``release`` (the peers done reading
+this rank's outbox). It found the per-warpgroup signals that held the kernel (see
+``matmul_rs``). The profiled kernel runs about twice as long as the unprofiled one: read
+its regions as proportions. This runs the kernels of the 1.3B layers at TP = the
 local GPU count, plain and FP8, and writes per region the mean time per compute warpgroup
 of one device, beside the kernel's span and its unprofiled device time in the same process;
 and the raw traces (Perfetto / chrome://tracing).
@@ -104,6 +105,8 @@ def run(args) -> dict:
   report = dict(benchmark="profile_rs_kernel", model=args.model, tp=n, num_sms=sms,
                 devices=[d.device_kind for d in jax.devices()], cases={})
   out_dir = pathlib.Path(args.out_dir or ".")
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(None, None, "t"), P("t")),
+                           out_specs=(P(None, "t"),), check_vma=False)
   for layer in args.layers.split(","):
     kind, y_shape, w_shape = layer_shapes(args.model, n, 8, 2048)[layer]
     if kind != "rs":
@@ -116,8 +119,6 @@ def run(args) -> dict:
     for name, fp8 in (("plain", None), ("fp8", FP8)):
       def fn(y, w, fp8=fp8):
         return (matmul_rs.matmul_reduce_scatter(y, w, "t", num_sms=sms, fp8=fp8),)
-      smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(None, None, "t"), P("t")),
-                               out_specs=(P(None, "t"),), check_vma=False)
       case = dict(unprofiled=device_time_ms(jax.jit(smap(fn)), (y, w), args.iters, n))
       trace_dir = pathlib.Path(tempfile.mkdtemp())
       with gemm.profiling(str(trace_dir)):

@@ -16,11 +16,12 @@ Once every warpgroup of a rank has written its partials of a phase for a peer, o
 signal tells the peer (``relay``); the peer's own phase starts when every peer's has come.
 A last one holds every rank until its peers have read its outbox.
 
-Why the owner pulls: a TMA store to a peer reads shared memory only as fast as the link
-takes it, and with every SM's tile finishing at once that is ~20 us a tile, during which
-the stores held up the matmul (on 2xH200 the pushing kernel took the matmul's time plus
-the whole transfer's, at every shape: docs/parallel.md). Local stores drain at once, and
-loads from a peer wait in their barriers, not in the SM's stores.
+Why pull and relay: with every warpgroup signalling its peer itself (a release at system
+scope), the signals of a GPU's 264 compute warpgroups were served one after the other and
+held SMs for up to ~200 us; the relay is what took the kernel from the matmul's time plus
+the whole transfer's to 1.09x the matmul at the 1.3B MLP-out (pulling alone gained ~4%).
+Pulling keeps the sender's stores local, so a sent loop's stores have landed, and can be
+signalled, as soon as the loop ends (docs/parallel.md, "Found on 2026-11-24").
 
 Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
 groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
@@ -285,7 +286,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
         refs, 2, n_slots if local else 0, 1, n_slots)
     # per phase and for the release at the end: the peers' relayed signals, then the counts
-    # of this rank's own warpgroups (``_relay``)
+    # of this rank's own warpgroups (``relay``)
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
 
     def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
