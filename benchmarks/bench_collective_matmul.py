@@ -8,15 +8,18 @@ count), the same random inputs go through:
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
   kernel (its own time is reported apart as ``fp8_kernel``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
-* ``cublas``: XLA's matmul of the same full shape on one GPU: the ideal;
+* ``cublas``: XLA's bf16 matmul of the same full shape on one GPU (cuBLAS): the ideal;
+  ``xla_f32_dot``: the same accumulated to fp32 then converted, which XLA runs as a Triton
+  GEMM (the ``cublas`` of results before 2026-11-24);
 * ``jax_gemm``: jax's own Hopper matmul example (``hopper_matmul_mgpu``) on that shape, with
-  the same tiles as ours: a yardstick for our GEMM core.
+  the same tiles as ours, alone and in CTA pairs (``[cluster=m]`` / ``[cluster=n]``: one
+  operand's blocks multicast to both): a yardstick for our GEMM core.
 
 With fewer GPUs than ``--tp`` (e.g. one H200 and ``--tp 2``), only the one-GPU variants run
 (``gemm``, ``cublas``, ``jax_gemm``) at the TP shapes: the GEMM core's own speed.
 
 Column layers (``qkv``, ``up``) are all-gather + matmul, row layers (``proj``, ``down``)
-matmul + reduce-scatter. Every kernel's result is first checked against its reference
+matmul + reduce-scatter; ``qkv_dx`` and ``proj_dx`` are backward kernels (``layer_shapes``). Every kernel's result is first checked against its reference
 (relative Frobenius error, and the gathered x bit for bit); a kernel that fails its check
 is reported, not timed. Times: CUPTI kernel durations (``mosaic.gpu.profiler.measure``) per
 call; per kernel name the minimum over devices (the device that waited least, as jax's
@@ -62,7 +65,7 @@ TOL = 1e-2  # relative error of a bf16 result against its reference
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--models", default="1.3b,2.7b")
-  p.add_argument("--layers", default="qkv,up,proj,down")
+  p.add_argument("--layers", default="qkv,up,proj,down,qkv_dx,proj_dx")
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--seq", type=int, default=2048)
   p.add_argument("--iters", type=int, default=20)
@@ -77,12 +80,17 @@ def parse_args(argv=None):
 
 
 def layer_shapes(model: str, tp: int, batch: int, seq: int) -> dict:
-  """Per layer: (kind, x or y global shape, w global shape)."""
+  """Per layer: (kind, x or y global shape, w global shape). The ``_dx`` layers are the
+  backward passes' kernels whose shapes no forward kernel has: the QKV input's gradient
+  (a reduce-scatter over 3d features) and the out-projection's (an all-gather into d / tp
+  columns); the MLP's backward kernels have the forward shapes of the other MLP layer."""
   d, f = MODELS[model]["d"], MODELS[model]["f"]
   return {"qkv": ("ag", (batch, seq, d), (d, 3 * d)),
           "up": ("ag", (batch, seq, d), (d, f)),
           "proj": ("rs", (batch, seq, d), (d, d)),
-          "down": ("rs", (batch, seq, f), (f, d))}
+          "down": ("rs", (batch, seq, f), (f, d)),
+          "qkv_dx": ("rs", (batch, seq, 3 * d), (3 * d, d)),
+          "proj_dx": ("ag", (batch, seq, d), (d, d))}
 
 
 def _tiling(base, spec: str):
@@ -167,7 +175,8 @@ def run(args) -> dict:
       else:
         full_a, full_w = a[..., :a.shape[-1] // tp], w[:w.shape[0] // tp]
       full_a, full_w = put(full_a, P(), one), put(full_w, P(), one)
-      timed = {"cublas": (ref_full, (full_a, full_w))}
+      timed = {"cublas": (ref_full, (full_a, full_w)),
+               "xla_f32_dot": (ref_f32_dot, (full_a, full_w))}
       if mesh is not None:
         a_s, w_s = put(a, a_spec), put(w, w_spec)
         reference, ref_fp8 = variants.pop("xla"), variants.pop("xla_fp8")
@@ -186,7 +195,9 @@ def run(args) -> dict:
           if check["ok"]:
             timed[name] = (fn, fargs)
       if on_gpu:
-        variants["jax_gemm"] = (_jax_gemm, True)
+        for cluster in (None, "m", "n"):
+          variants["jax_gemm" + (f"[cluster={cluster}]" if cluster else "")] = (
+              functools.partial(_jax_gemm, cluster=cluster), True)
         # what the one-GPU variants must compute: plain, and (once asked for) compressed
         want_one = {False: ref_full(full_a, full_w)}
       for name, (fn, alone) in variants.items():
@@ -230,7 +241,16 @@ def run(args) -> dict:
 
 
 def ref_full(a, w):
-  """One rank's matmul with XLA (cuBLAS on the GPU), bf16 out of an fp32 accumulator."""
+  """One rank's matmul as the layers' XLA step runs it: a bf16 dot, which XLA gives to
+  cuBLAS on an H200 (its ``nvjet`` kernels)."""
+  import jax.numpy as jnp
+  return jnp.einsum("btk,kn->btn", a, w)
+
+
+def ref_f32_dot(a, w):
+  """The same with an fp32 result converted to bf16, which XLA fuses into a Triton GEMM
+  (``gemm_fusion_dot``): the ``cublas`` baseline of the results before 2026-11-24, which
+  was up to ~15% slower than cuBLAS at these shapes."""
   import jax.numpy as jnp
   return jnp.einsum("btk,kn->btn", a, w, preferred_element_type=jnp.float32).astype(a.dtype)
 
@@ -252,10 +272,15 @@ def _one_rank_fp8_reference(kind, smap, one):
       compiler_options={"xla_allow_excess_precision": False})(a, w)
 
 
-def _jax_gemm(a, w):
-  """jax's Hopper matmul example on one rank's full matmul, with our default tiles."""
+def _jax_gemm(a, w, cluster=None):
+  """jax's Hopper matmul example on one rank's full matmul, with our default tiles (a
+  ``[128, 256]`` CTA tile, strips of 8 row tiles); ``cluster`` "m" or "n": pairs of CTAs
+  along M (sharing the weight's block by TMA multicast) or N (sharing x's)."""
   from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
-  cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+  dim = {None: None, "m": hm.MatmulDimension.M, "n": hm.MatmulDimension.N}[cluster]
+  cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                        grid_minor_dim=hm.MatmulDimension.M, grid_tile_width=8,
+                        cluster_dimension=dim)
   b, t, k = a.shape
   return (hm.matmul(a.reshape(b * t, k), w, None, cfg).reshape(b, t, -1),)
 

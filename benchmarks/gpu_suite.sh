@@ -24,7 +24,7 @@
 #   bash benchmarks/gpu_suite.sh baseline            # issue 19, 2xH200, TP=2: cuDNN attention,
 #                                                    # remat policies and no remat (<= 9 min)
 #   bash benchmarks/gpu_suite.sh baseline_dp2        # ... DP=2, TP=1 (<= 6 min)
-#   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~2 min)
+#   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per model)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -44,7 +44,8 @@
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
-#   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers' step (<= 7 min)
+#   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers' step (<= 7 min;
+#                                                  # VARIANTS=off_cm_save_dots_unroll,ideal_save_dots_unroll: beside the ideal)
 #   bash benchmarks/gpu_suite.sh profile_rs        # issue 15, TP=2: inside the reduce-scatter kernel (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -229,7 +230,7 @@ for job in "$@"; do
       # free-communication ideal go (the reduce-scatter kernels, XLA's cross-GPU barrier
       # before each Mosaic GPU kernel, the collectives left to XLA), beside the plain step
       timeout 420 python3 benchmarks/profile_step.py --label nvlink_cm_dots --layouts 1,1,2 \
-        --attention cudnn --variants off_cm_save_dots_unroll,off_save_dots_unroll --steps 2 \
+        --attention cudnn --variants "${VARIANTS:-off_cm_save_dots_unroll,off_save_dots_unroll}" --steps 2 \
         --warmup 2 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \

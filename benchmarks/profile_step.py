@@ -20,6 +20,7 @@ import gzip
 import json
 import os
 import pathlib
+import re
 import sys
 import tempfile
 
@@ -64,12 +65,20 @@ def _covered(intervals, cover) -> float:
   return total
 
 
-def summarize_trace(events: list[dict], steps: int) -> dict:
+def kernel_name(name: str) -> str:
+  """A kernel's name without XLA's numbering of fusions (``loop_add_fusion_12``) or
+  Mosaic GPU's of kernels, so that the calls of one kind add up."""
+  return re.sub(r"([._]\d+)+$", "", name)
+
+
+def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
   """Per device (a trace process whose name mentions a device): ms per step by kernel
-  family, and NCCL ms per step not overlapped by any compute kernel of that device."""
+  family, NCCL ms per step not overlapped by any compute kernel of that device, and the
+  ``top`` kernels by ms per step (``kernel_name``: fusions of one kind together)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
+  kernels = collections.defaultdict(collections.Counter)
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
       continue
@@ -77,6 +86,7 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
     if "GPU" not in dev and "/device:" not in dev:
       continue
     per_dev[dev][family(e["name"])].append((e["ts"], e["ts"] + e["dur"]))
+    kernels[dev][kernel_name(e["name"])] += e["dur"]
   out = {}
   for dev, fams in sorted(per_dev.items()):
     compute = _merge(fams.get("gemm", []) + fams.get("fusion", []) + fams.get("other", []))
@@ -85,7 +95,9 @@ def summarize_trace(events: list[dict], steps: int) -> dict:
     nccl_ms = sum(b - a for a, b in nccl) / 1e3 / steps
     hidden = _covered(nccl, compute) / 1e3 / steps
     out[dev] = dict(busy_ms=busy, nccl_ms=nccl_ms, nccl_exposed_ms=nccl_ms - hidden,
-                    compute_ms=sum(b - a for a, b in compute) / 1e3 / steps)
+                    compute_ms=sum(b - a for a, b in compute) / 1e3 / steps,
+                    top_kernels_ms={k: us / 1e3 / steps
+                                    for k, us in kernels[dev].most_common(top)})
   return out
 
 

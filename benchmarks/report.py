@@ -670,7 +670,7 @@ def measured_module() -> str:
 
 
 CM_COLUMNS = ("xla", "fused", "fused_fp8", "rank0", "rank0_fp8", "gemm", "gemm_fp8", "jax_gemm",
-              "cublas")
+              "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
 
 
 def _kernel_ms(variant: dict) -> float | None:
@@ -714,8 +714,11 @@ def collective_matmul_section() -> str:
       "encode included); `rank0` / `rank0_fp8` (one GPU): rank 0's kernel at the TP shapes "
       "in local mode, its copies landing in local memory and no wait for peers (the FP8 "
       "kernel alone, codes made beforehand); `fp8 / plain`: `fused_fp8` / `fused`, or on "
-      "one GPU `rank0_fp8` / `rank0`; `jax_gemm`: jax's Hopper matmul example on that shape; `cublas`: "
-      "XLA's matmul of one rank's whole product (the ideal). `MiB/device`: what the plain "
+      "one GPU `rank0_fp8` / `rank0`; `jax_gemm`: jax's Hopper matmul example on that shape "
+      "(`[cluster=m]` / `[cluster=n]`: in pairs of CTAs sharing a block by multicast); `cublas`: "
+      "XLA's bf16 matmul of one rank's whole product (cuBLAS: the ideal); `xla_f32_dot`: the same "
+      "accumulated in fp32 and converted, which XLA runs as a Triton GEMM, up to ~15% slower: "
+      "the `cublas` column of the runs before 2026-11-24, whose ratios are against it. `MiB/device`: what the plain "
       "collective sends. `… kernel ms`: the FP8 collective-matmul kernel alone, without the "
       "encode before it and the decode of the gathered x after it (the all-gather's). Every "
       "kernel was checked against its reference before it was timed; "

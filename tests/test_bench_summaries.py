@@ -242,7 +242,8 @@ def test_trace_summary_counts_only_uncovered_nccl_time():
 
   events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
             dict(ph="M", name="process_name", pid=2, args=dict(name="/host:CPU")),
-            x("sm90_xmma_gemm_bf16", 0, 100), x("loop_add_fusion", 150, 50),
+            x("sm90_xmma_gemm_bf16", 0, 100), x("loop_add_fusion_3", 150, 20),
+            x("loop_add_fusion_12", 170, 30),
             x("ncclDevKernel_AllGather", 80, 40),    # 20 of 40 under the gemm
             x("ncclDevKernel_ReduceScatter", 210, 30),  # none covered
             x("host work", 0, 1000, pid=2)]
@@ -252,6 +253,8 @@ def test_trace_summary_counts_only_uncovered_nccl_time():
   assert got["nccl_exposed_ms"] == pytest.approx(50 / 1e3 / 2)
   assert got["compute_ms"] == pytest.approx(150 / 1e3 / 2)
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
+  assert got["top_kernels_ms"]["loop_add_fusion"] == pytest.approx(50 / 1e3 / 2)
+  assert list(got["top_kernels_ms"])[0] == "sm90_xmma_gemm_bf16"
 
 
 def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypatch):
