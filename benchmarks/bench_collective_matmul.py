@@ -19,8 +19,9 @@ With fewer GPUs than ``--tp`` (e.g. one H200 and ``--tp 2``), only the one-GPU v
 (``gemm``, ``cublas``, ``jax_gemm``) at the TP shapes: the GEMM core's own speed.
 
 Column layers (``qkv``, ``up``) are all-gather + matmul, row layers (``proj``, ``down``)
-matmul + reduce-scatter; ``qkv_dx`` and ``proj_dx`` are backward kernels (``layer_shapes``). Every kernel's result is first checked against its reference
-(relative Frobenius error, and the gathered x bit for bit); a kernel that fails its check
+matmul + reduce-scatter; ``qkv_dx`` and ``proj_dx`` are backward kernels (``layer_shapes``).
+Every kernel's result is first checked against its reference (relative Frobenius error,
+and the gathered x bit for bit); a kernel that fails its check
 is reported, not timed. Times: CUPTI kernel durations (``mosaic.gpu.profiler.measure``) per
 call; per kernel name the minimum over devices (the device that waited least, as jax's
 collective-matmul example measures), summed over kernels; median over ``--iters`` calls.

@@ -74,14 +74,15 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
 # Triton stages the transform's H operand in shared memory (227 KiB a CTA on Hopper): H of
 # G = 512, or the two-term H of fp32 inputs at G = 256 ([2G, G] bf16), does not fit.
 MAX_H_BYTES = 128 * 1024
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
 def warn_once(reason: str, message: str, *args) -> None:
-  """``logging.warning(message, *args)``, once per ``reason`` in this process: a fallback
-  is decided each time a step is traced, and said once."""
-  if reason not in _warned:
-    _warned.add(reason)
+  """``logging.warning(message, *args)``, once per message and ``reason`` in this process:
+  a fallback is decided each time a step is traced, and said once (a reason shared by two
+  messages still says both)."""
+  if (message, reason) not in _warned:
+    _warned.add((message, reason))
     logging.warning(message, *args)
 
 

@@ -40,6 +40,7 @@ from taco_jax.tp.overlap import SEQ
 from taco_jax.codec import CompressionConfig
 from taco_jax.collectives import Decided
 
+
 def _say_once(problem: str, what: str) -> None:
   """Logs, once per reason, that a collective runs as XLA's instead of in a kernel."""
   warn_once(problem, "parallel.tp_overlap='kernel': %s runs as XLA's collective (and so "
