@@ -8,6 +8,8 @@ count), the same random inputs go through:
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
   kernel (its own time is reported apart as ``fp8_kernel``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
+  ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
+  ``--core-tilings``: what the kernels' hooks cost on top of it;
 * ``cublas``: XLA's bf16 matmul of the same full shape on one GPU (cuBLAS): the ideal;
   ``xla_f32_dot``: the same accumulated to fp32 then converted, which XLA runs as a Triton
   GEMM (the ``cublas`` of results before 2026-11-24);
@@ -76,6 +78,8 @@ def parse_args(argv=None):
   p.add_argument("--tilings", default="default",
                  help="comma-separated Tiling overrides per kernel, e.g. "
                       "'default,stages=3,tile_n=64' (each 'k=v+k=v')")
+  p.add_argument("--core-tilings", default="default",
+                 help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
   return parse_with_smoke(p, argv, dict(models="tiny", batch=2, seq=512, iters=2))
 
@@ -196,6 +200,9 @@ def run(args) -> dict:
           if check["ok"]:
             timed[name] = (fn, fargs)
       if on_gpu:
+        for spec in args.core_tilings.split(","):
+          variants[f"core[{spec}]"] = (functools.partial(
+              _core, tiling=_tiling(gemm.Tiling(), spec), sms=sms), True)
         for cluster in (None, "m", "n"):
           variants["jax_gemm" + (f"[cluster={cluster}]" if cluster else "")] = (
               functools.partial(_jax_gemm, cluster=cluster), True)
@@ -271,6 +278,13 @@ def _one_rank_fp8_reference(kind, smap, one):
   fn = jax.jit(smap(f, mesh=one, in_specs=(P(), P()), out_specs=P()))
   return lambda a, w: fn.lower(a, w).compile(
       compiler_options={"xla_allow_excess_precision": False})(a, w)
+
+
+def _core(a, w, *, tiling, sms):
+  """Our GEMM core alone (``gemm.matmul``): no hooks, no copies."""
+  from taco_jax.pallas_kernels import gemm
+  b, t, k = a.shape
+  return (gemm.matmul(a.reshape(b * t, k), w, tiling=tiling, num_sms=sms).reshape(b, t, -1),)
 
 
 def _jax_gemm(a, w, cluster=None):

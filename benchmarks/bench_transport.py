@@ -66,6 +66,21 @@ def setting_env(setting: str) -> dict:
   return env
 
 
+def permute_all_to_all(x, axis_name: str):
+  """``all_to_all(x, 0, 0)`` of ``[n, ...]`` blocks as n - 1 point-to-point sends (at shift
+  s, block r + s goes to rank r + s): the same bytes through NCCL's send/receive pairs one
+  peer at a time, where its all-to-all posts them all at once. At two ranks it measured as
+  the all-to-all, through host memory and through sockets (2xH200, 2026-11-24)."""
+  import jax
+  import jax.numpy as jnp
+  n, r = x.shape[0], jax.lax.axis_index(axis_name)
+  got = [x[r]]  # got[s]: the block rank r - s sent here
+  for s in range(1, n):
+    block = jax.lax.dynamic_index_in_dim(x, (r + s) % n, keepdims=False)
+    got.append(jax.lax.ppermute(block, axis_name, [(i, (i + s) % n) for i in range(n)]))
+  return jnp.stack(got)[(r - jnp.arange(n)) % n]
+
+
 def measure(args) -> list[dict]:
   """Times every transport in this process's environment; one row per (op, payload)."""
   import jax
@@ -91,11 +106,12 @@ def measure(args) -> list[dict]:
                                                  tiled=True),
       "psum_scatter": lambda x: jax.lax.psum_scatter(x.reshape(n, -1, x.shape[-1]), "x",
                                                      scatter_dimension=0, tiled=True),
+      "permute_all_to_all": lambda x: permute_all_to_all(x.reshape(n, -1, x.shape[-1]), "x"),
   }
   # What the TP layers send: plain = all-gather + reduce-scatter of bf16; compressed =
   # all-gather + all-to-all of wire rows. The all-to-all input is the reduce-scatter's.
   plan = [("all_gather", p) for p in payloads] + [("psum_scatter", "bf16")] + [
-      ("all_to_all", p) for p in payloads if p != "bf16"]
+      ("all_to_all", p) for p in payloads if p != "bf16"] + [("permute_all_to_all", "wire_u8")]
   out = []
   for op, name in plan:
     dtype, width = payloads[name]
@@ -106,9 +122,14 @@ def measure(args) -> list[dict]:
                                check_vma=False))
     t = common.time_fn(fn, x, samples=args.samples)
     nbytes = local_rows * width * jnp.dtype(dtype).itemsize
+    # what each device receives: every peer's shard (all-gather), or the (n - 1) / n of its
+    # input that the peers hold (the scatters). Files with GBps_per_device instead (up to
+    # 2026-11-24) counted (n - 1) / n of the input for every op: half the all-gather's rate
+    # at n = 2.
+    received = nbytes * (n - 1) / (1 if op == "all_gather" else n)
     out.append(dict(op=op, payload=name, bytes_per_device=nbytes, median_ms=t.median_s * 1e3,
                     min_ms=t.min_s * 1e3, max_ms=t.max_s * 1e3, inner=t.inner,
-                    GBps_per_device=nbytes * (n - 1) / n / t.median_s / 1e9))
+                    received_GBps_per_device=received / t.median_s / 1e9))
   return out
 
 
@@ -138,14 +159,14 @@ def table(report: dict) -> str:
   lines = [f"{report['label']}: {report['num_devices']}x {report['device']}, "
            f"rows/device {report['config']['rows']}, hidden {report['config']['hidden']}",
            f"{'setting':48s} {'op':13s} {'payload':13s} {'MiB/dev':>8s} {'ms':>8s} "
-           f"{'GB/s/dev':>9s}"]
+           f"{'recv GB/s':>9s}"]
   for r in report["results"]:
     if "error" in r:
       lines.append(f"{r['setting'][:48]:48s} failed: {r['error']}")
       continue
     lines.append(f"{r['setting'][:48]:48s} {r['op']:13s} {r['payload']:13s} "
                  f"{r['bytes_per_device'] / 2**20:8.2f} {r['median_ms']:8.4f} "
-                 f"{r['GBps_per_device']:9.1f}")
+                 f"{r['received_GBps_per_device']:9.1f}")
   return "\n".join(lines)
 
 

@@ -52,6 +52,8 @@
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
 #   bash benchmarks/gpu_suite.sh slow_links_combined # overlap levers alone, combined, and
 #   bash benchmarks/gpu_suite.sh slow_links_no_lhs   # without XLA's overlap flags (<= 9.5 min each)
+#   bash benchmarks/gpu_suite.sh slow_links_nccl     # ... NCCL on copy engines / fewer SMs (<= 9.5 min;
+#                                                    # SETTINGS="default NCCL_MAX_NCHANNELS=4")
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
@@ -165,6 +167,26 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py \
         --label nop2p_levers_combined --layouts 1,1,2 --variants "$v" --deadline-s 520 \
         --out-dir "$out" ;;
+    slow_links_nccl)  # issue 16, 2xH200 through host memory: NCCL settings that move the
+      # bytes with the copy engines instead of SMs (NCCL_SHM_USE_CUDA_MEMCPY=1) or with fewer
+      # SMs (NCCL_MAX_NCHANNELS=4), so that the matmuls keep theirs while the transfers
+      # overlap them: the bare transports at the TP=2 message, then the strong step, plain
+      # and compressed, alone and interleaved, under the default and the copy engines (one
+      # process per setting: NCCL reads its environment once)
+      NCCL_P2P_DISABLE=1 timeout 120 python3 benchmarks/bench_transport.py --label nop2p \
+        --rows 8192 --samples 10 --out-dir "$out" \
+        --settings "default;NCCL_SHM_USE_CUDA_MEMCPY=1;NCCL_MAX_NCHANNELS=4"
+      for setting in ${SETTINGS:-default NCCL_SHM_USE_CUDA_MEMCPY=1}; do
+        case $setting in
+          default) env_set=(); label=nop2p_nccl_default
+                   v=off_save_dots_unroll,on_save_dots_unroll ;;
+          *) env_set=("$setting"); label="nop2p_nccl_$(slug "${setting#NCCL_}" | tr A-Z a-z)"
+             v=off_save_dots_unroll,on_save_dots_unroll,on_il2_save_dots_unroll ;;
+        esac
+        env "${env_set[@]}" NCCL_P2P_DISABLE=1 timeout 220 python3 benchmarks/bench_train.py \
+          --attention cudnn --label "$label" --layouts 1,1,2 --variants "$v" \
+          --deadline-s 170 --out-dir "$out"
+      done ;;
     slow_links_no_lhs)  # ... without XLA_OVERLAP_FLAGS: what the trainer compiled before
       # parallel.xla_overlap (no latency-hiding scheduler), and each lever from there
       NCCL_P2P_DISABLE=1 timeout 570 python3 benchmarks/bench_train.py --no-overlap-flags \

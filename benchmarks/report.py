@@ -145,7 +145,8 @@ def collectives_section() -> str:
 
 TRANSPORTS = (("all_gather", "bf16"), ("all_gather", "wire_u8"), ("all_gather", "wire_as_bf16"),
               ("all_gather", "wire_as_u32"), ("psum_scatter", "bf16"), ("all_to_all", "wire_u8"),
-              ("all_to_all", "wire_as_bf16"), ("all_to_all", "wire_as_u32"))
+              ("all_to_all", "wire_as_bf16"), ("all_to_all", "wire_as_u32"),
+              ("permute_all_to_all", "wire_u8"))
 
 
 def transport_section() -> str:
@@ -172,7 +173,8 @@ def transport_section() -> str:
         f"{sizes[('all_to_all', 'wire_u8')]:g} MiB of wire rows. ms per call:\n\n"
         + _table(["setting", "AG bf16", "AG wire u8", "AG wire as bf16", "AG wire as u32",
                   "RS bf16", "A2A wire u8", "A2A wire as bf16", "A2A wire as u32",
-                  "AG bf16 / wire", "RS bf16 / A2A wire"], rows) + "\n")
+                  "A2A wire u8 as sends", "AG bf16 / wire", "RS bf16 / A2A wire"], rows)
+        + "\n")
   return _section("Transport alone (`benchmarks/bench_transport.py`: no encode, no decode)",
                   "The collectives of one TP layer at the 1.3B model's sizes, bf16 against the "
                   "wire bytes a compressed collective moves (as u8, and the same bytes as bf16 "
@@ -669,8 +671,9 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "rank0", "rank0_fp8", "gemm", "gemm_fp8", "jax_gemm",
-              "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
+CM_COLUMNS = ("xla", "fused", "fused_fp8", "rank0", "rank0_fp8", "gemm", "gemm_fp8",
+              "core[default]", "jax_gemm", "jax_gemm[cluster=m]", "jax_gemm[cluster=n]",
+              "xla_f32_dot", "cublas")
 
 
 def _kernel_ms(variant: dict) -> float | None:

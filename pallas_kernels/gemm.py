@@ -283,6 +283,39 @@ def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str):
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile))
 
 
+def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None):
+  """``a @ w`` (fp32 accumulation) by the GEMM core alone, with no hooks: the yardstick of
+  the collective-matmul kernels' own speed (bench_collective_matmul's ``core``: what the
+  kernels' copies and epilogues cost on top of it, and how far it is from cuBLAS)."""
+  t = tiling
+  (m, k), n = a_MK.shape, w_KN.shape[1]
+  if w_KN.shape[0] != k:
+    raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract")
+  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k)
+  if reason:
+    raise ValueError(f"matmul: {reason}")
+  out_dtype = out_dtype or a_MK.dtype
+  loop = TileLoop(t, [Operand((t.cta_m, t.tile_k), a_MK.dtype, lambda kk: (0, kk))],
+                  w_KN.dtype, k)
+
+  def body(a_ref, w_ref, y_ref, out_smem):
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(a_ref, w_ref),
+                       collective_axes=WG)
+    def _scope(allocs):
+      def epilogue(m_idx, n_idx, wg, acc):
+        row0, col0 = t.wg_offsets(wg)
+        row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
+        store_tiles(acc.astype(out_dtype), out_smem, lambda i, j: y_ref.at[
+            pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue,
+               a_refs=lambda m_idx: [a_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
+    plgpu.wait_smem_to_gmem(0)
+
+  return kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), num_sms=num_sms,
+                scratch_types=dict(out_smem=out_smem_type(t, out_dtype)),
+                name="taco_gemm")(a_MK, w_KN)
+
+
 def num_sms(default: int = 4) -> int:
   """The multiprocessor count of the first device (132 on an H100 / H200), or ``default``
   where the device has none (CPU, where the kernels run in interpret mode)."""

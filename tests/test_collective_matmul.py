@@ -63,6 +63,23 @@ def test_all_gather_matmul_kernel_per_rank():
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
 
 
+@pytest.mark.parametrize("split,sms", [("n", 1), ("m", 3)])
+def test_gemm_core_alone_is_the_matmul(split, sms):
+  """``gemm.matmul``, the yardstick of the kernels' GEMM core: fp32-accumulated a @ w in
+  bf16, over tiles dealt to 1 or 3 SMs (3 leaves one SM a tile fewer)."""
+  m, k, n = 256, 192, 256
+  ka, kw = jax.random.split(jax.random.key(7))
+  a, w = _bf16(ka, (m, k)), _bf16(kw, (k, n), k ** -0.5)
+  tiling = dataclasses.replace(TILING, split=split)
+  with _interpret():
+    y = gemm.matmul(a, w, tiling=tiling, num_sms=sms)
+  want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  with pytest.raises(ValueError, match="do not contract"):
+    gemm.matmul(a, w[:64], tiling=tiling, num_sms=sms)
+
+
 def _partials(n, b, s, f, d, seed):
   ky, kw = jax.random.split(jax.random.key(seed))
   ys = [_bf16(jax.random.fold_in(ky, p), (b, n * s, f)) for p in range(n)]
