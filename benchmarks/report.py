@@ -722,7 +722,8 @@ def collective_matmul_section() -> str:
       "`cublas`: XLA's bf16 matmul of one rank's whole product (cuBLAS: the ideal); "
       "`xla_f32_dot`: the same accumulated in fp32 and converted, which XLA runs as a Triton "
       "GEMM, up to ~15% slower: the `cublas` column of the runs before 2026-11-24, whose "
-      "ratios are against it. `MiB/device`: what the plain collective sends. `… kernel ms`: the FP8 collective-matmul kernel alone, without the "
+      "ratios are against it. `MiB/device`: what the plain collective sends. `… kernel ms`: "
+      "the FP8 collective-matmul kernel alone, without the "
       "encode before it and the decode of the gathered x after it (the all-gather's). Every "
       "kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)

@@ -230,8 +230,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           row0, col0 = t.wg_offsets(wg)
           row = at.gathered(c, m_idx) + row0
           col = n_idx * t.cta_n + col0
-          gemm.store_tiles(acc.astype(out_dtype), out_smem, lambda i, j: y_ref.at[
-              pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+          gemm.store_tiles(acc.astype(out_dtype), out_smem, y_ref, row, col, wg, t)
 
         loop.run(allocs, m=rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
                  decode=mults.decoder(dtype, scratch) if fp8 else None,

@@ -215,15 +215,17 @@ def stage_out(value, out_smem, wg, slot: int, dest) -> None:
   plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
 
 
-def store_tiles(value, out_smem, dest: Callable, wg, tiling: Tiling):
+def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
   """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
-  slots (``out_smem_type``) to ``dest(i, j)``, the gmem ref of epilogue sub-tile (i, j):
-  one sub-tile's TMA store overlaps the staging of the next."""
+  slots (``out_smem_type``) to gmem ``out_ref`` from (``row``, ``col``) on, one
+  ``[epi_m, epi_n]`` sub-tile at a time: one sub-tile's TMA store overlaps the staging of
+  the next."""
   t = tiling
   parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
   for k, (i, j) in enumerate(parts):
     stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
-              wg, k % 2, dest(i, j))
+              wg, k % 2, out_ref.at[pl.ds(row + i * t.epi_m, t.epi_m),
+                                    pl.ds(col + j * t.epi_n, t.epi_n)])
 
 
 def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:
@@ -305,8 +307,7 @@ def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
       def epilogue(m_idx, n_idx, wg, acc):
         row0, col0 = t.wg_offsets(wg)
         row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
-        store_tiles(acc.astype(out_dtype), out_smem, lambda i, j: y_ref.at[
-            pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+        store_tiles(acc.astype(out_dtype), out_smem, y_ref, row, col, wg, t)
       loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue,
                a_refs=lambda m_idx: [a_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
     plgpu.wait_smem_to_gmem(0)

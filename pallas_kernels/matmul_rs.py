@@ -145,8 +145,7 @@ class _Epilogues:
     t = self.t
     if not self.fp8:
       for values, _ in dests:
-        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], lambda i, j: values.at[
-            pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)], wg, t)
+        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], values, row, col, wg, t)
       return
     codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
     for i in self._slabs():
