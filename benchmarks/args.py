@@ -6,7 +6,9 @@ devices for --smoke, XLA_FLAGS).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
 import pathlib
 import tempfile
 
@@ -29,6 +31,14 @@ def parse_with_smoke(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.
       if getattr(args, k) == p.get_default(k):
         setattr(args, k, v)
   return args
+
+
+def start_watchdog() -> None:
+  """After ``BENCH_WATCHDOG_S`` seconds (unset: never), print every thread's Python stack and
+  exit: a hang (a compile that never returns) is reported, not silently cut off by the
+  caller's time limit."""
+  if seconds := os.environ.get("BENCH_WATCHDOG_S"):
+    faulthandler.dump_traceback_later(float(seconds), exit=True)
 
 
 def results_path(benchmark: str, args, *, num_devices: int, platform: str,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import faulthandler
 import functools
 import json
 import os
@@ -49,7 +48,8 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+from benchmarks.args import (add_output_args, parse_with_smoke, results_path,  # noqa: E402
+                             start_watchdog)
 
 MODELS = {"1.3b": dict(d=2048, f=8192), "2.7b": dict(d=2560, f=10240),
           "tiny": dict(d=256, f=512)}  # tiny: --smoke
@@ -457,7 +457,7 @@ def main(argv=None):
   if args.smoke:
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  faulthandler.dump_traceback_later(float(os.environ.get("BENCH_WATCHDOG_S", 1e9)), exit=True)
+  start_watchdog()
   results = run(args)
   print(f"wrote {_write(args, results)}")
 

@@ -104,7 +104,8 @@ import traceback
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
+from benchmarks.args import (add_output_args, parse_with_smoke, results_path,  # noqa: E402
+                             start_watchdog)
 from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     SMOKE, TIMING, add_run_args, bench_setup, build_step, comm_summary, compression_plan,
     model_and_optimizer, step_interleaved, timing_record)
@@ -443,6 +444,7 @@ def add_overlap_flags(args) -> None:
 
 def main(argv=None) -> pathlib.Path:
   args = parse_args(argv)
+  start_watchdog()
   if args.smoke:
     from taco_jax.train.cli import use_cpu_devices
     use_cpu_devices(8)

@@ -48,6 +48,10 @@
 #                                                  # VARIANTS=off_cm_save_dots_unroll,ideal_save_dots_unroll: beside the ideal)
 #   bash benchmarks/gpu_suite.sh profile_rs        # issue 15, TP=2: inside the reduce-scatter kernel (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
+#   bash benchmarks/gpu_suite.sh cm_dots_4gpu        # issue 15, 4xH200, TP=4: strong step (<= 5.5 min)
+#   bash benchmarks/gpu_suite.sh cm_hang_4gpu        # ... the TP=4 kernel step forced on (<= 9.5 min)
+#   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
+#   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
 #   bash benchmarks/gpu_suite.sh slow_links_combined # overlap levers alone, combined, and
@@ -259,8 +263,32 @@ for job in "$@"; do
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
         --variants off_save,on_save,ideal_save,gspmd,off_cm_save,on_cm_save --deadline-s 500 \
         --out-dir "$out" ;;
+    cm_dots_4gpu)  # issue 15 on 4xH200 (TP=4): the strong step, its free-comm ideal, the
+      # compressed step and GSPMD (the kernel layers: cm_hang_4gpu)
+      timeout 330 python3 benchmarks/bench_train.py --label nvlink_dots --layouts 1,1,4 \
+        --attention cudnn --deadline-s 315 --out-dir "$out" \
+        --variants off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,gspmd ;;
+    cm_hang_4gpu)  # issue 15 on 4xH200: the TP=4 kernel step, whose compile hung twice
+      # (2026-11-26), forced on, under three settings: as before; CUDA's modules loaded
+      # eagerly (lazy loading can deadlock the driver while other threads load); XLA's LLVM
+      # compiles serial (Mosaic GPU compiles a kernel under its cache's lock and then takes
+      # LLVM's option lock, which XLA's parallel compiles hold with other options). Whole
+      # logs to $out.
+      for setting in default CUDA_MODULE_LOADING=EAGER \
+          XLA_FLAGS=--xla_gpu_force_compilation_parallelism=1; do
+        name=$(slug "${setting%%=*}" | tr 'A-Z' 'a-z')
+        env ${setting/#default/TACO_JAX_KERNELS_ANY_TP=1} TACO_JAX_KERNELS_ANY_TP=1 \
+          BENCH_WATCHDOG_S=175 timeout 185 python3 benchmarks/bench_train.py \
+          --label "nvlink_cm_dots_$name" --layouts 1,1,4 --attention cudnn --deadline-s 170 \
+          --out-dir "$out" --variants off_cm_save_dots_unroll >"$out/cm_hang_4gpu_$name.log" 2>&1
+        echo "$setting: rc $?"; grep -v "^[IW]0000" "$out/cm_hang_4gpu_$name.log" | tail -6
+      done ;;
+    cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers and GSPMD
+      timeout "${LIMIT:-300}" python3 benchmarks/bench_train.py --label nvlink_cm_dots \
+        --layouts 2,1,2 --attention cudnn --deadline-s "$(( ${LIMIT:-300} - 40 ))" \
+        --out-dir "$out" --variants off_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
     collective_matmul)
-      BENCH_WATCHDOG_S=420 timeout 450 python3 -m benchmarks.bench_collective_matmul \
+      BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;

@@ -347,6 +347,22 @@ def test_no_gpu_falls_back_to_the_collectives_and_says_so(caplog):
   assert len(said) == 1 and "no GPU" in said[0], said  # once, for every layer and direction
 
 
+def test_kernels_run_only_where_measured(monkeypatch):
+  """On a Hopper GPU with peer access the kernels run at TP <= `fused.MEASURED_TP`; above it
+  the layers take XLA's collectives, saying why, unless the override asks for the kernels."""
+  hopper = type("Device", (), dict(compute_capability="9.0", device_kind="NVIDIA H200"))()
+  monkeypatch.setattr(fused.jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(fused.jax, "devices", lambda: [hopper])
+  monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+  monkeypatch.delenv(fused.ANY_TP_ENV, raising=False)
+  assert fused.platform_problem(fused.MEASURED_TP) is None
+  assert fused.ANY_TP_ENV in fused.platform_problem(fused.MEASURED_TP * 2)
+  monkeypatch.setenv(fused.ANY_TP_ENV, "1")
+  assert fused.platform_problem(fused.MEASURED_TP * 2) is None
+  monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+  assert "NCCL_P2P_DISABLE" in fused.platform_problem(fused.MEASURED_TP)
+
+
 def test_tp_overlap_config_errors():
   """`parallel.tp_overlap`: unknown values, the old `parallel.overlap` boolean and
   compression logging with collective matmuls are one-line errors naming the fields."""
