@@ -13,7 +13,9 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'collectives_p2p_disabled_4gpu_20261121.json',
  'bench_collective_matmul_nvlink_2gpu_20261123.json',
  'bench_collective_matmul_nvlink_2gpu_20261124.json',
- 'bench_collective_matmul_nvlink_dx_2gpu_20261124.json']
+ 'bench_collective_matmul_nvlink_dx_2gpu_20261124.json',
+ 'bench_collective_matmul_nvlink_4gpu_20261126.json',
+ 'bench_collective_matmul_nvlink_dx_4gpu_20261126.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
@@ -23,4 +25,5 @@ MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_s
                       'all_reduce': 16777216,
                       'reduce_scatter': 1048576}}}
 
-KERNEL_MIN_BYTES = {'nvlink': {2: {'all_gather': None, 'reduce_scatter': None}}}
+KERNEL_MIN_BYTES = {'nvlink': {2: {'all_gather': None, 'reduce_scatter': None},
+            4: {'all_gather': None, 'reduce_scatter': 67108864}}}
