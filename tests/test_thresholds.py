@@ -97,3 +97,29 @@ def test_first_win_needs_every_point_from_that_size_on():
 
 def test_readme_and_thresholds_are_generated_from_the_results():
   assert report.main(["--check"]) == 0, "run python -m benchmarks.report"
+
+
+def test_kernel_runs_of_one_link_and_tp_merge_case_by_case(tmp_path, monkeypatch):
+  """A later run that timed some layers replaces those layers' cases, not the whole run:
+  the earlier run's other layers still set the thresholds."""
+  import json
+
+  def case(layer, kind, plain_ms, fp8_ms):
+    return dict(model="1.3b", layer=layer, kind=kind, tp=4, a_shape=[8, 2048, 2048],
+                w_shape=[2048, 2048], variants=dict(fused=dict(ms=plain_ms),
+                                                     fused_fp8=dict(ms=fp8_ms)))
+  runs = {"nvlink_4gpu_20261126": [case("proj", "rs", 2.0, 1.0), case("qkv", "ag", 1.0, 2.0)],
+          "nvlink_dx_4gpu_20261126": [case("qkv", "ag", 2.0, 1.0)],
+          "nvlink_4gpu_20261120": [case("down", "rs", 1.0, 2.0)]}  # the oldest, sorted first
+  for name, cases in runs.items():
+    (tmp_path / f"bench_collective_matmul_{name}.json").write_text(
+        json.dumps(dict(tp=4, gpus=4, cases=cases)))
+  monkeypatch.setattr(report, "RESULTS", tmp_path)
+  cases, names = report._cm_cases()
+  assert names[0] == "bench_collective_matmul_nvlink_4gpu_20261120.json"  # by date
+  merged = {c["layer"]: c["variants"]["fused_fp8"]["ms"] for c in cases["nvlink"][4]}
+  assert merged == {"down": 2.0, "proj": 1.0, "qkv": 1.0}  # qkv from the later run
+  # the reduce-scatter's cases disagree at one size (down lost, proj won): never pays
+  shard_bytes = 8 * 2048 * 2048 * 2 // 4  # what the plain all-gather sends per device
+  assert report.kernel_thresholds(cases["nvlink"][4]) == {"all_gather": shard_bytes,
+                                                         "reduce_scatter": None}
