@@ -348,19 +348,35 @@ def test_no_gpu_falls_back_to_the_collectives_and_says_so(caplog):
 
 
 def test_kernels_run_only_where_measured(monkeypatch):
-  """On a Hopper GPU with peer access the kernels run at TP <= `fused.MEASURED_TP`; above it
-  the layers take XLA's collectives, saying why, unless the override asks for the kernels."""
+  """On Hopper GPUs with peer access the kernels run in programs over at most
+  `fused.MEASURED_GPUS` devices; on a larger mesh (whatever its TP) the layers take XLA's
+  collectives, saying why, unless the override asks for the kernels."""
   hopper = type("Device", (), dict(compute_capability="9.0", device_kind="NVIDIA H200"))()
   monkeypatch.setattr(fused.jax, "default_backend", lambda: "gpu")
   monkeypatch.setattr(fused.jax, "devices", lambda: [hopper])
   monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
-  monkeypatch.delenv(fused.ANY_TP_ENV, raising=False)
-  assert fused.platform_problem(fused.MEASURED_TP) is None
-  assert fused.ANY_TP_ENV in fused.platform_problem(fused.MEASURED_TP * 2)
-  monkeypatch.setenv(fused.ANY_TP_ENV, "1")
-  assert fused.platform_problem(fused.MEASURED_TP * 2) is None
+  monkeypatch.delenv(fused.ANY_MESH_ENV, raising=False)
+  assert fused.platform_problem(fused.MEASURED_GPUS) is None
+  assert fused.ANY_MESH_ENV in fused.platform_problem(fused.MEASURED_GPUS * 2)
+  monkeypatch.setenv(fused.ANY_MESH_ENV, "1")
+  assert fused.platform_problem(fused.MEASURED_GPUS * 2) is None
   monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-  assert "NCCL_P2P_DISABLE" in fused.platform_problem(fused.MEASURED_TP)
+  assert "NCCL_P2P_DISABLE" in fused.platform_problem(fused.MEASURED_GPUS)
+
+
+def test_the_mesh_counts_every_device_not_only_the_tp_axis():
+  """DP=2 x TP=2 is a program over 4 devices: `_mesh_devices` sees the whole traced mesh."""
+  mesh = jax.make_mesh((2, 1, 2), ("data", "pipeline", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Explicit,) * 3)
+  seen = []
+
+  def body(x):
+    seen.append(fused._mesh_devices(jax.lax.axis_size("tensor")))
+    return x
+  jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("tensor"), out_specs=P("tensor")))(
+      jax.device_put(jnp.ones(8), jax.NamedSharding(mesh, P("tensor"))))
+  assert seen == [4]
+  assert fused._mesh_devices(2) == 2  # no mesh traced: the TP axis alone
 
 
 def test_tp_overlap_config_errors():

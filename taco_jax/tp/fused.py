@@ -17,11 +17,11 @@ take the codec's codes (the same codes as `taco_jax.codec`). A collective that f
 to XLA is compressed as the XLA collective would be (decided once, for that collective).
 
 Where a kernel cannot run (no Hopper GPU; ``NCCL_P2P_DISABLE=1``, which marks runs without
-peer access; a TP above ``MEASURED_TP`` unless ``TACO_JAX_KERNELS_ANY_TP=1``; shapes its
-tiles do not divide; a codec with the Hadamard transform, which the kernels do not apply),
-that collective runs as the XLA collective (`taco_jax.collectives`, compressed alike) plus
-the matmul, and the reason is logged once. That path is also how the CPU tests check the
-custom VJPs.
+peer access; a mesh of more than ``MEASURED_GPUS`` GPUs unless
+``TACO_JAX_KERNELS_ANY_MESH=1``; shapes its tiles do not divide; a codec with the Hadamard
+transform, which the kernels do not apply), that collective runs as the XLA collective
+(`taco_jax.collectives`, compressed alike) plus the matmul, and the reason is logged once.
+That path is also how the CPU tests check the custom VJPs.
 """
 from __future__ import annotations
 
@@ -48,15 +48,16 @@ def _say_once(problem: str, what: str) -> None:
             "does every collective for the same reason): %s", what, problem)
 
 
-# The largest TP at which the kernel layers' step was compiled and run on GPUs. At TP=4
-# (4xH200, 2026-11-26) the step's compile hung twice (> 400 s), and one kernel benchmark
-# run hung loading a single reduce-scatter kernel that loaded at once in the next run.
-MEASURED_TP = 2
-ANY_TP_ENV = "TACO_JAX_KERNELS_ANY_TP"  # "1": run the kernels at any TP (to measure them)
+# The most GPUs a step with the kernel layers was compiled and run on. XLA builds a Mosaic
+# GPU kernel's peer clique over every device of the program, whatever the TP. On 4xH200
+# (TP=4, 2026-11-26) the step's compile hung twice (> 400 s), and one kernel benchmark run
+# hung loading a single reduce-scatter kernel that loaded at once in the next run.
+MEASURED_GPUS = 2
+ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (to measure)
 
 
-def platform_problem(n: int) -> str | None:
-  """Why no kernel can run in this process over an axis of ``n`` devices, or None."""
+def platform_problem(devices: int) -> str | None:
+  """Why no kernel can run in this process, in a program over ``devices`` GPUs, or None."""
   if jax.default_backend() != "gpu":
     return f"no GPU (backend {jax.default_backend()!r}); the kernels are Mosaic GPU"
   cc = getattr(jax.devices()[0], "compute_capability", "9.0")
@@ -64,10 +65,15 @@ def platform_problem(n: int) -> str | None:
     return f"{jax.devices()[0].device_kind} (sm_{cc}) is not a Hopper GPU (sm_90)"
   if os.environ.get("NCCL_P2P_DISABLE") == "1":
     return "NCCL_P2P_DISABLE=1: no peer access between the GPUs"
-  if n > MEASURED_TP and os.environ.get(ANY_TP_ENV) != "1":
-    return (f"TP={n}: the kernel step was run at TP<={MEASURED_TP} only (at TP=4 its compile "
-            f"hung on 4xH200); {ANY_TP_ENV}=1 runs the kernels anyway")
+  if devices > MEASURED_GPUS and os.environ.get(ANY_MESH_ENV) != "1":
+    return (f"a mesh of {devices} GPUs: the kernel step was run on {MEASURED_GPUS} only (on "
+            f"4, at TP=4, its compile hung); {ANY_MESH_ENV}=1 runs the kernels anyway")
   return None
+
+
+def _mesh_devices(n: int) -> int:
+  """The devices of the mesh being traced (at least the ``n`` of the TP axis)."""
+  return max(n, jax.sharding.get_abstract_mesh().size)
 
 
 def _fp8(codec: CompressionConfig) -> dict:
@@ -82,7 +88,7 @@ def _kernel_or_xla(collective: str, message, codec, n: int, misfit):
   platform that runs kernels only the collective is asked; on one where the chosen kernel
   cannot take the shapes (``misfit(kernel codec)``: why not, or None) or the codec,
   the XLA collective is asked again, as it is then a different transport."""
-  problem = platform_problem(n)
+  problem = platform_problem(_mesh_devices(n))
   if problem is None:
     kcodec = collectives.decide(collective, message, codec, n, kernel=True)
     if kcodec is not None and kcodec.hadamard:
