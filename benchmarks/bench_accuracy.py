@@ -22,6 +22,9 @@ jax (several times the embedded stdlib corpus on the GPU image; no download), "e
 
 GPU, 4xH200, one call (< 10 minutes; NVLink multicast off):
   python benchmarks/bench_accuracy.py --label nvlink
+The compressed kernels against the compressed collectives (2xH200; the results' "runs"
+say which kernels fell back, "kernels_vs_collectives" how far apart the curves are):
+  python benchmarks/bench_accuracy.py --label nvlink_cm --tp 2 --variants off,on_all,on_all_cm
 CPU smoke test (8 fake devices, tiny model, ~1 minute):
   python benchmarks/bench_accuracy.py --smoke
 """
@@ -42,7 +45,12 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.args import add_output_args, parse_with_smoke, results_path  # noqa: E402
 
-VARIANTS = ("off", "on", "calibrated")
+# "on_all" / "on_all_cm": every TP message compressed with the config's codec (no measured
+# link policy, no error logging), through XLA's collectives / the fused collective-matmul
+# kernels (`parallel.tp_overlap="kernel"`), which send the same codes: issue 15's accuracy
+# check of the compressed kernels
+VARIANTS = ("off", "on", "calibrated", "on_all", "on_all_cm")
+DEFAULT_VARIANTS = ("off", "on", "calibrated")
 TACO = dict(format="e4m3", group_size=128, hadamard=True, dual_scale=True)
 # name -> the codec setting measured on the captured tensors (changes from TACO)
 ABLATIONS = {
@@ -64,7 +72,10 @@ def parse_args(argv=None):
   p.add_argument("--steps", type=int, default=2000, help="training steps of every run")
   p.add_argument("--eval-every", type=int, default=250)
   p.add_argument("--corpus", default="python", help="python | embedded | a data.path")
-  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                 help=f"of {', '.join(VARIANTS)}")
+  p.add_argument("--tp", type=int, default=None,
+                 help="instead of the config's TP (the kernels run on meshes of <= 2 GPUs)")
   p.add_argument("--seed", type=int, default=None, help="instead of the config's seed "
                  "(parameter init and batch order): a second seed gives the seed-to-seed spread")
   p.add_argument("--capture-steps", type=int, default=2)
@@ -107,8 +118,14 @@ def configure(config, args, variant: str, workdir: pathlib.Path):
                         progress_bar=False, log_every=min(config.train.log_every, 10))
     if args.smoke:
       config.parallel.update(dp=2, pp=1, tp=4)
+    if args.tp:
+      config.parallel.tp = args.tp
     config.compression.enabled = variant != "off"
-    config.compression.log_errors = variant != "off"
+    config.compression.log_errors = variant in ("on", "calibrated")
+    if variant in ("on_all", "on_all_cm"):
+      for family in ("tp_forward", "tp_backward"):
+        config.compression[family].link = None
+      config.parallel.tp_overlap = "kernel" if variant == "on_all_cm" else "none"
   return config
 
 
@@ -120,6 +137,18 @@ def curves(workdir: pathlib.Path) -> dict:
     for k, v in rec.items():
       if k != "step":
         out.setdefault(k, []).append([rec["step"], v])
+  return out
+
+
+def same_curves(run: dict, ref: dict) -> dict:
+  """How far `run`'s loss curves are from `ref`'s: the largest relative difference of the
+  training and the validation loss at the same steps."""
+  out = {}
+  for metric in ("loss", "val_loss"):
+    ref_at = dict(map(tuple, ref["curves"].get(metric, [])))
+    diffs = [abs(v - ref_at[s]) / abs(ref_at[s]) for s, v in run["curves"].get(metric, [])
+             if s in ref_at]
+    out[f"{metric}_max_rel_diff"] = max(diffs) if diffs else None
   return out
 
 
@@ -174,6 +203,9 @@ def main(argv=None) -> pathlib.Path:
         summary=summary, wall_s=time.perf_counter() - t0, curves=curves(root / variant),
         compression=config.compression.to_dict(), model=config.model.to_dict(),
         data=config.data.to_dict(), parallel=config.parallel.to_dict())
+    if config.parallel.tp_overlap == "kernel":  # did the kernels run, or XLA's collectives?
+      from taco_jax.tp import fused
+      report["runs"][variant]["kernel_fallbacks"] = fused.fallbacks()
     if "off" in report["runs"] and variant != "off":
       off = report["runs"]["off"]["summary"]["val_loss"]
       report["runs"][variant]["accuracy_cost"] = (summary["val_loss"] - off) / off
@@ -181,7 +213,7 @@ def main(argv=None) -> pathlib.Path:
     print(f"{variant}: val loss {summary['val_loss']:.4f} after {args.steps} steps "
           f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-  for variant in ("off", "on"):
+  for variant in ("off", "on", "on_all", "on_all_cm"):
     if variant in variants:
       run(variant, configure(load_config(args.config), args, variant, root))
   if "off" in report["runs"]:  # tensors of the trained model
@@ -204,6 +236,9 @@ def main(argv=None) -> pathlib.Path:
       print(f"skipping the calibrated run: {report['skipped']['calibrated']}")
     elif "calibrated" in variants:
       run("calibrated", configure(load_config(cal_file), args, "calibrated", root))
+  if {"on_all", "on_all_cm"} <= set(report["runs"]):
+    report["kernels_vs_collectives"] = same_curves(report["runs"]["on_all_cm"],
+                                                   report["runs"]["on_all"])
   report["wall_s"] = time.perf_counter() - t_start
   write()
   print(common.table([dict(variant=v, val_loss=r["summary"]["val_loss"],

@@ -550,7 +550,8 @@ def _accuracy_codec(run: dict) -> str:
   by_words: dict[str, list] = {}
   for fam in sending_families(dp=p["dp"], pp=p["pp"], tp=p["tp"],
                               shard_optimizer=p.get("shard_optimizer", False)):
-    by_words.setdefault(_codec_words(c[fam]), []).append(fam)
+    words = _codec_words(c[fam]) if c[fam].get("enabled", True) else "off"
+    by_words.setdefault(words, []).append(fam)
   return "; ".join(f"{w} ({', '.join(fams)})" for w, fams in by_words.items())
 
 
@@ -609,6 +610,15 @@ def accuracy_section() -> str:
              + "\n\nPer codec over the seeds: " + "; ".join(
                  f"{codec}: mean {sum(v) / len(v):+.2f}% over {len(v)} (from {min(v):+.2f}% "
                  f"to {max(v):+.2f}%)" for codec, v in by_codec.items()) + ".\n")
+    for name, d in group:
+      if diff := d.get("kernels_vs_collectives"):
+        fell_back = d["runs"]["on_all_cm"].get("kernel_fallbacks")
+        text += (f"\n`{name}`: the kernel layers (`on_all_cm`) against the collectives "
+                 f"(`on_all`), every TP message in FP8 on both: training loss at most "
+                 f"{100 * diff['loss_max_rel_diff']:.3g}% apart, validation loss "
+                 f"{100 * diff['val_loss_max_rel_diff']:.3g}%; "
+                 + (f"kernels that fell back: {'; '.join(fell_back)}.\n" if fell_back
+                    else "every kernel ran.\n"))
     # runs before the metric existed measured rel. L2 only
     with_share = [(n, d) for n, d in group if any(
         "share_off_by_8th" in r[0] for r in d.get("ablations", {}).values())]

@@ -86,6 +86,11 @@ def warn_once(reason: str, message: str, *args) -> None:
     logging.warning(message, *args)
 
 
+def warned(message: str) -> list[str]:
+  """The reasons for which `warn_once` has said ``message`` in this process."""
+  return sorted(reason for said, reason in _warned if said == message)
+
+
 def transform_misfit(group_size: int, hadamard: bool, dtype=jnp.bfloat16) -> str | None:
   """Why a compiled codec kernel cannot hold the Hadamard matrix for inputs of ``dtype``
   (fp32 ones need ``hadamard_dot``'s two-term H), or None when it can."""

@@ -3,8 +3,31 @@ and calibrate, are tested in test_calibrate / test_parallel_train) and the plot 
 results."""
 import json
 import math
+import pathlib
 
 import pytest
+
+
+def test_kernel_comparison_variants_differ_only_in_the_tp_layers():
+  """`on_all` and `on_all_cm` compress every TP message with the same codec, without the
+  link policy or error logs, through XLA's collectives and through the kernels."""
+  from benchmarks import bench_accuracy
+  args = bench_accuracy.parse_args(["--smoke", "--tp", "2"])
+  cfg = {v: bench_accuracy.configure(bench_accuracy.load_config(args.config), args, v,
+                                     pathlib.Path("/tmp"))
+         for v in ("on", "on_all", "on_all_cm")}
+  assert cfg["on"].compression.log_errors and cfg["on"].parallel.tp_overlap == "none"
+  assert cfg["on"].compression.tp_forward.link == "auto"
+  for v in ("on_all", "on_all_cm"):
+    c = cfg[v]
+    assert c.compression.enabled and not c.compression.log_errors and c.parallel.tp == 2
+    assert c.compression.tp_forward.link is None and c.compression.tp_backward.link is None
+  assert cfg["on_all"].parallel.tp_overlap == "none"
+  assert cfg["on_all_cm"].parallel.tp_overlap == "kernel"
+  ref = dict(curves=dict(loss=[[1, 2.0], [2, 1.0]], val_loss=[[2, 1.0]]))
+  run = dict(curves=dict(loss=[[1, 2.0], [2, 1.1]], val_loss=[[2, 1.0]]))
+  diff = bench_accuracy.same_curves(run, ref)
+  assert diff == dict(loss_max_rel_diff=pytest.approx(0.1), val_loss_max_rel_diff=0.0)
 
 
 @pytest.mark.slow

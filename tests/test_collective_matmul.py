@@ -345,6 +345,7 @@ def test_no_gpu_falls_back_to_the_collectives_and_says_so(caplog):
                        jnp.ones((2, 2, 8, 32)))
   said = [r.getMessage() for r in caplog.records if "tp_overlap='kernel'" in r.getMessage()]
   assert len(said) == 1 and "no GPU" in said[0], said  # once, for every layer and direction
+  assert fused.fallbacks() == [fused.platform_problem(2)]  # what a benchmark records
 
 
 def test_kernels_run_only_where_measured(monkeypatch):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
-from taco_jax.pallas_kernels.common import warn_once
+from taco_jax.pallas_kernels.common import warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
@@ -42,10 +42,19 @@ from taco_jax.codec import CompressionConfig
 from taco_jax.collectives import Decided
 
 
+_FALLBACK = ("parallel.tp_overlap='kernel': %s runs as XLA's collective (and so does every "
+             "collective for the same reason): %s")
+
+
 def _say_once(problem: str, what: str) -> None:
   """Logs, once per reason, that a collective runs as XLA's instead of in a kernel."""
-  warn_once(problem, "parallel.tp_overlap='kernel': %s runs as XLA's collective (and so "
-            "does every collective for the same reason): %s", what, problem)
+  warn_once(problem, _FALLBACK, what, problem)
+
+
+def fallbacks() -> list[str]:
+  """Every reason for which a kernel layer ran XLA's collective so far in this process
+  (what `_say_once` said), so that a benchmark can tell whether its kernels ran."""
+  return warned(_FALLBACK)
 
 
 # The most GPUs a step with the kernel layers was compiled and run on. XLA builds a Mosaic
