@@ -342,6 +342,9 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
                    comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
                                         mesh))
+    if variant.kernels:  # the reasons any kernel layer took XLA's collective so far
+      from taco_jax.tp import fused
+      runs[v]["kernel_fallbacks"] = fused.fallbacks()
     slowest_compile = max(slowest_compile, runs[v]["compile_s"])
     print(f"{dp},{pp},{tp} {v}: compiled in {runs[v]['compile_s']:.1f} s", flush=True)
   tokens_at = lambda i: data.batch_at(corpus, i, seed=0, batch_size=args.batch,  # noqa: E731
@@ -369,6 +372,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                                                      r["variant"].virtual_stages)
                                      if pp > 1 and r["variant"].ours else None),
                     device_peak_bytes=r["device_peak_bytes"],
+                    kernel_fallbacks=r.get("kernel_fallbacks"),
                     **timing_record(r, args)))
     del r["exe"], r["state"]
   return out, failed

@@ -326,9 +326,11 @@ def _policy_rows(results: list[dict], layout: str, remat: bool) -> list[tuple[st
 
 
 def _other_variants(results: list[dict], layout: str) -> str:
-  """'name ms, ...' of a layout's variants without a column of their own (e.g. *_pgle)."""
-  return ", ".join(f"{r['variant']} {r['step_ms']:.0f}" for r in results
-                   if r["layout"] == layout and r["variant"] != "gspmd"
+  """'name ms, ...' of a layout's variants without a column of their own (e.g. *_pgle); a
+  kernel-layer variant whose kernels fell back to XLA's collectives is marked so."""
+  return ", ".join(f"{r['variant']} {r['step_ms']:.0f}"
+                   + (" (kernels fell back)" if r.get("kernel_fallbacks") else "")
+                   for r in results if r["layout"] == layout and r["variant"] != "gspmd"
                    and _row_suffix(r["variant"]) is None) or "–"
 
 

@@ -124,14 +124,15 @@ def test_bench_train_smoke(tmp_path):
 
 
 def test_bench_train_modified_variants_smoke(tmp_path):
-  """bench_train --smoke with _il2 / _save / _dots / _noremat / _cif2 / _pgle variants (~40 s
-  on 2 CPU cores): they build, start from the same parameters, record what they are and their
+  """bench_train --smoke with _il2 / _save / _dots / _noremat / _cif2 / _pgle / _cm variants
+  (~50 s on 2 CPU cores): they build, start from the same parameters, record what they are and their
   memory (more kept, more temporaries), and the run records its attention (XLA on CPU)."""
   import json
 
   from benchmarks import bench_train
   path = bench_train.main(["--smoke", "--layouts", "2,1,4", "--variants",
-                           "off,off_save_cif2_pgle,on_il2_save_dots,off_noremat", "--dump-hlo",
+                           "off,off_save_cif2_pgle,on_il2_save_dots,off_noremat,off_cm",
+                           "--dump-hlo",
                            "on_il2_save_dots", "--out-dir", str(tmp_path)])
   rep = json.loads(path.read_text())
   by = {r["variant"]: r for r in rep["results"]}
@@ -145,8 +146,12 @@ def test_bench_train_modified_variants_smoke(tmp_path):
   assert by["off_save_cif2_pgle"]["xla_options"] == {  # 2 collectives in flight
       "xla_gpu_enable_latency_hiding_scheduler": True,
       "xla_gpu_experimental_parallel_collective_overlap_limit": 2}
-  for v in ("off_save_cif2_pgle", "off_noremat"):
+  for v in ("off_save_cif2_pgle", "off_noremat", "off_cm"):
     assert by[v]["loss_curve"][0] == pytest.approx(by["off"]["loss_curve"][0], rel=1e-6)
+  # the kernel layers say whether their kernels ran (on CPU: XLA's collectives, and why)
+  (why,) = by["off_cm"]["kernel_fallbacks"]
+  assert why.startswith("no GPU")
+  assert by["off"]["kernel_fallbacks"] is None
   (s,) = rep["summary"]
   assert "speedup_save_cif2_pgle_off" in s and s["best_on"] == "on_il2_save_dots"
   assert rep["attention"]["backend"] == "xla"
