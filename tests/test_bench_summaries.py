@@ -324,11 +324,28 @@ def test_profile_rs_kernel_summary_counts_regions_per_compute_warpgroup():
   for tid, wait in ((1, 2.0), (2, 4.0)):
     begin, end = region(tid, "epilogue", 12, 20)
     events += region(tid, "mma", 0, 10) + [begin, *region(tid, "wait_read", 13, 13 + wait), end]
+    events += region(tid, "wait_read", 21, 22)  # a later wait: counted, not first
   events += region(3, "wait_peers", 0, 30)  # the memory warpgroup
   got = summarize(dict(traceEvents=events))
   assert got["compute_warpgroups"] == 2 and got["span_us"] == 30
-  assert got["regions"]["mma"] == dict(mean_us=10.0, mean_count=1.0)
+  assert got["regions"]["mma"] == dict(mean_us=10.0, mean_count=1.0, first_mean_us=10.0)
   assert got["regions"]["epilogue"]["mean_us"] == 8.0
-  assert got["regions"]["wait_read"]["mean_us"] == 3.0
-  assert got["regions"]["other"]["mean_us"] == 2.0
+  assert got["regions"]["wait_read"] == dict(mean_us=4.0, mean_count=2.0, first_mean_us=3.0)
+  assert got["regions"]["other"]["mean_us"] == 3.0  # 10-12 and 20-21: outside every region
   assert "wait_peers" not in got["regions"]
+
+
+def test_profile_rs_kernel_keeps_a_trace_per_device(tmp_path):
+  """The profiler's one trace name per call: inside `trace_per_device` a second device's
+  exclusive open takes the next free name instead of failing."""
+  from jax._src.pallas.mosaic_gpu import pallas_call_registration as registration
+
+  from benchmarks.profile_rs_kernel import trace_per_device
+  path = str(tmp_path / "kernel-123-trace.json")
+  with trace_per_device():
+    for device in range(3):
+      with registration.open(path, "x") as f:
+        f.write(str(device))
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+      "kernel-123-dev1-trace.json", "kernel-123-dev2-trace.json", "kernel-123-trace.json"]
+  assert not hasattr(registration, "open")  # the module's builtin open again
