@@ -98,6 +98,7 @@ import os
 import pathlib
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -197,6 +198,9 @@ def parse_args(argv=None):
                       "--out-dir (else the temp dir) as hlo_<label>_<dp><pp><tp>_<variant>.txt.gz")
   p.add_argument("--deadline-s", type=float, default=480.0,
                  help="wall-clock budget of the whole run, compiles included")
+  p.add_argument("--build-timeout-s", type=float, default=0.0,
+                 help="give up a variant whose build (compile) takes longer, build no "
+                      "other and time the built ones (0: wait)")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
   args = parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2"))
   try:
@@ -304,6 +308,33 @@ def _relabel(summary: dict, mesh) -> dict:
   return out
 
 
+class BuildHung(Exception):
+  """A variant's build did not return within --build-timeout-s."""
+
+
+def build_within(seconds: float, *args):
+  """`build(*args)`, given up after ``seconds`` (0: waited for): a compile that hangs (the
+  TP=4 kernel step's did, 2026-11-26) then costs its variant, not the whole run. It runs on
+  a daemon thread, which is left behind if it hangs and does not hold the process at exit."""
+  if not seconds:
+    return build(*args)
+  box = {}
+
+  def target():
+    try:
+      box["out"] = build(*args)
+    except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+      box["error"] = e
+  thread = threading.Thread(target=target, name="bench_train build", daemon=True)
+  thread.start()
+  thread.join(seconds)
+  if thread.is_alive():
+    raise BuildHung(f"the build did not finish in {seconds:.0f} s (--build-timeout-s)")
+  if "error" in box:
+    raise box["error"]
+  return box["out"]
+
+
 def run_layout(layout, args, cfg, tx, corpus, until):
   from benchmarks import common
   from taco_jax import data
@@ -313,9 +344,13 @@ def run_layout(layout, args, cfg, tx, corpus, until):
 
   runs, failed = {}, []
   dp, pp, tp = layout
-  slowest_compile = 0.0
+  slowest_compile, hung = 0.0, None
   for variant in args._variants:
     v, t0 = variant.name, time.perf_counter()
+    if hung:  # a hung compile may hold the compiler's locks: time what was built
+      failed.append(dict(layout=f"{dp},{pp},{tp}", variant=v,
+                         error=f"skipped: the build of {hung} hung"))
+      continue
     if t0 + slowest_compile > args._compile_by:  # leave the built ones time to step
       print(f"{dp},{pp},{tp} {v}: not compiled, the deadline's compile share is spent",
             flush=True)
@@ -323,7 +358,13 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                          error="skipped: --deadline-s left no time to compile and step it"))
       continue
     try:  # one variant that does not build (e.g. out of memory) must not lose the others
-      exe, state, batch, mesh, plan, profiled = build(variant, layout, args, cfg, tx)
+      exe, state, batch, mesh, plan, profiled = build_within(
+          args.build_timeout_s, variant, layout, args, cfg, tx)
+    except BuildHung as e:
+      print(f"{dp},{pp},{tp} {v}: {e}; no further variant is built", flush=True)
+      failed.append(dict(layout=f"{dp},{pp},{tp}", variant=v, error=f"BuildHung: {e}"))
+      hung = v
+      continue
     except Exception as e:  # noqa: BLE001 (recorded in the results and printed)
       traceback.print_exc()
       failed.append(dict(layout=f"{dp},{pp},{tp}", variant=v, error=f"{type(e).__name__}: "

@@ -289,7 +289,8 @@ for job in "$@"; do
       TACO_JAX_KERNELS_ANY_MESH=1 BENCH_WATCHDOG_S=$(( ${LIMIT:-300} - 10 )) \
         timeout "${LIMIT:-300}" python3 benchmarks/bench_train.py --label nvlink_cm_dots \
         --layouts 2,1,2 --attention cudnn --deadline-s "$(( ${LIMIT:-300} - 40 ))" \
-        --out-dir "$out" --variants off_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
+        --build-timeout-s 150 --out-dir "$out" \
+        --variants off_save_dots_unroll,gspmd,off_cm_save_dots_unroll ;;
     collective_matmul)
       BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" --out-dir "$out" ;;

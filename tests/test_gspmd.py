@@ -174,3 +174,51 @@ def test_profile_step_smoke(tmp_path):
   assert set(rep["variants"]) == {"off"} and rep["traced_steps"] >= 1
   assert (tmp_path / "hlo_smoke_off.txt.gz").exists()
   assert (tmp_path / "trace_smoke_off.json.gz").exists()
+
+
+def test_build_within_gives_up_a_build_that_does_not_return(monkeypatch):
+  """`bench_train.build_within`: the build's result or its error, or BuildHung after the
+  timeout (the hung build left on its daemon thread)."""
+  import threading
+
+  from benchmarks import bench_train
+  release = threading.Event()
+
+  def build(what):
+    if what == "hang":
+      release.wait(60)
+    if what == "fail":
+      raise MemoryError("out of memory")
+    return what
+  monkeypatch.setattr(bench_train, "build", build)
+  try:
+    assert bench_train.build_within(5, "ok") == "ok"
+    assert bench_train.build_within(0, "ok") == "ok"  # 0: in this thread, waited for
+    with pytest.raises(MemoryError, match="out of memory"):
+      bench_train.build_within(5, "fail")
+    with pytest.raises(bench_train.BuildHung, match="did not finish in 0 s"):
+      bench_train.build_within(0.2, "hang")
+  finally:
+    release.set()
+
+
+def test_bench_train_times_the_built_variants_after_a_hung_build(tmp_path, monkeypatch):
+  """A variant whose build hung is recorded as such, no later variant is built, and the
+  ones built before it are timed."""
+  import json
+
+  from benchmarks import bench_train
+  real = bench_train.build_within
+
+  def build_within(seconds, variant, *args):
+    if variant.name == "on":
+      raise bench_train.BuildHung("the build did not finish in 1 s")
+    return real(seconds, variant, *args)
+  monkeypatch.setattr(bench_train, "build_within", build_within)
+  path = bench_train.main(["--smoke", "--layouts", "2,1,4", "--variants", "off,on,ideal",
+                           "--out-dir", str(tmp_path)])
+  rep = json.loads(path.read_text())
+  assert [r["variant"] for r in rep["results"]] == ["off"]
+  errors = {f["variant"]: f["error"] for f in rep["failed"]}
+  assert errors == {"on": "BuildHung: the build did not finish in 1 s",
+                    "ideal": "skipped: the build of on hung"}
