@@ -57,10 +57,10 @@ def fallbacks() -> list[str]:
   return warned(_FALLBACK)
 
 
-# The most GPUs a step with the kernel layers was compiled and run on. XLA builds a Mosaic
-# GPU kernel's peer clique over every device of the program, whatever the TP. On 4xH200
-# (TP=4, 2026-11-26) the step's compile hung twice (> 400 s), and one kernel benchmark run
-# hung loading a single reduce-scatter kernel that loaded at once in the next run.
+# The most GPUs a step with the kernel layers was compiled and run on. A Mosaic GPU kernel's
+# peer clique spans every device of the program, whatever the TP (jaxlib's custom call, as
+# published). On 4xH200 (TP=4, 2026-11-26) the step's compile hung twice (> 400 s), and one
+# kernel benchmark run hung loading a reduce-scatter kernel that loaded at once the next run.
 MEASURED_GPUS = 2
 ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (to measure)
 
