@@ -275,14 +275,13 @@ for job in "$@"; do
       # compiles serial (Mosaic GPU compiles a kernel under its cache's lock and then takes
       # LLVM's option lock, which XLA's parallel compiles hold with other options). Whole
       # logs to $out.
-      for setting in default CUDA_MODULE_LOADING=EAGER \
+      for setting in "" CUDA_MODULE_LOADING=EAGER \
           XLA_FLAGS=--xla_gpu_force_compilation_parallelism=1; do
-        name=$(slug "${setting%%=*}" | tr 'A-Z' 'a-z')
-        env ${setting/#default/TACO_JAX_KERNELS_ANY_MESH=1} TACO_JAX_KERNELS_ANY_MESH=1 \
-          BENCH_WATCHDOG_S=175 timeout 185 python3 benchmarks/bench_train.py \
+        name=$(slug "${setting%%=*}" | tr 'A-Z' 'a-z'); name=${name:-default}
+        env $setting TACO_JAX_KERNELS_ANY_MESH=1 BENCH_WATCHDOG_S=175 timeout 185 python3 benchmarks/bench_train.py \
           --label "nvlink_cm_dots_$name" --layouts 1,1,4 --attention cudnn --deadline-s 170 \
           --out-dir "$out" --variants off_cm_save_dots_unroll >"$out/cm_hang_4gpu_$name.log" 2>&1
-        echo "$setting: rc $?"; grep -v "^[IW]0000" "$out/cm_hang_4gpu_$name.log" | tail -6
+        echo "${setting:-default}: rc $?"; grep -v "^[IW]0000" "$out/cm_hang_4gpu_$name.log" | tail -6
       done ;;
     cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers (forced on:
       # a mesh of 4 GPUs) and GSPMD
