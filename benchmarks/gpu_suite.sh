@@ -95,6 +95,17 @@ trainer_40() {
   cp "/tmp/$name/summary.json" "$out/${name}_summary.json"
   rm -rf "/tmp/$name"
 }
+# native_stacks_if_alive <pid> <after s> <log>: waits; if <pid>'s python is still running,
+# appends its threads' native and Python stacks (py-spy) to <log>
+native_stacks_if_alive() {
+  local pid=$1 after=$2 log=$3 child
+  for _ in $(seq "$after"); do kill -0 "$pid" 2>/dev/null || return 0; sleep 1; done
+  child=$(pgrep -P "$pid" python3 | head -1); child=${child:-$pid}
+  { echo "=== still running after ${after}s: native stacks of $child"
+    timeout 60 /tmp/site/bin/py-spy dump --native --pid "$child" 2>&1 \
+      || ls /proc/"$child"/task | head -80 | while read -r t; do cat /proc/"$child"/task/$t/comm; done
+  } >>"$log"
+}
 sizes=${SIZES:-1,4,16,64,256}
 for job in "$@"; do
   case $job in
@@ -274,14 +285,17 @@ for job in "$@"; do
       # eagerly (lazy loading can deadlock the driver while other threads load); XLA's LLVM
       # compiles serial (Mosaic GPU compiles a kernel under its cache's lock and then takes
       # LLVM's option lock, which XLA's parallel compiles hold with other options). Whole
-      # logs to $out.
+      # logs to $out; a run still going at 150 s gets every thread's native stack appended
+      # (py-spy, from .whl/), which names the lock or rendezvous it waits on.
       for setting in "" CUDA_MODULE_LOADING=EAGER \
           XLA_FLAGS=--xla_gpu_force_compilation_parallelism=1; do
         name=$(slug "${setting%%=*}" | tr 'A-Z' 'a-z'); name=${name:-default}
+        log="$out/cm_hang_4gpu_$name.log"
         env $setting TACO_JAX_KERNELS_ANY_MESH=1 BENCH_WATCHDOG_S=175 timeout 185 python3 benchmarks/bench_train.py \
           --label "nvlink_cm_dots_$name" --layouts 1,1,4 --attention cudnn --deadline-s 170 \
-          --out-dir "$out" --variants off_cm_save_dots_unroll >"$out/cm_hang_4gpu_$name.log" 2>&1
-        echo "${setting:-default}: rc $?"; grep -v "^[IW]0000" "$out/cm_hang_4gpu_$name.log" | tail -6
+          --out-dir "$out" --variants off_cm_save_dots_unroll >"$log" 2>&1 &
+        native_stacks_if_alive "$!" 150 "$log"
+        wait "$!"; echo "${setting:-default}: rc $?"; grep -v "^[IW]0000" "$log" | tail -6
       done ;;
     cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers (forced on:
       # a mesh of 4 GPUs) and GSPMD
