@@ -134,3 +134,16 @@ def test_two_shot_with_fewer_rows_than_ranks_runs_one_shot():
                             in_specs=P("x"), out_specs=P()))
   ops = hlo_collectives(f.lower(jnp.ones((N, 256), jnp.bfloat16)).as_text(dialect="hlo"))
   assert {o["op"] for o in ops} == {"all-gather"}
+
+
+def test_a_kernels_custom_call_text_is_not_read_as_a_collective():
+  """A Mosaic GPU kernel's custom call carries its whole module as one string attribute:
+  text in it that looks like a collective is not one. (Searching that text took minutes a
+  step at TP=4.)"""
+  module = "=(" * 5_000 + ' %x = bf16[4]{0} all-reduce(bf16[4]{0} %y)'
+  kernel = (f'  %k = (bf16[8]{{0}}, u8[4]{{0}}) custom-call(bf16[8]{{0}} %p), '
+            f'custom_call_target="mosaic_gpu_v2", backend_config={{module="{module}"}}')
+  gather = ("  ROOT %all-gather-start.1 = (bf16[2,4]{1,0}, bf16[4,4]{1,0}) "
+            "all-gather-start(bf16[2,4]{1,0} %k), replica_groups={{0,1}}, dimensions={0}")
+  ops = hlo_collectives(f"{kernel}\n{gather}")
+  assert [(o["op"], o["dtypes"]) for o in ops] == [("all-gather", {"bf16"})]

@@ -14,8 +14,12 @@ import re
 import numpy as np
 
 _KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_OP = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>" + "|".join(_KINDS) +
-                 r")(?P<start>-start)?\(")
+# Anchored at the instruction's start (`[ROOT] %name = type op(`): a search from every "="
+# would also read the text of attributes, and a Mosaic GPU kernel's custom call carries its
+# whole module as one string attribute, which an unanchored lazy match scans quadratically
+# (minutes per step at TP=4).
+_OP = re.compile(r"\s*(?:ROOT\s+)?\S+\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>" +
+                 "|".join(_KINDS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]")
 _MESH_AXES = re.compile(r"replica_groups=mesh\[[^\]]*\]\s*\{(?P<axes>[^}]*)\}")
 _GROUPS = re.compile(r"replica_groups=\{(?P<g>(?:\{[\d,]*\},?)*)\}")
@@ -72,7 +76,7 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
   names, shape = (tuple(mesh.axis_names), tuple(mesh.devices.shape)) if mesh else ((), ())
   out = []
   for line in hlo_text.splitlines():
-    m = _OP.search(line)
+    m = _OP.match(line)
     if not m:
       continue
     arrays = [(a["dtype"], tuple(int(d) for d in a["dims"].split(",") if d))
