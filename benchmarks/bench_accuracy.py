@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
 import pathlib
 import sys
@@ -143,13 +144,15 @@ def curves(workdir: pathlib.Path) -> dict:
 
 def same_curves(run: dict, ref: dict) -> dict:
   """How far `run`'s loss curves are from `ref`'s: the largest relative difference of the
-  training and the validation loss at the same steps."""
+  training and the validation loss at the same steps, and the steps at which `run`'s loss
+  was not finite (left out of the largest difference, which NaN would otherwise hide)."""
   out = {}
   for metric in ("loss", "val_loss"):
     ref_at = dict(map(tuple, ref["curves"].get(metric, [])))
-    diffs = [abs(v - ref_at[s]) / abs(ref_at[s]) for s, v in run["curves"].get(metric, [])
-             if s in ref_at]
+    both = [(s, v, ref_at[s]) for s, v in run["curves"].get(metric, []) if s in ref_at]
+    diffs = [abs(v - r) / abs(r) for _, v, r in both if math.isfinite(v)]
     out[f"{metric}_max_rel_diff"] = max(diffs) if diffs else None
+    out[f"{metric}_nonfinite_steps"] = [s for s, v, _ in both if not math.isfinite(v)]
   return out
 
 

@@ -42,6 +42,7 @@
 #   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh accuracy_cm       # issue 15, TP=2: FP8 kernels vs FP8 collectives (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh accuracy_cm_evals # ... both evaluated every 4 steps (<= 5.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
@@ -388,6 +389,12 @@ for job in "$@"; do
       # the compressed collectives' (every TP message in FP8 on both paths: the same codes)
       timeout 570 python3 benchmarks/bench_accuracy.py --label nvlink_cm --tp 2 \
         --variants off,on_all,on_all_cm --deadline-s 540 --out-dir "$out" ;;
+    accuracy_cm_evals)  # issue 15, TP=2: accuracy_cm's kernel run ended on a NaN
+      # validation loss (2026-11-26, the last of 8 evaluations; its training curve finite):
+      # both paths evaluated every 4 steps for 500, to see how often and where
+      timeout 330 python3 benchmarks/bench_accuracy.py --label nvlink_cm_evals --tp 2 \
+        --variants on_all,on_all_cm --steps 500 --eval-every 4 --deadline-s 320 \
+        --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED
       timeout 570 python3 benchmarks/bench_accuracy.py --config configs/gpt_125m_dp2_zero.py \

@@ -619,6 +619,9 @@ def accuracy_section() -> str:
                  f"(`on_all`), every TP message in FP8 on both: training loss at most "
                  f"{100 * diff['loss_max_rel_diff']:.3g}% apart, validation loss "
                  f"{100 * diff['val_loss_max_rel_diff']:.3g}%; "
+                 + "".join(f"{metric.replace('_', ' ')} not finite at step(s) "
+                           f"{', '.join(map(str, steps))}; " for metric in ("loss", "val_loss")
+                           if (steps := diff.get(f"{metric}_nonfinite_steps")))
                  + (f"kernels that fell back: {'; '.join(fell_back)}.\n" if fell_back
                     else "every kernel ran.\n"))
     # runs before the metric existed measured rel. L2 only

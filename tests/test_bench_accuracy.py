@@ -24,10 +24,11 @@ def test_kernel_comparison_variants_differ_only_in_the_tp_layers():
     assert c.compression.tp_forward.link is None and c.compression.tp_backward.link is None
   assert cfg["on_all"].parallel.tp_overlap == "none"
   assert cfg["on_all_cm"].parallel.tp_overlap == "kernel"
-  ref = dict(curves=dict(loss=[[1, 2.0], [2, 1.0]], val_loss=[[2, 1.0]]))
-  run = dict(curves=dict(loss=[[1, 2.0], [2, 1.1]], val_loss=[[2, 1.0]]))
+  ref = dict(curves=dict(loss=[[1, 2.0], [2, 1.0]], val_loss=[[2, 1.0], [3, 0.9]]))
+  run = dict(curves=dict(loss=[[1, 2.0], [2, 1.1]], val_loss=[[2, 1.0], [3, float("nan")]]))
   diff = bench_accuracy.same_curves(run, ref)
-  assert diff == dict(loss_max_rel_diff=pytest.approx(0.1), val_loss_max_rel_diff=0.0)
+  assert diff == dict(loss_max_rel_diff=pytest.approx(0.1), loss_nonfinite_steps=[],
+                      val_loss_max_rel_diff=0.0, val_loss_nonfinite_steps=[3])
 
 
 @pytest.mark.slow
