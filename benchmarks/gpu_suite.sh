@@ -53,7 +53,7 @@
 #   bash benchmarks/gpu_suite.sh cm_dots_4gpu        # issue 15, 4xH200, TP=4: strong step (<= 5.5 min)
 #   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step forced on (<= 7.5 min)
 #   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
-#   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 5 min)
+#   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
 #   bash benchmarks/gpu_suite.sh slow_links_combined # overlap levers alone, combined, and
@@ -270,19 +270,18 @@ for job in "$@"; do
       timeout 330 python3 benchmarks/bench_train.py --label nvlink_dots --layouts 1,1,4 \
         --attention cudnn --deadline-s 315 --out-dir "$out" \
         --variants off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,gspmd ;;
-    cm_step_4gpu)  # issue 15 on 4 GPUs, TP=4: the kernel layers' strong step (forced on: a
-      # mesh of 4 GPUs) beside the collectives', plain and compressed. It compiles in ~3 min
-      # (cm_hang_4gpu's stacks, 2026-11-26: the Mosaic kernels' LLVM passes, not a deadlock).
-      TACO_JAX_KERNELS_ANY_MESH=1 BENCH_WATCHDOG_S=${LIMIT:-420} timeout $(( ${LIMIT:-420} + 10 )) \
+    cm_step_4gpu)  # issue 15 on 4 GPUs, TP=4: the kernel layers' strong step beside the
+      # collectives', plain and compressed. It compiles in ~2.5 min (cm_hang_4gpu's stacks,
+      # 2026-11-26: the Mosaic kernels' LLVM passes, not a deadlock).
+      BENCH_WATCHDOG_S=${LIMIT:-420} timeout $(( ${LIMIT:-420} + 10 )) \
         python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,4 \
         --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 20 ))" --build-timeout-s 300 \
         --out-dir "$out" --variants off_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll ;;
-    cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers (forced on:
-      # a mesh of 4 GPUs) and GSPMD
-      TACO_JAX_KERNELS_ANY_MESH=1 BENCH_WATCHDOG_S=$(( ${LIMIT:-300} - 10 )) \
-        timeout "${LIMIT:-300}" python3 benchmarks/bench_train.py --label nvlink_cm_dots \
-        --layouts 2,1,2 --attention cudnn --deadline-s "$(( ${LIMIT:-300} - 40 ))" \
-        --build-timeout-s 150 --out-dir "$out" \
+    cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers and GSPMD
+      BENCH_WATCHDOG_S=$(( ${LIMIT:-420} - 10 )) \
+        timeout "${LIMIT:-420}" python3 benchmarks/bench_train.py --label nvlink_cm_dots \
+        --layouts 2,1,2 --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 40 ))" \
+        --build-timeout-s 240 --out-dir "$out" \
         --variants off_save_dots_unroll,gspmd,off_cm_save_dots_unroll ;;
     collective_matmul)
       BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \

@@ -16,6 +16,7 @@ import argparse
 import glob
 import itertools
 import json
+import math
 import os
 import pathlib
 import pprint
@@ -557,10 +558,17 @@ def _accuracy_codec(run: dict) -> str:
   return "; ".join(f"{w} ({', '.join(fams)})" for w, fams in by_words.items())
 
 
+def _nonfinite(metric: str, steps: list, run: dict) -> str:
+  """'<metric> not finite in k of its n values (steps a, b, ...); '."""
+  shown = ", ".join(map(str, steps[:6])) + (", ..." if len(steps) > 6 else "")
+  return (f"**{metric.replace('_', ' ')} not finite in {len(steps)} of its "
+          f"{len(run['curves'][metric])} values** (steps {shown}); ")
+
+
 def _accuracy_setup(d: dict) -> str:
   """The heading of the runs that compare with each other: config, model, mesh, device."""
-  off = d["runs"]["off"]
-  m, p = off["model"], off["parallel"]
+  first = next(iter(d["runs"].values()))  # every variant trains the same model and mesh
+  m, p = first["model"], first["parallel"]
   config = pathlib.Path(d["config"]["config"]).stem
   return (f"`{config}`: GPT {m['n_layers']} x {m['d_model']}, byte vocab, dp,pp,tp = "
           f"{p['dp']},{p['pp']},{p['tp']}"
@@ -605,13 +613,15 @@ def accuracy_section() -> str:
                      r["summary"]["val_loss"], None if cost is None else 100 * cost])
     by_codec: dict[str, list] = {}
     for row in rows:
-      if row[-1] is not None:
+      if row[-1] is not None and math.isfinite(row[-1]):  # a NaN validation loss: no cost
         by_codec.setdefault(row[3], []).append(row[-1])
     text += (f"\n#### {setup}\n\n"
              + _table(["run", "seed", "variant", "codec (families)", "val loss", "cost %"], rows)
-             + "\n\nPer codec over the seeds: " + "; ".join(
-                 f"{codec}: mean {sum(v) / len(v):+.2f}% over {len(v)} (from {min(v):+.2f}% "
-                 f"to {max(v):+.2f}%)" for codec, v in by_codec.items()) + ".\n")
+             + "\n")
+    if by_codec:
+      text += "\nPer codec over the seeds: " + "; ".join(
+          f"{codec}: mean {sum(v) / len(v):+.2f}% over {len(v)} (from {min(v):+.2f}% "
+          f"to {max(v):+.2f}%)" for codec, v in by_codec.items()) + ".\n"
     for name, d in group:
       if diff := d.get("kernels_vs_collectives"):
         fell_back = d["runs"]["on_all_cm"].get("kernel_fallbacks")
@@ -619,8 +629,8 @@ def accuracy_section() -> str:
                  f"(`on_all`), every TP message in FP8 on both: training loss at most "
                  f"{100 * diff['loss_max_rel_diff']:.3g}% apart, validation loss "
                  f"{100 * diff['val_loss_max_rel_diff']:.3g}%; "
-                 + "".join(f"{metric.replace('_', ' ')} not finite at step(s) "
-                           f"{', '.join(map(str, steps))}; " for metric in ("loss", "val_loss")
+                 + "".join(_nonfinite(metric, steps, d["runs"]["on_all_cm"])
+                           for metric in ("loss", "val_loss")
                            if (steps := diff.get(f"{metric}_nonfinite_steps")))
                  + (f"kernels that fell back: {'; '.join(fell_back)}.\n" if fell_back
                     else "every kernel ran.\n"))
