@@ -2,8 +2,8 @@
 
 Reads every GPU `benchmarks/results/accuracy_*.json` (`benchmarks/bench_accuracy.py`) and
 draws, per file (one seed each), the validation loss of each variant against the step and
-the relative difference to the uncompressed run. Needs matplotlib (`pip install -e
-.[plots]`); writes docs/accuracy_loss.png by default.
+the relative difference to the uncompressed run (to the first run where there is none).
+Needs matplotlib (`pip install -e .[plots]`); writes docs/accuracy_loss.png by default.
 """
 from __future__ import annotations
 
@@ -34,16 +34,17 @@ def plot(out: pathlib.Path) -> pathlib.Path:
   fig, axes = plt.subplots(2 * rows, cols, figsize=(6 * cols, 7 * rows), squeeze=False,
                            sharex=True)
   for i, (name, d) in enumerate(files):
-    off = dict(map(tuple, d["runs"]["off"]["curves"]["val_loss"]))
+    ref = "off" if "off" in d["runs"] else next(iter(d["runs"]))  # a run without off: its first
+    base = dict(map(tuple, d["runs"][ref]["curves"]["val_loss"]))
     top, bottom = axes[2 * (i // cols), i % cols], axes[2 * (i // cols) + 1, i % cols]
     for v, run in d["runs"].items():
       steps, vals = zip(*run["curves"]["val_loss"])
       style = dict(marker="o", ms=3, label=label(v, run), color=COLORS.get(v))
       top.plot(steps, vals, **style)
-      if v != "off":
-        bottom.plot(steps, [100 * (x - off[s]) / off[s] for s, x in zip(steps, vals)], **style)
-    m = d["runs"]["off"]["model"]
-    par = d["runs"]["off"]["parallel"]
+      if v != ref:
+        bottom.plot(steps, [100 * (x - base[s]) / base[s] for s, x in zip(steps, vals)],
+                    **style)
+    m, par = d["runs"][ref]["model"], d["runs"][ref]["parallel"]
     mesh = ",".join(str(par.get(a, 1)) for a in ("dp", "pp", "tp"))
     top.set_title(f"{name}\nGPT {m['n_layers']}x{m['d_model']}, dp,pp,tp = {mesh}, "
                   f"seed {d['config'].get('seed') or 0}", fontsize=9)
@@ -53,7 +54,7 @@ def plot(out: pathlib.Path) -> pathlib.Path:
     bottom.axhline(0, color="gray", lw=0.8)
     for y in (-0.3, 0.3):
       bottom.axhline(y, color="gray", lw=0.5, ls="--")
-    bottom.set_ylabel("val loss vs off (%)")
+    bottom.set_ylabel(f"val loss vs {ref} (%)")
     bottom.set_xlabel("step")
     bottom.legend(fontsize=8)
   for i in range(len(files), rows * cols):  # the last row's empty places
