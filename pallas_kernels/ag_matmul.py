@@ -214,13 +214,24 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           mine = lax.rem(k_idx, n_tiles) == n_idx
 
           # A block is released one step after its own (delay_release=1): the copies of the
-          # last step must have read it by the end of this one
+          # last step must have read it by the end of this one. The tile's last block is
+          # released as its pipeline ends, and the next tile's loads may refill it at once,
+          # so its copies must have read it before (the interpreter's race detector found
+          # the next tile's first block overwriting it under the copy).
           @pl.when(sender & mine)
           def _send():
             for dest in dests:
               plgpu.copy_smem_to_gmem(blocks[0], dest[0].at[
                   pl.ds(row, t.cta_m), pl.ds(k_idx * t.tile_k, t.tile_k)])
-            plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
+            last = k_idx == loop.k_iters - 1
+
+            @pl.when(last)
+            def _read_out():
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+            @pl.when(~last)
+            def _one_step_later():
+              plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
 
           @pl.when(sender & ~mine)
           def _drain():

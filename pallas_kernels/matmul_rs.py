@@ -148,10 +148,14 @@ class _Epilogues:
         gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], values, row, col, wg, t)
       return
     codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
-    for i in self._slabs():
+    slabs = len(self._slabs())
+    for i in range(slabs):
       codes, mult = self._encode(acc[i * t.epi_m:(i + 1) * t.epi_m])
       slot = i % 2
-      plgpu.wait_smem_to_gmem(2 * len(dests), wait_read_only=True)
+      # the copies that last read this slot (two slabs ago) must be done; with an odd
+      # number of slabs, a tile's first slab takes the slot of the last tile's last slab
+      reused_at_once = i == 0 and slabs % 2
+      plgpu.wait_smem_to_gmem(0 if reused_at_once else 2 * len(dests), wait_read_only=True)
       codes_smem[wg, slot] = codes
       mult_smem[wg, slot, 0] = mult
       plgpu.commit_smem()
