@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from taco_jax import collectives, data, monitor
+from taco_jax import collectives, monitor
 from taco_jax.codec import CompressionConfig
 from taco_jax.plan import FAMILIES, SITES, site_key
 
@@ -89,7 +89,7 @@ def bits_per_element(setting: dict, width: int) -> float:
 def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
             compiler_options=None) -> monitor.Capture:
   """Runs `steps` training steps of `config` and returns what each compressed site sent."""
-  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib, zero
+  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
   from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
   from taco_jax.train.config import devices, parallel_spec, validate
@@ -100,7 +100,6 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
   if not spec.plan.any:
     raise ValueError("compression is off in this config: there is nothing to calibrate")
-  d = config.data
   corpus = load_data(config)
   tx = ptrain.make_optimizer(config.optim, config.train.steps)
   p_abs = layout_lib.abstract_params(spec.cfg, mesh)
@@ -118,11 +117,9 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   else:
     print("warning: no --workdir: capturing from an untrained model, whose tensors differ "
           "from a trained one's; pass the workdir of a finished run", file=sys.stderr)
-    params = layout_lib.init_params(spec.cfg, mesh, config.seed)
-    opt_state = jax.jit(zero.init(spec, tx), out_shardings=_shardings(o_abs))(params)
+    params, opt_state = ptrain.fresh_state(spec, mesh, tx, o_abs, config.seed)
   cap = monitor.Capture(rows_per_call)
-  batch = lambda i: ptrain.global_batch(data.batch_at(
-      corpus.train, i, seed=config.seed, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
+  batch = ptrain.batches(config, corpus, mesh)
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx, capture=cap)).lower(
       params, opt_state, batch(start)).compile(compiler_options=compiler_options)
   for i in range(start, start + steps):

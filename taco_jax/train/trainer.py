@@ -71,6 +71,23 @@ def opt_state_target(tx, params_target, mesh, spec=None):
   return zero.opt_state(spec, tx_state, like) if sharded else tx_state
 
 
+def fresh_state(spec, mesh, tx, opt_target, seed: int) -> tuple:
+  """A new run's (params, optimizer state) on `mesh`, the state laid out as `opt_target`
+  (`opt_state_target`) says."""
+  params = layout_lib.init_params(spec.cfg, mesh, seed)
+  shardings = jax.tree.map(lambda x: x.sharding, opt_target)
+  return params, jax.jit(zero.init(spec, tx), out_shardings=shardings)(params)
+
+
+def batches(config, corpus: data.Corpus, mesh):
+  """``batch(i, stream=0, split=corpus.train)``: the run's global batch i of that stream of
+  the split, sharded over "data" (`global_batch`); stream 1 of ``corpus.val`` validates."""
+  d = config.data
+  return lambda i, stream=0, split=corpus.train: global_batch(data.batch_at(
+      split, i, seed=config.seed, stream=stream, batch_size=d.batch_size,
+      seq_len=d.seq_len), mesh)
+
+
 def memory_line(params, opt_state, spec) -> str:
   """'memory per device: params 1.00 MiB, optimizer state 0.50 MiB (sharded over data)'."""
   mib = lambda tree: zero.bytes_per_device(tree) / 2**20
@@ -130,10 +147,8 @@ def train(config, workdir) -> dict:
     if lead:
       tqdm.write(start_message(workdir, start, t.steps))
   else:
-    params = layout_lib.init_params(spec.cfg, mesh, config.seed)
-    opt_state = jax.jit(zero.init(spec, tx), out_shardings=shardings(o_abs))(params)
-  batch = lambda i, s=0, src=corpus.train: global_batch(data.batch_at(
-      src, i, seed=config.seed, stream=s, batch_size=d.batch_size, seq_len=d.seq_len), mesh)
+    params, opt_state = fresh_state(spec, mesh, tx, o_abs, config.seed)
+  batch = batches(config, corpus, mesh)
   xla = compiler_options(config)
 
   def lower(spec):  # (train step lowered, eval step, the decisions of the train step)
@@ -179,7 +194,8 @@ def train(config, workdir) -> dict:
   try:
     outcome = run_steps(
         params, opt_state, Steps(train=train_step, eval=eval_step, train_batch=batch,
-                                 val_batch=lambda i: batch(i, 1, corpus.val), untimed_s=untimed),
+                                 val_batch=lambda i: batch(i, 1, corpus.val),
+                                 untimed_s=untimed),
         ckpt, config=config, start=start, meta={'mesh': dict(mesh.shape)},
         tokens_per_step=tok, mfu=lambda tps: metrics.mfu(tps, fpt, peak, mesh.size),
         writer=writer, pbar=pbar)
