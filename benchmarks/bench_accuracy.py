@@ -77,7 +77,7 @@ def parse_args(argv=None):
   p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                  help=f"of {', '.join(VARIANTS)}")
   p.add_argument("--tp", type=int, default=None,
-                 help="instead of the config's TP (the kernels run on meshes of <= 2 GPUs)")
+                 help="instead of the config's TP (the kernels run on meshes of <= 4 GPUs)")
   p.add_argument("--seed", type=int, default=None, help="instead of the config's seed "
                  "(parameter init and batch order): a second seed gives the seed-to-seed spread")
   p.add_argument("--capture-steps", type=int, default=2)

@@ -1,0 +1,138 @@
+"""Why the kernel layers' evaluations return NaN: one compiled evaluation, asked several ways.
+
+`bench_accuracy`'s kernel run (`on_all_cm`: every TP message in FP8 through the fused
+collective-matmul kernels) returned a NaN validation loss in 50 of 125 evaluations on
+2xH200 while its training steps stayed finite (docs/parallel.md, "NaN in the kernels'
+evaluations"). This trains that configuration with the kernel step and, every `--every`
+steps, evaluates the same parameters on the same `--batches` validation batches four ways:
+
+  back_to_back   the trainer's way: every batch dispatched, then the losses fetched;
+  again          the same, once more: a loss that changes between identical calls is a race;
+  one_by_one     each batch's loss fetched before the next is dispatched: NaN only back to
+                 back points at calls overlapping across the GPUs;
+  collectives    through XLA's collectives with the same codecs (`trainer.eval_spec`).
+
+Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
+evaluation the losses of each way (NaN as null) and a summary.
+
+GPU, 2 GPUs (< 5 minutes):
+  python -m benchmarks.probe_kernel_evals --label nvlink
+CPU smoke test (8 fake devices, tiny model; the kernels fall back to XLA there):
+  python -m benchmarks.probe_kernel_evals --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.args import add_output_args, parse_with_smoke, start_watchdog, write_report
+from benchmarks.bench_accuracy import REPO, configure, load_config
+
+WAYS = ("back_to_back", "again", "one_by_one", "collectives")
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--config", default=str(REPO / "configs" / "gpt_125m_tp4.py"))
+  p.add_argument("--tp", type=int, default=2)
+  p.add_argument("--steps", type=int, default=120, help="training steps")
+  p.add_argument("--every", type=int, default=4, help="evaluate every this many steps")
+  p.add_argument("--batches", type=int, default=16, help="validation batches per evaluation")
+  p.add_argument("--corpus", default="python", help="python | embedded | a data.path")
+  p.add_argument("--seed", type=int, default=None)
+  add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
+  return parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
+                                        tp=4, steps=4, every=2, batches=2,
+                                        corpus="embedded", label="smoke"))
+
+
+def finite_or_none(losses) -> list:
+  return [float(x) if math.isfinite(float(x)) else None for x in losses]
+
+
+def summarize(evals: list[dict]) -> dict:
+  """Per way: the evaluations with a NaN (a null loss) and the batches that had one; and
+  the evaluations whose back-to-back losses changed between the two identical calls."""
+  out = {}
+  for way in WAYS:
+    bad = [e for e in evals if None in e[way]]
+    out[way] = dict(evaluations_with_nan=len(bad), of=len(evals),
+                    batches_with_nan=sorted({i for e in bad
+                                             for i, x in enumerate(e[way]) if x is None}))
+  out["calls_that_differ"] = [e["step"] for e in evals if e["back_to_back"] != e["again"]]
+  return out
+
+
+def main(argv=None) -> pathlib.Path:
+  args = parse_args(argv)
+  if args.smoke:
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
+  start_watchdog()
+  import jax
+  import numpy as np
+  from benchmarks import common
+  from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib
+  from taco_jax.tp import fused
+  from taco_jax.train import trainer
+  from taco_jax.train.config import devices, parallel_spec, validate
+
+  root = pathlib.Path(tempfile.mkdtemp(prefix="taco_probe_"))
+  accuracy_args = argparse.Namespace(corpus=args.corpus, seed=args.seed, steps=args.steps,
+                                     eval_every=0, smoke=args.smoke, tp=args.tp)
+  config = configure(load_config(args.config), accuracy_args, "on_all_cm", root)
+  validate(config)
+  p = config.parallel
+  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
+  corpus = trainer.load_data(config)
+  tx = trainer.make_optimizer(config.optim, args.steps)
+  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
+  o_abs = trainer.opt_state_target(tx, p_abs, mesh, spec)
+  params, opt_state = trainer.fresh_state(spec, mesh, tx, o_abs, config.seed)
+  batch = trainer.batches(config, corpus, mesh)
+  val = [batch(i, 1, corpus.val) for i in range(args.batches)]
+  t0 = time.perf_counter()
+  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+  train = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
+                  out_shardings=(shardings(p_abs), shardings(o_abs), None))
+  evaluate = {way: jax.jit(step_lib.make_eval_step(
+      trainer.eval_spec(spec) if way == "collectives" else spec, mesh))
+      for way in ("kernels", "collectives")}
+
+  def losses(way):
+    f = evaluate["collectives" if way == "collectives" else "kernels"]
+    if way == "one_by_one":
+      return finite_or_none([np.asarray(f(params, b)) for b in val])
+    return finite_or_none(jax.device_get([f(params, b) for b in val]))
+
+  evals = []
+  for s in range(1, args.steps + 1):
+    params, opt_state, m = train(params, opt_state, batch(s - 1))
+    if s % args.every == 0:
+      evals.append(dict(step=s, train_loss=float(m["loss"]),
+                        **{way: losses(way) for way in WAYS}))
+      bad = [w for w in WAYS if None in evals[-1][w]]
+      print(f"step {s}: train loss {evals[-1]['train_loss']:.4f}; NaN in "
+            f"{', '.join(bad) or 'none'}", flush=True)
+  env = common.environment()
+  report = dict(benchmark="probe_kernel_evals", label=args.label, device=env["device_kind"],
+                num_devices=jax.device_count(), platform=env["platform"], date=env["date"],
+                jax_version=jax.__version__, config=dict(vars(args)), environment=env,
+                mesh=dict(mesh.shape), kernel_fallbacks=fused.fallbacks(),
+                wall_s=time.perf_counter() - t0, evaluations=evals, summary=summarize(evals))
+  lines = [f"{way}: NaN in {r['evaluations_with_nan']} of {r['of']} evaluations (batches "
+           f"{r['batches_with_nan']})" for way, r in report["summary"].items()
+           if way in WAYS]
+  lines.append(f"identical calls that differ: {report['summary']['calls_that_differ']}")
+  return write_report("probe_kernel_evals", args, report, "\n".join(lines))
+
+
+if __name__ == "__main__":
+  main()

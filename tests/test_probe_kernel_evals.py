@@ -1,0 +1,33 @@
+"""benchmarks/probe_kernel_evals.py: its summary of the four ways of evaluating (and a slow
+smoke run on CPU, where the kernels fall back to XLA's collectives)."""
+import json
+
+import pytest
+
+from benchmarks import probe_kernel_evals as probe
+
+
+def _evaluation(step, **losses):
+  return dict(step=step, train_loss=1.0, **{w: losses.get(w, [1.0, 2.0]) for w in probe.WAYS})
+
+
+def test_summary_counts_nan_evaluations_per_way_and_calls_that_differ():
+  evals = [_evaluation(4),
+           _evaluation(8, back_to_back=[None, 2.0], again=[1.0, 2.0]),
+           _evaluation(12, back_to_back=[1.0, None], again=[1.0, None], one_by_one=[None, 2.0])]
+  s = probe.summarize(evals)
+  assert s["back_to_back"] == dict(evaluations_with_nan=2, of=3, batches_with_nan=[0, 1])
+  assert s["again"] == dict(evaluations_with_nan=1, of=3, batches_with_nan=[1])
+  assert s["one_by_one"]["batches_with_nan"] == [0]
+  assert s["collectives"]["evaluations_with_nan"] == 0
+  assert s["calls_that_differ"] == [8]
+  assert probe.finite_or_none([1.5, float("nan"), float("inf")]) == [1.5, None, None]
+
+
+@pytest.mark.slow
+def test_probe_kernel_evals_smoke(tmp_path):
+  path = probe.main(["--smoke", "--out-dir", str(tmp_path)])
+  report = json.loads(path.read_text())
+  assert [e["step"] for e in report["evaluations"]] == [2, 4]
+  assert report["summary"]["collectives"]["evaluations_with_nan"] == 0
+  assert report["kernel_fallbacks"]  # on CPU the kernel layers take XLA's collectives
