@@ -12,6 +12,12 @@ steps, evaluates the same parameters on the same `--batches` validation batches 
                  back points at calls overlapping across the GPUs;
   collectives    through XLA's collectives with the same codecs (`trainer.eval_spec`).
 
+It also records how the compiled training and evaluation steps hand each Mosaic GPU kernel
+its zeroed scratch (the semaphores; `kernel_scratch`): a scratch made by a constant or
+read by two kernels would start a kernel with its peers' old signals counted, and the
+kernel would read what they have not yet written: stale bytes that are last step's values
+in training but any tensor's in an evaluation.
+
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.
 
@@ -70,6 +76,18 @@ def summarize(evals: list[dict]) -> dict:
   return out
 
 
+def scratch_summary(hlo_text: str) -> dict:
+  """How a compiled step's kernels get their zeroed scratch (semaphores): the kernels, the
+  opcodes that make their scratch, and the most kernels that read one scratch."""
+  from taco_jax.testing import hlo
+  rows = hlo.kernel_scratch_inputs(hlo_text)
+  producers: dict[str, int] = {}
+  for r in rows:
+    producers[r["producer"]] = producers.get(r["producer"], 0) + 1
+  return dict(kernels=len(rows), producers=producers,
+              most_readers=max((r["readers"] for r in rows), default=0))
+
+
 def main(argv=None) -> pathlib.Path:
   args = parse_args(argv)
   if args.smoke:
@@ -101,10 +119,14 @@ def main(argv=None) -> pathlib.Path:
   t0 = time.perf_counter()
   shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
   train = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                  out_shardings=(shardings(p_abs), shardings(o_abs), None))
+                  out_shardings=(shardings(p_abs), shardings(o_abs), None)
+                  ).lower(params, opt_state, batch(0)).compile()
   evaluate = {way: jax.jit(step_lib.make_eval_step(
-      trainer.eval_spec(spec) if way == "collectives" else spec, mesh))
-      for way in ("kernels", "collectives")}
+      trainer.eval_spec(spec) if way == "collectives" else spec, mesh)
+      ).lower(params, val[0]).compile() for way in ("kernels", "collectives")}
+  scratch = {name: scratch_summary(exe.as_text())
+             for name, exe in (("train", train), ("evaluate", evaluate["kernels"]))}
+  print(f"kernels' scratch inputs: {scratch}", flush=True)
 
   def losses(way):
     f = evaluate["collectives" if way == "collectives" else "kernels"]
@@ -126,6 +148,7 @@ def main(argv=None) -> pathlib.Path:
                 num_devices=jax.device_count(), platform=env["platform"], date=env["date"],
                 jax_version=jax.__version__, config=dict(vars(args)), environment=env,
                 mesh=dict(mesh.shape), kernel_fallbacks=fused.fallbacks(),
+                kernel_scratch=scratch,
                 wall_s=time.perf_counter() - t0, evaluations=evals, summary=summarize(evals))
   lines = [f"{way}: NaN in {r['evaluations_with_nan']} of {r['of']} evaluations (batches "
            f"{r['batches_with_nan']})" for way, r in report["summary"].items()

@@ -147,3 +147,23 @@ def test_a_kernels_custom_call_text_is_not_read_as_a_collective():
             "all-gather-start(bf16[2,4]{1,0} %k), replica_groups={{0,1}}, dimensions={0}")
   ops = hlo_collectives(f"{kernel}\n{gather}")
   assert [(o["op"], o["dtypes"]) for o in ops] == [("all-gather", {"bf16"})]
+
+
+def test_kernel_scratch_inputs_name_each_kernels_scratch_and_its_maker():
+  """`hlo.kernel_scratch_inputs`: per Mosaic GPU custom call, its last operand (the zeroed
+  scratch jax passes last), the opcode that makes it and how many instructions read it."""
+  from taco_jax.testing import hlo
+  text = "\n".join([
+      "  %zero = u32[8]{0} broadcast(u32[] %c0), dimensions={}",
+      "  %shared = u32[8]{0} constant({0,0,0,0,0,0,0,0})",
+      '  %k1 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %zero), '
+      'custom_call_target="mosaic_gpu_v2", backend_config={module="=(x) all-reduce("}',
+      '  %k2 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %shared), '
+      'custom_call_target="mosaic_gpu_v2"',
+      '  %other = bf16[4]{0} custom-call(bf16[4]{0} %x), custom_call_target="cublas"',
+      '  ROOT %k3 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %shared), '
+      'custom_call_target="mosaic_gpu_v2"'])
+  assert hlo.kernel_scratch_inputs(text) == [
+      dict(kernel="%k1", scratch="%zero", producer="broadcast", readers=1),
+      dict(kernel="%k2", scratch="%shared", producer="constant", readers=2),
+      dict(kernel="%k3", scratch="%shared", producer="constant", readers=2)]

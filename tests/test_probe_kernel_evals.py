@@ -24,6 +24,18 @@ def test_summary_counts_nan_evaluations_per_way_and_calls_that_differ():
   assert probe.finite_or_none([1.5, float("nan"), float("inf")]) == [1.5, None, None]
 
 
+def test_scratch_summary_counts_the_makers_of_the_kernels_scratch():
+  text = "\n".join([
+      "  %zero = u32[8]{0} broadcast(u32[] %c0), dimensions={}",
+      '  %k1 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %zero), '
+      'custom_call_target="mosaic_gpu_v2"',
+      '  %k2 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %zero), '
+      'custom_call_target="mosaic_gpu_v2"'])
+  assert probe.scratch_summary(text) == dict(kernels=2, producers={"broadcast": 2},
+                                             most_readers=2)
+  assert probe.scratch_summary("") == dict(kernels=0, producers={}, most_readers=0)
+
+
 @pytest.mark.slow
 def test_probe_kernel_evals_smoke(tmp_path):
   path = probe.main(["--smoke", "--out-dir", str(tmp_path)])
@@ -31,3 +43,4 @@ def test_probe_kernel_evals_smoke(tmp_path):
   assert [e["step"] for e in report["evaluations"]] == [2, 4]
   assert report["summary"]["collectives"]["evaluations_with_nan"] == 0
   assert report["kernel_fallbacks"]  # on CPU the kernel layers take XLA's collectives
+  assert report["kernel_scratch"]["evaluate"]["kernels"] == 0

@@ -96,3 +96,28 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
       n = math.prod(dims)
       out.append(Collective(m["kind"], dtype, dims, n, n * _BYTES[dtype], axes, line.strip()))
   return out
+
+
+_INSTR = re.compile(r"\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+"
+                    r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
+
+
+def kernel_scratch_inputs(hlo_text: str, target: str = "mosaic_gpu_v2") -> list[dict]:
+  """Per custom call to ``target`` (a Mosaic GPU kernel) in a compiled module: its last
+  operand, which is the kernel's zeroed global scratch (its semaphores; jax passes it last
+  and aliases it to an output), the opcode of the instruction that makes that operand,
+  and how many instructions read it. A scratch made by a constant, or read by two kernels,
+  would reach a kernel not zeroed."""
+  producer, users, kernels = {}, {}, []
+  for line in hlo_text.splitlines():
+    m = _INSTR.match(line)
+    if not m:
+      continue
+    args = [a.split()[-1] for a in m["args"].split(",") if a.strip()]
+    producer[m["name"]] = m["op"]
+    for a in args:
+      users[a] = users.get(a, 0) + 1
+    if m["op"] == "custom-call" and f'custom_call_target="{target}"' in line and args:
+      kernels.append((m["name"], args[-1]))
+  return [dict(kernel=k, scratch=s, producer=producer.get(s), readers=users.get(s, 0))
+          for k, s in kernels]
