@@ -259,7 +259,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from taco_jax import collectives
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
-  from taco_jax.train.trainer import opt_state_target
+  from taco_jax.train.trainer import opt_state_target, shardings
 
   dp, pp, tp = layout
   cfg = variant_config(variant, cfg)
@@ -269,7 +269,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
     params = gspmd.init_params(cfg, mesh, seed=0)
     p_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                          params)
-    o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh))
+    o_sh = shardings(opt_state_target(tx, p_abs, mesh))
     state = (params, jax.jit(tx.init, out_shardings=o_sh)(params))
     step = jax.jit(gspmd.make_train_step(cfg, mesh, tx, activation=args.gspmd_activation),
                    donate_argnums=(0, 1), out_shardings=(p_sh, o_sh, None))

@@ -52,7 +52,7 @@
 #   bash benchmarks/gpu_suite.sh profile_rs        # issue 15, TP=2: inside the reduce-scatter kernel (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
 #   bash benchmarks/gpu_suite.sh cm_dots_4gpu        # issue 15, 4xH200, TP=4: strong step (<= 5.5 min)
-#   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step forced on (<= 7.5 min)
+#   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step (<= 7.5 min)
 #   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
 #   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)

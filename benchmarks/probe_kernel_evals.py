@@ -117,9 +117,8 @@ def main(argv=None) -> pathlib.Path:
   batch = trainer.batches(config, corpus, mesh)
   val = [batch(i, 1, corpus.val) for i in range(args.batches)]
   t0 = time.perf_counter()
-  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
   train = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
-                  out_shardings=(shardings(p_abs), shardings(o_abs), None)
+                  out_shardings=(trainer.shardings(p_abs), trainer.shardings(o_abs), None)
                   ).lower(params, opt_state, batch(0)).compile()
   evaluate = {way: jax.jit(step_lib.make_eval_step(
       trainer.eval_spec(spec) if way == "collectives" else spec, mesh)

@@ -146,19 +146,18 @@ def build_step(layout, args, cfg, tx, plan, **spec_fields):
   seed 0, so every variant of a layout starts from the same ones. `spec_fields`: further
   `ParallelSpec` fields (tp_overlap, interleave). Shared with bench_train."""
   import jax
-  from taco_jax.tp import layout as layout_lib, step as step_lib, zero
+  from taco_jax.tp import layout as layout_lib, step as step_lib
   from taco_jax.tp.mesh import make_mesh
-  from taco_jax.train.trainer import global_batch, opt_state_target
+  from taco_jax.train.trainer import fresh_state, global_batch, opt_state_target, shardings
 
   dp, pp, tp = layout
   mesh = make_mesh(dp, pp, tp)
   m = args.microbatches if pp > 1 else 1
   spec = step_lib.ParallelSpec(cfg, dp, pp, tp, m, plan, **spec_fields)
   p_abs = layout_lib.abstract_params(cfg, mesh)
-  p_sh = jax.tree.map(lambda x: x.sharding, p_abs)
-  o_sh = jax.tree.map(lambda x: x.sharding, opt_state_target(tx, p_abs, mesh, spec))
-  params = layout_lib.init_params(cfg, mesh, seed=0)
-  opt_state = jax.jit(zero.init(spec, tx), out_shardings=o_sh)(params)
+  o_abs = opt_state_target(tx, p_abs, mesh, spec)
+  p_sh, o_sh = shardings(p_abs), shardings(o_abs)
+  params, opt_state = fresh_state(spec, mesh, tx, o_abs, seed=0)
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                  out_shardings=(p_sh, o_sh, None))
   return step, (params, opt_state), lambda tokens: global_batch(tokens, mesh), mesh

@@ -129,11 +129,6 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   return cap
 
 
-def _shardings(tree):
-  """The shardings of `tree`'s leaves (arrays or ShapeDtypeStructs), as a tree."""
-  return jax.tree.map(lambda x: x.sharding, tree)
-
-
 def _restore(ckpt, step: int, spec, tx, p_abs, o_abs) -> tuple:
   """(params, optimizer state) of checkpoint `step`, laid out for `spec`'s step (targets
   `p_abs`, `o_abs`). The Adam moments are restored too, so the captured steps continue the
@@ -143,6 +138,7 @@ def _restore(ckpt, step: int, spec, tx, p_abs, o_abs) -> tuple:
   does); one the checkpoint has and the step does not keep is dropped."""
   from taco_jax.tp import zero
   from taco_jax.train import checkpoint
+  from taco_jax.train.trainer import shardings
   keeps = zero.keeps_master(spec)
   stored = ckpt.stored_shapes(step, "opt_state")
   has = isinstance(stored, dict) and "master" in stored
@@ -154,7 +150,7 @@ def _restore(ckpt, step: int, spec, tx, p_abs, o_abs) -> tuple:
   else:
     master = params
   if keeps:
-    master = jax.device_put(master, _shardings(o_abs["master"]))
+    master = jax.device_put(master, shardings(o_abs["master"]))
   return params, zero.opt_state(spec, state, master)
 
 

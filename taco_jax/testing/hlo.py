@@ -18,8 +18,8 @@ _KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collectiv
 # would also read the text of attributes, and a Mosaic GPU kernel's custom call carries its
 # whole module as one string attribute, which an unanchored lazy match scans quadratically
 # (minutes per step at TP=4).
-_OP = re.compile(r"\s*(?:ROOT\s+)?\S+\s*=\s*(?P<type>\(.*?\)|\S+)\s+(?P<kind>" +
-                 "|".join(_KINDS) + r")(?P<start>-start)?\(")
+_HEAD = r"\s*(?:ROOT\s+)?(?P<name>\S+)\s*=\s*(?P<type>\(.*?\)|\S+)\s+"  # [ROOT] %x = type
+_OP = re.compile(_HEAD + r"(?P<kind>" + "|".join(_KINDS) + r")(?P<start>-start)?\(")
 _ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*(?:e\d+m\d+\w*)?)\[(?P<dims>[\d,]*)\]")
 _MESH_AXES = re.compile(r"replica_groups=mesh\[[^\]]*\]\s*\{(?P<axes>[^}]*)\}")
 _GROUPS = re.compile(r"replica_groups=\{(?P<g>(?:\{[\d,]*\},?)*)\}")
@@ -98,8 +98,7 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
   return out
 
 
-_INSTR = re.compile(r"\s*(?:ROOT\s+)?(?P<name>%?[\w.\-]+)\s*=\s*(?:\(.*?\)|\S+)\s+"
-                    r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
+_INSTR = re.compile(_HEAD + r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
 
 
 def kernel_scratch_inputs(hlo_text: str, target: str = "mosaic_gpu_v2") -> list[dict]:

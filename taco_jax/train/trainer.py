@@ -71,12 +71,16 @@ def opt_state_target(tx, params_target, mesh, spec=None):
   return zero.opt_state(spec, tx_state, like) if sharded else tx_state
 
 
+def shardings(tree):
+  """The shardings of `tree`'s leaves (arrays or ShapeDtypeStructs), as a tree."""
+  return jax.tree.map(lambda x: x.sharding, tree)
+
+
 def fresh_state(spec, mesh, tx, opt_target, seed: int) -> tuple:
   """A new run's (params, optimizer state) on `mesh`, the state laid out as `opt_target`
   (`opt_state_target`) says."""
   params = layout_lib.init_params(spec.cfg, mesh, seed)
-  shardings = jax.tree.map(lambda x: x.sharding, opt_target)
-  return params, jax.jit(zero.init(spec, tx), out_shardings=shardings)(params)
+  return params, jax.jit(zero.init(spec, tx), out_shardings=shardings(opt_target))(params)
 
 
 def batches(config, corpus: data.Corpus, mesh):
@@ -138,7 +142,6 @@ def train(config, workdir) -> dict:
   tx = make_optimizer(config.optim, t.steps)
   p_abs = layout_lib.abstract_params(spec.cfg, mesh)
   o_abs = opt_state_target(tx, p_abs, mesh, spec)
-  shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
   n_params = sum(x.size for x in jax.tree.leaves(p_abs))
   if lead:
     tqdm.write(run_header(config.name, n_params, workdir, dict(mesh.shape)))
