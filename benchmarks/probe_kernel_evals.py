@@ -6,7 +6,9 @@ collective-matmul kernels) returned a NaN validation loss in 50 of 125 evaluatio
 evaluations"). This trains that configuration with the kernel step and, every `--every`
 steps, evaluates the same parameters on the same `--batches` validation batches four ways:
 
-  back_to_back   the trainer's way: every batch dispatched, then the losses fetched;
+  behind_step    the trainer's way: dispatched right behind the training step that made the
+                 parameters, before anything waits for it, then the losses fetched;
+  back_to_back   the same once the step has finished: every batch dispatched, then fetched;
   again          the same, once more: a loss that changes between identical calls is a race;
   one_by_one     each batch's loss fetched before the next is dispatched: NaN only back to
                  back points at calls overlapping across the GPUs;
@@ -41,7 +43,7 @@ if __package__ in (None, ""):
 from benchmarks.args import add_output_args, parse_with_smoke, start_watchdog, write_report
 from benchmarks.bench_accuracy import REPO, configure, load_config
 
-WAYS = ("back_to_back", "again", "one_by_one", "collectives")
+WAYS = ("behind_step", "back_to_back", "again", "one_by_one", "collectives")
 
 
 def parse_args(argv=None):
@@ -137,8 +139,10 @@ def main(argv=None) -> pathlib.Path:
   for s in range(1, args.steps + 1):
     params, opt_state, m = train(params, opt_state, batch(s - 1))
     if s % args.every == 0:
+      behind = [evaluate["kernels"](params, b) for b in val]  # nothing has waited yet
       evals.append(dict(step=s, train_loss=float(m["loss"]),
-                        **{way: losses(way) for way in WAYS}))
+                        behind_step=finite_or_none(jax.device_get(behind)),
+                        **{way: losses(way) for way in WAYS[1:]}))
       bad = [w for w in WAYS if None in evals[-1][w]]
       print(f"step {s}: train loss {evals[-1]['train_loss']:.4f}; NaN in "
             f"{', '.join(bad) or 'none'}", flush=True)
