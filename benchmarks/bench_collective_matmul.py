@@ -78,10 +78,6 @@ def parse_args(argv=None):
   p.add_argument("--tilings", default="default",
                  help="comma-separated Tiling overrides per kernel, e.g. "
                       "'default,stages=3,tile_n=64' (each 'k=v+k=v')")
-  p.add_argument("--packed-semaphores", action="store_true",
-                 help="also time the fused kernels with their semaphores packed in one cache "
-                      "line (``fused[packed_sems]``; gemm.SEMAPHORE_STRIDE = 1), as before "
-                      "2026-11-26")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -174,9 +170,6 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode)
-      if args.packed_semaphores:
-        variants.update({f"{name}[packed_sems]": (_with_packed_semaphores(variants[name][0]),
-                                                  False) for name in ("fused", "fused_fp8")})
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
                   tp=tp, variants={})
       results["cases"].append(case)
@@ -359,19 +352,6 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
     out[name] = (lambda y, v, *rec, run=run: run(y, v, *rec)[0], (ys[0], ws[0], *received),
                  want.astype(a.dtype).reshape(b, s, d))
   return out
-
-
-def _with_packed_semaphores(fn):
-  """``fn`` with its kernels built while every semaphore shares one cache line."""
-  from taco_jax.pallas_kernels import gemm
-
-  def packed(*args):
-    spaced, gemm.SEMAPHORE_STRIDE = gemm.SEMAPHORE_STRIDE, 1
-    try:
-      return fn(*args)
-    finally:
-      gemm.SEMAPHORE_STRIDE = spaced
-  return packed
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,

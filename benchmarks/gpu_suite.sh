@@ -54,7 +54,6 @@
 #   bash benchmarks/gpu_suite.sh cm_dots_4gpu        # issue 15, 4xH200, TP=4: strong step (<= 5.5 min)
 #   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step (<= 7.5 min)
 #   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
-#   bash benchmarks/gpu_suite.sh cm_semaphores     # issue 15, TP=2: semaphores a line apart vs packed (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
@@ -288,10 +287,6 @@ for job in "$@"; do
     collective_matmul)
       BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" --out-dir "$out" ;;
-    cm_semaphores)  # issue 15, TP=2: the 1.3B kernels with each semaphore on a cache line of
-      # its own, beside the same kernels with them packed in one line (as before 2026-11-26)
-      BENCH_WATCHDOG_S=300 timeout 330 python3 -m benchmarks.bench_collective_matmul \
-        --models 1.3b --packed-semaphores --label nvlink_sems --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

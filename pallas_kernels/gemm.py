@@ -243,41 +243,17 @@ def split_refs(refs, *counts) -> list[list]:
   return groups
 
 
-# int32 semaphores per 128-byte cache line: each semaphore gets a line of its own
-# (``rank_and_semaphores``); the benchmark sets 1 to time them packed in one line
-SEMAPHORE_STRIDE = 32
-
-
-class _SpacedSemaphores:
-  """``count`` global semaphores ``stride`` int32s apart; ``.at[i]`` is semaphore i."""
-
-  def __init__(self, ref, stride: int):
-    self._ref, self._stride = ref, stride
-
-  @property
-  def at(self):
-    return self
-
-  def __getitem__(self, i):
-    return self._ref.at[i * self._stride]
-
-
 def rank_and_semaphores(axis_name, rank, n: int, local: bool, count: int):
   """This rank (``rank`` in local mode, else its index on ``axis_name``) and ``count``
   global semaphores that count the peers' landed copies, one per stage of the exchange (one
   counter for all stages would let a fast SM's next-stage signal stand in for a slow SM's
-  missing one): None in local mode or alone (n = 1, no peers and no symmetric memory).
-
-  Each semaphore has a cache line of its own (``SEMAPHORE_STRIDE``): a line that every
-  warpgroup of the GPU polls while the others count on it and a peer signals it serves
-  them all one after the other."""
+  missing one): None in local mode or alone (n = 1, no peers and no symmetric memory)."""
   if n == 1:  # no peers: the mesh axis is not even asked for (that would need NVSHMEM)
     return (0 if rank is None else rank), None
   r = lax.axis_index(axis_name) if rank is None else rank
   if local:
     return r, None
-  ref = pl.get_global(plgpu.SemaphoreType.REGULAR((count * SEMAPHORE_STRIDE,)))
-  return r, _SpacedSemaphores(ref, SEMAPHORE_STRIDE)
+  return r, pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
 
 
 _profile_dir: list[tuple[str, int]] = []  # set by ``profiling``

@@ -328,11 +328,8 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
       for q, p in schedule(n, phases):
         if q == n and sems is not None:  # every peer's partials of phase p are written
-          # (the memory warpgroup loads only local blocks: it goes on filling the pipeline)
-          @pl.when(computes)
-          def _wait_peers(p=p):
-            with jax.named_scope("wait_peers"):
-              pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
+          with jax.named_scope("wait_peers"):
+            pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
 
         def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
