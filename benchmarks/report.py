@@ -703,7 +703,7 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "rank0", "rank0_fp8", "gemm", "gemm_fp8",
+CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[packed_sems]", "fused_fp8[packed_sems]", "rank0", "rank0_fp8", "gemm", "gemm_fp8",
               "core[default]", "jax_gemm", "jax_gemm[cluster=m]", "jax_gemm[cluster=n]",
               "xla_f32_dot", "cublas")
 
@@ -756,8 +756,11 @@ def collective_matmul_section() -> str:
       "GEMM, up to ~15% slower: the `cublas` column of the runs before 2026-11-24, whose "
       "ratios are against it. `MiB/device`: what the plain collective sends. `… kernel ms`: "
       "the FP8 collective-matmul kernel alone, without the "
-      "encode before it and the decode of the gathered x after it (the all-gather's). Every "
-      "kernel was checked against its reference before it was timed; "
+      "encode before it and the decode of the gathered x after it (the all-gather's). "
+      "`[packed_sems]` (the `nvlink_sems` run): the kernels as they are, every semaphore in "
+      "one cache line, beside `fused` / `fused_fp8` there with each semaphore on a line of "
+      "its own and only the compute warpgroups waiting for the peers (a change reverted "
+      "after this run). Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
 

@@ -14,8 +14,10 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_2gpu_20261123.json',
  'bench_collective_matmul_nvlink_2gpu_20261124.json',
  'bench_collective_matmul_nvlink_dx_2gpu_20261124.json',
+ 'bench_collective_matmul_nvlink_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_4gpu_20261126.json',
- 'bench_collective_matmul_nvlink_dx_4gpu_20261126.json']
+ 'bench_collective_matmul_nvlink_dx_4gpu_20261126.json',
+ 'bench_collective_matmul_nvlink_sems_2gpu_20261126.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
