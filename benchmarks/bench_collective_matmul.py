@@ -6,7 +6,9 @@ count), the same random inputs go through:
 
 * ``xla``: the plain collective, then the matmul (``*_reference``: what the layers do today);
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
-  kernel (its own time is reported apart as ``fp8_kernel``);
+  kernel (its own time is reported apart as ``fp8_kernel``); ``fused[phases=P]``
+  (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
+  ``matmul_rs.default_phases``;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -78,6 +80,9 @@ def parse_args(argv=None):
   p.add_argument("--tilings", default="default",
                  help="comma-separated Tiling overrides per kernel, e.g. "
                       "'default,stages=3,tile_n=64' (each 'k=v+k=v')")
+  p.add_argument("--rs-phases", default="",
+                 help="comma-separated phase counts to time the plain reduce-scatter kernel "
+                      "with besides its default (matmul_rs.default_phases): fused[phases=P]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -169,7 +174,8 @@ def run(args) -> dict:
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
-                           args.tilings, ag_matmul, matmul_rs, encode)
+                           args.tilings, ag_matmul, matmul_rs, encode,
+                           [int(x) for x in args.rs_phases.split(",") if x])
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
                   tp=tp, variants={})
       results["cases"].append(case)
@@ -355,7 +361,7 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
-              encode):
+              encode, rs_phases=()):
   """name -> (function of (a, w), runs on the one-GPU mesh)."""
   from jax.sharding import PartitionSpec as P
   from taco_jax.pallas_kernels import gemm
@@ -411,6 +417,12 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                  out_specs=(out_spec,)), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
+      for phases in rs_phases:
+        name = f"fused[{'' if spec == 'default' else spec + '+'}phases={phases}]"
+        out[name] = (smap(
+            lambda y, w, tl=tl, phases=phases: (rs.matmul_reduce_scatter(
+                y, w, t, tiling=tl, num_sms=sms, phases=phases),),
+            mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)

@@ -43,7 +43,7 @@
 #   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh accuracy_cm       # issue 15, TP=2: FP8 kernels vs FP8 collectives (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh accuracy_cm_evals # ... both evaluated every 4 steps (<= 5.5 min)
-#   bash benchmarks/gpu_suite.sh probe_evals       # ... why the kernels' evaluations gave NaN (<= 5.5 min)
+#   bash benchmarks/gpu_suite.sh probe_evals       # ... why the kernels' evaluations gave NaN (<= 7 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
@@ -286,7 +286,8 @@ for job in "$@"; do
         --variants off_save_dots_unroll,gspmd,off_cm_save_dots_unroll ;;
     collective_matmul)
       BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
-        --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" --out-dir "$out" ;;
+        --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" \
+        --rs-phases "${RS_PHASES:-}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)
@@ -396,8 +397,11 @@ for job in "$@"; do
         --variants on_all,on_all_cm --steps 500 --eval-every 4 --deadline-s 320 \
         --out-dir "$out" ;;
     probe_evals)  # issue 15, 2 GPUs: the kernels' NaN evaluations, one compiled evaluation
-      # asked four ways (back to back, again, one by one, through XLA's collectives)
-      timeout 330 python3 -m benchmarks.probe_kernel_evals --label nvlink --out-dir "$out" ;;
+      # asked seven ways: queued right behind the training step (all at once, or one at a
+      # time), after it (back to back, again, one by one, through XLA's collectives), and
+      # queued behind matmuls without kernels; 50 evaluations, 25 of each behind the step
+      BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label nvlink \
+        --steps 200 --deadline-s 360 --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED
       timeout 570 python3 benchmarks/bench_accuracy.py --config configs/gpt_125m_dp2_zero.py \

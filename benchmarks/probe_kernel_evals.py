@@ -4,18 +4,24 @@
 collective-matmul kernels) returned a NaN validation loss in 50 of 125 evaluations on
 2xH200 while its training steps stayed finite (docs/parallel.md, "NaN in the kernels'
 evaluations"). This trains that configuration with the kernel step and, every `--every`
-steps, evaluates the same parameters on the same `--batches` validation batches five ways:
+steps, evaluates the same parameters on the same `--batches` validation batches these ways:
 
   behind_step    the trainer's way: dispatched right behind the training step that made the
-                 parameters, before anything waits for it, then the losses fetched;
-  back_to_back   the same once the step has finished: every batch dispatched, then fetched;
+                 parameters, before anything waits for it, each batch made just before its
+                 call (the runner's order), then the losses fetched;
+  behind_step_one_by_one   (every other evaluation, instead) behind the step too, but each
+                 batch's loss fetched before the next is dispatched: one call queued at most;
+  back_to_back   once the step has finished: every batch dispatched, then the losses fetched;
   again          the same, once more: a loss that changes between identical calls is a race;
   one_by_one     each batch's loss fetched before the next is dispatched;
-  collectives    through XLA's collectives with the same codecs (`trainer.eval_spec`).
+  collectives    through XLA's collectives with the same codecs (`trainer.eval_spec`);
+  behind_other   every batch queued behind a long computation without kernels (matmuls on
+                 every GPU, about a training step long): a queue without the step.
 
-On 2026-11-26 only `behind_step` returned NaN (1 of 20 evaluations; the other four none in
-125): the kernels compute the right losses, and queued executions of them are what
-goes wrong. It also records how the compiled training and evaluation steps hand each
+On 2026-11-26 only `behind_step` returned NaN (1 of 20 evaluations; the four ways after the
+step none in 125): the kernels compute the right losses, and queued executions of them are
+what goes wrong; the last two ways ask whether the queue's depth or the step before it is
+the trigger. It also records how the compiled training and evaluation steps hand each
 Mosaic GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`).
 
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
@@ -41,7 +47,10 @@ if __package__ in (None, ""):
 from benchmarks.args import add_output_args, parse_with_smoke, start_watchdog, write_report
 from benchmarks.bench_accuracy import REPO, configure, load_config
 
-WAYS = ("behind_step", "back_to_back", "again", "one_by_one", "collectives")
+# right behind the training step, on alternate evaluations; then, once it has finished:
+BEHIND_STEP = ("behind_step", "behind_step_one_by_one")
+AFTER_STEP = ("back_to_back", "again", "one_by_one", "collectives", "behind_other")
+WAYS = BEHIND_STEP + AFTER_STEP
 
 
 def parse_args(argv=None):
@@ -53,6 +62,8 @@ def parse_args(argv=None):
   p.add_argument("--batches", type=int, default=16, help="validation batches per evaluation")
   p.add_argument("--corpus", default="python", help="python | embedded | a data.path")
   p.add_argument("--seed", type=int, default=None)
+  p.add_argument("--deadline-s", type=float, default=None,
+                 help="stop training after this many seconds and report what was evaluated")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
   return parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
                                         tp=4, steps=4, every=2, batches=2,
@@ -64,16 +75,31 @@ def finite_or_none(losses) -> list:
 
 
 def summarize(evals: list[dict]) -> dict:
-  """Per way: the evaluations with a NaN (a null loss) and the batches that had one; and
-  the evaluations whose back-to-back losses changed between the two identical calls."""
+  """Per way: of the evaluations it ran in, those with a NaN (a null loss) and the batches
+  that had one; and the evaluations whose back-to-back losses changed between the two
+  identical calls."""
   out = {}
   for way in WAYS:
-    bad = [e for e in evals if None in e[way]]
-    out[way] = dict(evaluations_with_nan=len(bad), of=len(evals),
+    ran = [e for e in evals if way in e]
+    bad = [e for e in ran if None in e[way]]
+    out[way] = dict(evaluations_with_nan=len(bad), of=len(ran),
                     batches_with_nan=sorted({i for e in bad
                                              for i, x in enumerate(e[way]) if x is None}))
   out["calls_that_differ"] = [e["step"] for e in evals if e["back_to_back"] != e["again"]]
   return out
+
+
+def busy_work(mesh, small: bool):
+  """A function that queues, on every device of ``mesh``, tens of milliseconds of matmuls
+  (a few on CPU) with no collective and no kernel of ours, and returns without waiting."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  n, reps = (64, 2) if small else (4096, 200)
+  x = jax.device_put(jnp.full((n, n), 1 / n, jnp.bfloat16), NamedSharding(mesh, P()))
+  step = jax.jit(lambda y: jax.lax.fori_loop(0, reps, lambda i, z: jnp.tanh(z @ z), y))
+  step(x).block_until_ready()  # compiled now, not while timing the queue
+  return lambda: step(x)
 
 
 def scratch_summary(hlo_text: str) -> dict:
@@ -100,7 +126,7 @@ def main(argv=None) -> pathlib.Path:
   from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib
   from taco_jax.tp import fused
   from taco_jax.train import trainer
-  from taco_jax.train.config import devices, parallel_spec, validate
+  from taco_jax.train.config import compiler_options, devices, parallel_spec, validate
 
   root = pathlib.Path(tempfile.mkdtemp(prefix="taco_probe_"))
   accuracy_args = argparse.Namespace(corpus=args.corpus, seed=args.seed, steps=args.steps,
@@ -115,33 +141,45 @@ def main(argv=None) -> pathlib.Path:
   o_abs = trainer.opt_state_target(tx, p_abs, mesh, spec)
   params, opt_state = trainer.fresh_state(spec, mesh, tx, o_abs, config.seed)
   batch = trainer.batches(config, corpus, mesh)
-  val = [batch(i, 1, corpus.val) for i in range(args.batches)]
+  val_batch = lambda i: batch(i, 1, corpus.val)  # noqa: E731 (the runner's val_batch)
+  val = [val_batch(i) for i in range(args.batches)]
   t0 = time.perf_counter()
+  xla = compiler_options(config) or None  # the trainer's
   train = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                   out_shardings=(trainer.shardings(p_abs), trainer.shardings(o_abs), None)
-                  ).lower(params, opt_state, batch(0)).compile()
+                  ).lower(params, opt_state, batch(0)).compile(xla)
   evaluate = {way: jax.jit(step_lib.make_eval_step(
       trainer.eval_spec(spec) if way == "collectives" else spec, mesh)
-      ).lower(params, val[0]).compile() for way in ("kernels", "collectives")}
+      ).lower(params, val[0]).compile(xla) for way in ("kernels", "collectives")}
   scratch = {name: scratch_summary(exe.as_text())
              for name, exe in (("train", train), ("evaluate", evaluate["kernels"]))}
   print(f"kernels' scratch inputs: {scratch}", flush=True)
 
+  busy = busy_work(mesh, small=args.smoke)
+
   def losses(way):
     f = evaluate["collectives" if way == "collectives" else "kernels"]
-    if way == "one_by_one":
+    if way.endswith("one_by_one"):
       return finite_or_none([np.asarray(f(params, b)) for b in val])
+    if way == "behind_other":
+      busy()
+    if way == "behind_step":  # as the runner: each batch made just before its call
+      return finite_or_none(jax.device_get([f(params, val_batch(i))
+                                            for i in range(args.batches)]))
     return finite_or_none(jax.device_get([f(params, b) for b in val]))
 
   evals = []
   for s in range(1, args.steps + 1):
+    if args.deadline_s and time.perf_counter() - t0 > args.deadline_s:
+      print(f"deadline: stopped before step {s}", flush=True)
+      break
     params, opt_state, m = train(params, opt_state, batch(s - 1))
     if s % args.every == 0:
-      behind = [evaluate["kernels"](params, b) for b in val]  # nothing has waited yet
-      evals.append(dict(step=s, train_loss=float(m["loss"]),
-                        behind_step=finite_or_none(jax.device_get(behind)),
-                        **{way: losses(way) for way in WAYS[1:]}))
-      bad = [w for w in WAYS if None in evals[-1][w]]
+      behind = BEHIND_STEP[len(evals) % 2]
+      got = {behind: losses(behind)}  # before anything has waited for the step
+      evals.append(dict(step=s, train_loss=float(m["loss"]), **got,
+                        **{way: losses(way) for way in AFTER_STEP}))
+      bad = [w for w in WAYS if None in evals[-1].get(w, ())]
       print(f"step {s}: train loss {evals[-1]['train_loss']:.4f}; NaN in "
             f"{', '.join(bad) or 'none'}", flush=True)
   env = common.environment()

@@ -151,19 +151,22 @@ def test_a_kernels_custom_call_text_is_not_read_as_a_collective():
 
 def test_kernel_scratch_inputs_name_each_kernels_scratch_and_its_maker():
   """`hlo.kernel_scratch_inputs`: per Mosaic GPU custom call, its last operand (the zeroed
-  scratch jax passes last), the opcode that makes it and how many instructions read it."""
+  scratch jax passes last), the opcode that makes it and the instructions that read it;
+  operands whose types hold commas or parentheses (a 2-D layout, a tuple) included."""
   from taco_jax.testing import hlo
   text = "\n".join([
       "  %zero = u32[8]{0} broadcast(u32[] %c0), dimensions={}",
       "  %shared = u32[8]{0} constant({0,0,0,0,0,0,0,0})",
-      '  %k1 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %zero), '
+      '  %k1 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4,2]{1,0} %x, u32[8]{0} %zero), '
       'custom_call_target="mosaic_gpu_v2", backend_config={module="=(x) all-reduce("}',
-      '  %k2 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %shared), '
+      '  %k2 = (bf16[4]{0}, u32[8]{0}) custom-call((bf16[4]{0}, f32[]) %t, u32[8]{0} %shared), '
       'custom_call_target="mosaic_gpu_v2"',
       '  %other = bf16[4]{0} custom-call(bf16[4]{0} %x), custom_call_target="cublas"',
       '  ROOT %k3 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %shared), '
       'custom_call_target="mosaic_gpu_v2"'])
+  two = ["custom-call", "custom-call"]
   assert hlo.kernel_scratch_inputs(text) == [
-      dict(kernel="%k1", scratch="%zero", producer="broadcast", readers=1),
-      dict(kernel="%k2", scratch="%shared", producer="constant", readers=2),
-      dict(kernel="%k3", scratch="%shared", producer="constant", readers=2)]
+      dict(kernel="%k1", scratch="%zero", producer="broadcast", readers=1,
+           reader_ops=["custom-call"]),
+      dict(kernel="%k2", scratch="%shared", producer="constant", readers=2, reader_ops=two),
+      dict(kernel="%k3", scratch="%shared", producer="constant", readers=2, reader_ops=two)]

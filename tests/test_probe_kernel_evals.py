@@ -1,4 +1,4 @@
-"""benchmarks/probe_kernel_evals.py: its summary of the four ways of evaluating (and a slow
+"""benchmarks/probe_kernel_evals.py: its summary of the ways of evaluating (and a slow
 smoke run on CPU, where the kernels fall back to XLA's collectives)."""
 import json
 
@@ -24,6 +24,15 @@ def test_summary_counts_nan_evaluations_per_way_and_calls_that_differ():
   assert probe.finite_or_none([1.5, float("nan"), float("inf")]) == [1.5, None, None]
 
 
+def test_summary_counts_a_way_only_in_the_evaluations_it_ran_in():
+  first, second = probe.BEHIND_STEP
+  evals = [_evaluation(4, **{first: [None, 2.0]}), _evaluation(8), _evaluation(12)]
+  del evals[0][second], evals[1][first], evals[2][first]
+  s = probe.summarize(evals)
+  assert s[first] == dict(evaluations_with_nan=1, of=1, batches_with_nan=[0])
+  assert s[second] == dict(evaluations_with_nan=0, of=2, batches_with_nan=[])
+
+
 def test_scratch_summary_counts_the_makers_of_the_kernels_scratch():
   text = "\n".join([
       "  %zero = u32[8]{0} broadcast(u32[] %c0), dimensions={}",
@@ -41,6 +50,8 @@ def test_probe_kernel_evals_smoke(tmp_path):
   path = probe.main(["--smoke", "--out-dir", str(tmp_path)])
   report = json.loads(path.read_text())
   assert [e["step"] for e in report["evaluations"]] == [2, 4]
+  assert [probe.BEHIND_STEP[0] in e for e in report["evaluations"]] == [True, False]
+  assert report["summary"]["behind_other"]["of"] == 2
   assert report["summary"]["collectives"]["evaluations_with_nan"] == 0
   assert report["kernel_fallbacks"]  # on CPU the kernel layers take XLA's collectives
   assert report["kernel_scratch"]["evaluate"]["kernels"] == 0

@@ -98,25 +98,45 @@ def collectives(hlo_text: str, mesh=None) -> list[Collective]:
   return out
 
 
-_INSTR = re.compile(_HEAD + r"(?P<op>[a-z][\w\-]*)\((?P<args>[^)]*)\)")
+_INSTR = re.compile(_HEAD + r"(?P<op>[a-z][\w\-]*)\(")
+_OPEN, _CLOSE = "([{", ")]}"
+
+
+def _operands(text: str) -> list[str]:
+  """The operand names of an instruction whose operand list starts ``text`` (just after its
+  opening parenthesis), up to the matching one: each operand's last word, its type
+  (``bf16[4,8]{1,0}``, a tuple ``(f32[], s32[])``) skipped, commas inside it too."""
+  names, depth, start = [], 0, 0
+  for i, ch in enumerate(text):
+    if ch in _OPEN:
+      depth += 1
+    elif ch in _CLOSE:
+      if depth == 0:
+        return names + [text[start:i].split()[-1]] if text[start:i].strip() else names
+      depth -= 1
+    elif ch == "," and depth == 0:
+      names.append(text[start:i].split()[-1])
+      start = i + 1
+  return names
 
 
 def kernel_scratch_inputs(hlo_text: str, target: str = "mosaic_gpu_v2") -> list[dict]:
   """Per custom call to ``target`` (a Mosaic GPU kernel) in a compiled module: its last
   operand, which is the kernel's zeroed global scratch (its semaphores; jax passes it last
   and aliases it to an output), the opcode of the instruction that makes that operand,
-  and how many instructions read it. A scratch made by a constant, or read by two kernels,
-  would reach a kernel not zeroed."""
-  producer, users, kernels = {}, {}, []
+  and the opcodes of the instructions that read it. A scratch made by a constant, or read
+  by two kernels, would reach a kernel not zeroed."""
+  producer, readers, kernels = {}, {}, []
   for line in hlo_text.splitlines():
     m = _INSTR.match(line)
     if not m:
       continue
-    args = [a.split()[-1] for a in m["args"].split(",") if a.strip()]
+    args = _operands(line[m.end():])
     producer[m["name"]] = m["op"]
     for a in args:
-      users[a] = users.get(a, 0) + 1
+      readers.setdefault(a, []).append(m["op"])
     if m["op"] == "custom-call" and f'custom_call_target="{target}"' in line and args:
       kernels.append((m["name"], args[-1]))
-  return [dict(kernel=k, scratch=s, producer=producer.get(s), readers=users.get(s, 0))
+  return [dict(kernel=k, scratch=s, producer=producer.get(s),
+               readers=len(readers.get(s, [])), reader_ops=sorted(readers.get(s, [])))
           for k, s in kernels]
