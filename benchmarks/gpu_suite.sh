@@ -397,9 +397,10 @@ for job in "$@"; do
         --variants on_all,on_all_cm --steps 500 --eval-every 4 --deadline-s 320 \
         --out-dir "$out" ;;
     probe_evals)  # issue 15, 2 GPUs: the kernels' NaN evaluations, one compiled evaluation
-      # asked seven ways: queued right behind the training step (all at once, or one at a
-      # time), after it (back to back, again, one by one, through XLA's collectives), and
-      # queued behind matmuls without kernels; 50 evaluations, 25 of each behind the step
+      # asked eight ways: queued right behind the training step (all at once, or one at a
+      # time), after it (the trainer's order, back to back, again, one by one, through XLA's
+      # collectives), and queued behind matmuls without kernels; 50 evaluations, 25 of each
+      # behind the step
       BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label nvlink \
         --steps 200 --deadline-s 360 --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,

@@ -6,23 +6,25 @@ collective-matmul kernels) returned a NaN validation loss in 50 of 125 evaluatio
 evaluations"). This trains that configuration with the kernel step and, every `--every`
 steps, evaluates the same parameters on the same `--batches` validation batches these ways:
 
-  behind_step    the trainer's way: dispatched right behind the training step that made the
-                 parameters, before anything waits for it, each batch made just before its
-                 call (the runner's order), then the losses fetched;
+  behind_step    dispatched right behind the training step that made the parameters,
+                 before anything waits for it, then the losses fetched;
   behind_step_one_by_one   (every other evaluation, instead) behind the step too, but each
                  batch's loss fetched before the next is dispatched: one call queued at most;
-  back_to_back   once the step has finished: every batch dispatched, then the losses fetched;
+  trainer_order  the trainer's (`runner`): once the step has finished, each batch made (copied
+                 to the GPUs) just before its call, then the losses fetched;
+  back_to_back   the same from batches made beforehand;
   again          the same, once more: a loss that changes between identical calls is a race;
   one_by_one     each batch's loss fetched before the next is dispatched;
   collectives    through XLA's collectives with the same codecs (`trainer.eval_spec`);
   behind_other   every batch queued behind a long computation without kernels (matmuls on
                  every GPU, about a training step long): a queue without the step.
 
-On 2026-11-26 only `behind_step` returned NaN (1 of 20 evaluations; the four ways after the
-step none in 125): the kernels compute the right losses, and queued executions of them are
-what goes wrong; the last two ways ask whether the queue's depth or the step before it is
-the trigger. It also records how the compiled training and evaluation steps hand each
-Mosaic GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`).
+On 2026-11-26 only `behind_step` returned NaN (1 of 20 evaluations; back_to_back, again,
+one_by_one and collectives none in 125), where the trainer's own evaluations had NaN in 50 of
+125: the kernels compute the right losses, and how their executions are queued is what goes
+wrong. `trainer_order`, `behind_step_one_by_one` and `behind_other` were added after that
+run. The probe also records how the compiled training and evaluation steps hand each Mosaic
+GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`).
 
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.
@@ -49,7 +51,8 @@ from benchmarks.bench_accuracy import REPO, configure, load_config
 
 # right behind the training step, on alternate evaluations; then, once it has finished:
 BEHIND_STEP = ("behind_step", "behind_step_one_by_one")
-AFTER_STEP = ("back_to_back", "again", "one_by_one", "collectives", "behind_other")
+AFTER_STEP = ("trainer_order", "back_to_back", "again", "one_by_one", "collectives",
+              "behind_other")
 WAYS = BEHIND_STEP + AFTER_STEP
 
 
@@ -163,7 +166,7 @@ def main(argv=None) -> pathlib.Path:
       return finite_or_none([np.asarray(f(params, b)) for b in val])
     if way == "behind_other":
       busy()
-    if way == "behind_step":  # as the runner: each batch made just before its call
+    if way == "trainer_order":  # as the runner: each batch made just before its call
       return finite_or_none(jax.device_get([f(params, val_batch(i))
                                             for i in range(args.batches)]))
     return finite_or_none(jax.device_get([f(params, b) for b in val]))

@@ -109,10 +109,11 @@ def global_batch(tokens_BT1: np.ndarray, mesh) -> jax.Array:
 def eval_spec(spec: step_lib.ParallelSpec) -> step_lib.ParallelSpec:
   """The layout the validation loss is computed with: the training step's, except that the
   fused collective-matmul kernels (``parallel.tp_overlap="kernel"``) give way to XLA's
-  collectives with the same codecs. Forward-only programs of the kernels, queued right
-  behind the training step as `runner` dispatches them, returned a NaN loss in 50 of 125
-  evaluations on 2xH200 (TP=2, every TP message in FP8; the training steps stayed finite),
-  and none once the step had finished: docs/parallel.md, "What the probe found"."""
+  collectives with the same codecs. Forward-only programs of the kernels returned a NaN
+  loss in 50 of 125 of the trainer's evaluations on 2xH200 (TP=2, every TP message in FP8;
+  the training steps stayed finite); the same program evaluating the same parameters never
+  did in a probe, except once when queued behind the training step: docs/parallel.md,
+  "What the probe found"."""
   if spec.tp_overlap != "kernel":
     return spec
   return dataclasses.replace(spec, tp_overlap="none")
