@@ -107,14 +107,16 @@ def busy_work(mesh, small: bool):
 
 def scratch_summary(hlo_text: str) -> dict:
   """How a compiled step's kernels get their zeroed scratch (semaphores): the kernels, the
-  opcodes that make their scratch, and the most kernels that read one scratch."""
+  opcodes that make their scratch, the most instructions that read one scratch, and the
+  opcodes of every reader."""
   from taco_jax.testing import hlo
   rows = hlo.kernel_scratch_inputs(hlo_text)
   producers: dict[str, int] = {}
   for r in rows:
     producers[r["producer"]] = producers.get(r["producer"], 0) + 1
   return dict(kernels=len(rows), producers=producers,
-              most_readers=max((r["readers"] for r in rows), default=0))
+              most_readers=max((r["readers"] for r in rows), default=0),
+              reader_ops=sorted({op for r in rows for op in r["reader_ops"]}))
 
 
 def main(argv=None) -> pathlib.Path:

@@ -41,8 +41,9 @@ def test_scratch_summary_counts_the_makers_of_the_kernels_scratch():
       '  %k2 = (bf16[4]{0}, u32[8]{0}) custom-call(bf16[4]{0} %x, u32[8]{0} %zero), '
       'custom_call_target="mosaic_gpu_v2"'])
   assert probe.scratch_summary(text) == dict(kernels=2, producers={"broadcast": 2},
-                                             most_readers=2)
-  assert probe.scratch_summary("") == dict(kernels=0, producers={}, most_readers=0)
+                                             most_readers=2, reader_ops=["custom-call"])
+  assert probe.scratch_summary("") == dict(kernels=0, producers={}, most_readers=0,
+                                           reader_ops=[])
 
 
 @pytest.mark.slow
