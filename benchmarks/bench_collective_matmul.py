@@ -407,8 +407,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       tl = _tiling(rs.TILING, spec)
       tl8 = _tiling(rs.FP8_TILING, spec)
 
-      def plain(y, w, tl=tl):
-        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms),)
+      def plain(y, w, tl=tl, phases=None):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, phases=phases),)
 
       def fp8(y, w, tl=tl8):
         return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8),)
@@ -419,10 +419,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                      out_specs=(out_spec,)), False)
       for phases in rs_phases:
         name = f"fused[{'' if spec == 'default' else spec + '+'}phases={phases}]"
-        out[name] = (smap(
-            lambda y, w, tl=tl, phases=phases: (rs.matmul_reduce_scatter(
-                y, w, t, tiling=tl, num_sms=sms, phases=phases),),
-            mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)
+        out[name] = (smap(functools.partial(plain, phases=phases), mesh=mesh,
+                          in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)

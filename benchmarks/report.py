@@ -703,9 +703,9 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[packed_sems]", "fused_fp8[packed_sems]", "rank0", "rank0_fp8", "gemm", "gemm_fp8",
-              "core[default]", "jax_gemm", "jax_gemm[cluster=m]", "jax_gemm[cluster=n]",
-              "xla_f32_dot", "cublas")
+CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[packed_sems]", "fused_fp8[packed_sems]",
+              "rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
+              "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
 
 
 def _kernel_ms(variant: dict) -> float | None:
