@@ -29,7 +29,7 @@ GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`).
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.
 
-GPU, 2 GPUs (< 5 minutes):
+GPU, 2 GPUs (120 steps by default; gpu_suite's probe_evals runs 200 in <= 7 minutes):
   python -m benchmarks.probe_kernel_evals --label nvlink
 CPU smoke test (8 fake devices, tiny model; the kernels fall back to XLA there):
   python -m benchmarks.probe_kernel_evals --smoke
