@@ -397,11 +397,11 @@ for job in "$@"; do
         --variants on_all,on_all_cm --steps 500 --eval-every 4 --deadline-s 320 \
         --out-dir "$out" ;;
     probe_evals)  # issue 15, 2 GPUs: the kernels' NaN evaluations, one compiled evaluation
-      # asked eight ways: queued right behind the training step (all at once, or one at a
-      # time), after it (the trainer's order, back to back, again, one by one, through XLA's
-      # collectives), and queued behind matmuls without kernels; 50 evaluations, 25 of each
-      # behind the step
-      BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label nvlink \
+      # asked ten ways: queued right behind the training step (all at once, or one at a time),
+      # after it (the trainer's order, with its batches kept or their copies waited for, back
+      # to back, again, one by one, through XLA's collectives), and queued behind matmuls
+      # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results
+      BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label "${LABEL:-nvlink}" \
         --steps 200 --deadline-s 360 --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED

@@ -12,6 +12,10 @@ steps, evaluates the same parameters on the same `--batches` validation batches 
                  batch's loss fetched before the next is dispatched: one call queued at most;
   trainer_order  the trainer's (`runner`): once the step has finished, each batch made (copied
                  to the GPUs) just before its call, then the losses fetched;
+  trainer_order_kept    the same, every batch held until the losses are fetched (none is
+                 freed, so no batch's memory is reused by the next one's copy);
+  trainer_order_synced  the same, each batch's copy waited for before its call (no copy to
+                 the GPUs runs beside a kernel);
   back_to_back   the same from batches made beforehand;
   again          the same, once more: a loss that changes between identical calls is a race;
   one_by_one     each batch's loss fetched before the next is dispatched;
@@ -51,8 +55,8 @@ from benchmarks.bench_accuracy import REPO, configure, load_config
 
 # right behind the training step, on alternate evaluations; then, once it has finished:
 BEHIND_STEP = ("behind_step", "behind_step_one_by_one")
-AFTER_STEP = ("trainer_order", "back_to_back", "again", "one_by_one", "collectives",
-              "behind_other")
+AFTER_STEP = ("trainer_order", "trainer_order_kept", "trainer_order_synced", "back_to_back",
+              "again", "one_by_one", "collectives", "behind_other")
 WAYS = BEHIND_STEP + AFTER_STEP
 
 
@@ -171,6 +175,13 @@ def main(argv=None) -> pathlib.Path:
     if way == "trainer_order":  # as the runner: each batch made just before its call
       return finite_or_none(jax.device_get([f(params, val_batch(i))
                                             for i in range(args.batches)]))
+    if way == "trainer_order_kept":
+      kept = []  # each batch still made just before its call
+      return finite_or_none(jax.device_get([f(params, kept.append(val_batch(i)) or kept[-1])
+                                            for i in range(args.batches)]))
+    if way == "trainer_order_synced":
+      return finite_or_none(jax.device_get([
+          f(params, jax.block_until_ready(val_batch(i))) for i in range(args.batches)]))
     return finite_or_none(jax.device_get([f(params, b) for b in val]))
 
   evals = []
