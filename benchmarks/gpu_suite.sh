@@ -400,9 +400,10 @@ for job in "$@"; do
       # asked ten ways: queued right behind the training step (all at once, or one at a time),
       # after it (the trainer's order, with its batches kept or their copies waited for, back
       # to back, again, one by one, through XLA's collectives), and queued behind matmuls
-      # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results
+      # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results;
+      # STEP_CHECK=N first compares N training steps fed three ways, twice each
       BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label "${LABEL:-nvlink}" \
-        --steps 200 --deadline-s 360 --out-dir "$out" ;;
+        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" --deadline-s 360 --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED
       timeout 570 python3 benchmarks/bench_accuracy.py --config configs/gpt_125m_dp2_zero.py \

@@ -28,7 +28,9 @@ one_by_one and collectives none in 125), where the trainer's own evaluations had
 125: the kernels compute the right losses, and how their executions are queued is what goes
 wrong. `trainer_order`, `behind_step_one_by_one` and `behind_other` were added after that
 run. The probe also records how the compiled training and evaluation steps hand each Mosaic
-GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`).
+GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`). With ``--step-check N``
+it first asks the same of the training step: N steps from one fresh state, fed three ways
+(``STEP_WAYS``) twice each, compared bit for bit (`step_check`).
 
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.
@@ -69,6 +71,9 @@ def parse_args(argv=None):
   p.add_argument("--batches", type=int, default=16, help="validation batches per evaluation")
   p.add_argument("--corpus", default="python", help="python | embedded | a data.path")
   p.add_argument("--seed", type=int, default=None)
+  p.add_argument("--step-check", type=int, default=0,
+                 help="first train this many steps from the same fresh state each way of "
+                      "STEP_WAYS, twice, and compare losses and parameters bit for bit")
   p.add_argument("--deadline-s", type=float, default=None,
                  help="stop training after this many seconds and report what was evaluated")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
@@ -94,6 +99,46 @@ def summarize(evals: list[dict]) -> dict:
                                              for i, x in enumerate(e[way]) if x is None}))
   out["calls_that_differ"] = [e["step"] for e in evals if e["back_to_back"] != e["again"]]
   return out
+
+
+# how the training steps are fed, for --step-check: each batch made just before its step and
+# nothing waited for (the runner's order); every batch made (and copied) before the first
+# step; each step's loss fetched before the next batch is made
+STEP_WAYS = ("trainer_order", "premade", "one_by_one")
+
+
+def step_check(train, fresh, batch, steps: int) -> dict:
+  """Trains ``steps`` steps from the same fresh state (``fresh()``) each way of
+  ``STEP_WAYS``, twice, and compares every run with the first one-by-one run: a run that
+  differs where the two one-by-one runs agree was fed in an order that changed what the
+  kernels computed."""
+  import jax
+  import numpy as np
+
+  def run(way):
+    params, opt_state = fresh()
+    made = jax.block_until_ready([batch(i) for i in range(steps)]) if way == "premade" else None
+    losses = []
+    for i in range(steps):
+      params, opt_state, m = train(params, opt_state, made[i] if made else batch(i))
+      losses.append(m["loss"])
+      if way == "one_by_one":
+        jax.block_until_ready(m["loss"])
+    return np.asarray(jax.device_get(losses), np.float64), jax.device_get(params)
+
+  runs = {f"{way}_{k}": run(way) for k in range(2) for way in STEP_WAYS}
+  ref_losses, ref_params = runs["one_by_one_0"]
+  out = {}
+  for name, (losses, params) in runs.items():
+    differs = np.flatnonzero(losses != ref_losses)
+    out[name] = dict(
+        losses_equal=bool(differs.size == 0),
+        first_step_that_differs=int(differs[0]) + 1 if differs.size else None,
+        nonfinite_losses=int(np.sum(~np.isfinite(losses))),
+        final_loss=float(losses[-1]),
+        params_equal=all(np.array_equal(a, b) for a, b in zip(
+            jax.tree.leaves(params), jax.tree.leaves(ref_params))))
+  return dict(steps=steps, against="one_by_one_0", runs=out)
 
 
 def busy_work(mesh, small: bool):
@@ -165,6 +210,15 @@ def main(argv=None) -> pathlib.Path:
   print(f"kernels' scratch inputs: {scratch}", flush=True)
 
   busy = busy_work(mesh, small=args.smoke)
+  steps_checked = None
+  if args.step_check:
+    steps_checked = step_check(
+        train, lambda: trainer.fresh_state(spec, mesh, tx, o_abs, config.seed), batch,
+        args.step_check)
+    print("step check: " + "; ".join(
+        f"{name} losses {'=' if r['losses_equal'] else '!='} (first at "
+        f"{r['first_step_that_differs']}), params {'=' if r['params_equal'] else '!='}"
+        for name, r in steps_checked["runs"].items()), flush=True)
 
   def losses(way):
     f = evaluate["collectives" if way == "collectives" else "kernels"]
@@ -203,7 +257,7 @@ def main(argv=None) -> pathlib.Path:
                 num_devices=jax.device_count(), platform=env["platform"], date=env["date"],
                 jax_version=jax.__version__, config=dict(vars(args)), environment=env,
                 mesh=dict(mesh.shape), kernel_fallbacks=fused.fallbacks(),
-                kernel_scratch=scratch,
+                kernel_scratch=scratch, step_check=steps_checked,
                 wall_s=time.perf_counter() - t0, evaluations=evals, summary=summarize(evals))
   lines = [f"{way}: NaN in {r['evaluations_with_nan']} of {r['of']} evaluations (batches "
            f"{r['batches_with_nan']})" for way, r in report["summary"].items()

@@ -56,3 +56,27 @@ def test_probe_kernel_evals_smoke(tmp_path):
   assert report["summary"]["collectives"]["evaluations_with_nan"] == 0
   assert report["kernel_fallbacks"]  # on CPU the kernel layers take XLA's collectives
   assert report["kernel_scratch"]["evaluate"]["kernels"] == 0
+
+
+def test_step_check_flags_the_run_fed_differently():
+  """`step_check` compares every run with the first one-by-one run: runs fed the same
+  batches agree bit for bit; one whose batches changed (here the second trainer-order run,
+  the batch function's 10th to 12th calls) is flagged from its first step on."""
+  import jax.numpy as jnp
+  calls = []
+
+  def batch(i):
+    calls.append(i)
+    return jnp.full((2,), float(i) + (0.5 if 10 <= len(calls) <= 12 else 0.0))
+
+  def train(params, opt_state, b):
+    params = params * 0.5 + b
+    return params, opt_state, {"loss": params.sum()}
+
+  got = probe.step_check(train, lambda: (jnp.zeros((2,)), None), batch, steps=3)["runs"]
+  assert set(got) == {f"{w}_{k}" for w in probe.STEP_WAYS for k in range(2)}
+  for name, r in got.items():
+    bad = name == "trainer_order_1"
+    assert r["losses_equal"] is not bad and r["params_equal"] is not bad
+    assert r["first_step_that_differs"] == (1 if bad else None)
+    assert r["nonfinite_losses"] == 0
