@@ -8,9 +8,7 @@ count), the same random inputs go through:
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
   kernel (its own time is reported apart as ``fp8_kernel``); ``fused[phases=P]``
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
-  ``matmul_rs.default_phases``; ``fused[push=C]`` and ``fused_fp8[push=C]`` (``--rs-push``):
-  the reduce-scatter kernels pushing C tile columns of each partial instead of
-  ``matmul_rs.default_push_cols`` (0: every partial pulled by its owner);
+  ``matmul_rs.default_phases``;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -85,10 +83,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-phases", default="",
                  help="comma-separated phase counts to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.default_phases): fused[phases=P]")
-  p.add_argument("--rs-push", default="",
-                 help="comma-separated pushed tile-column counts to time the reduce-scatter "
-                      "kernels with besides their default (matmul_rs.default_push_cols): "
-                      "fused[push=C], fused_fp8[push=C]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -181,8 +175,7 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode,
-                           [int(x) for x in args.rs_phases.split(",") if x],
-                           [int(x) for x in args.rs_push.split(",") if x])
+                           [int(x) for x in args.rs_phases.split(",") if x])
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
                   tp=tp, variants={})
       results["cases"].append(case)
@@ -368,7 +361,7 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
-              encode, rs_phases=(), rs_push=()):
+              encode, rs_phases=()):
   """name -> (function of (a, w), runs on the one-GPU mesh)."""
   from jax.sharding import PartitionSpec as P
   from taco_jax.pallas_kernels import gemm
@@ -414,27 +407,20 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       tl = _tiling(rs.TILING, spec)
       tl8 = _tiling(rs.FP8_TILING, spec)
 
-      def plain(y, w, tl=tl, phases=None, push_cols=None):
-        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, phases=phases,
-                                         push_cols=push_cols),)
+      def plain(y, w, tl=tl, phases=None):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, phases=phases),)
 
-      def fp8(y, w, tl=tl8, push_cols=None):
-        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8,
-                                         push_cols=push_cols),)
+      def fp8(y, w, tl=tl8):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8),)
 
       out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
                                  out_specs=(out_spec,)), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
-      pre = "" if spec == "default" else spec + "+"
-      others = [(f"fused[{pre}phases={ph}]", functools.partial(plain, phases=ph))
-                for ph in rs_phases]
-      for cols in rs_push:
-        others += [(f"fused[{pre}push={cols}]", functools.partial(plain, push_cols=cols)),
-                   (f"fused_fp8[{pre}push={cols}]", functools.partial(fp8, push_cols=cols))]
-      for name, fn in others:
-        out[name] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec,)),
-                     False)
+      for phases in rs_phases:
+        name = f"fused[{'' if spec == 'default' else spec + '+'}phases={phases}]"
+        out[name] = (smap(functools.partial(plain, phases=phases), mesh=mesh,
+                          in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)

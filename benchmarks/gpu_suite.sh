@@ -287,7 +287,7 @@ for job in "$@"; do
     collective_matmul)
       BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" \
-        --rs-phases "${RS_PHASES:-}" --rs-push "${RS_PUSH:-}" --out-dir "$out" ;;
+        --rs-phases "${RS_PHASES:-}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

@@ -703,8 +703,7 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[push=0]", "fused_fp8[push=0]",
-              "fused[packed_sems]", "fused_fp8[packed_sems]",
+CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[packed_sems]", "fused_fp8[packed_sems]",
               "rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
               "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
 
@@ -761,10 +760,7 @@ def collective_matmul_section() -> str:
       "`[packed_sems]` (the `nvlink_sems` run): the kernels as they are, every semaphore in "
       "one cache line, beside `fused` / `fused_fp8` there with each semaphore on a line of "
       "its own and only the compute warpgroups waiting for the peers (a change reverted "
-      "after this run). `[push=0]`: the reduce-scatter kernels with every partial pulled by "
-      "its owner, beside `fused` / `fused_fp8` pushing half of each partial's tile columns "
-      "into the owner's memory (runs from 2026-11-26 on; before, `fused` pulled everything). "
-      "Every kernel was checked against its reference before it was timed; "
+      "after this run). Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
 

@@ -206,52 +206,13 @@ def dealt(tiles: int, first_sm: int = 0):
   return loop
 
 
-@dataclasses.dataclass(frozen=True)
-class Either:
-  """A gmem ref chosen per tile at run time: ``(predicate, ref)`` pairs of which exactly one
-  predicate holds (e.g. a partial tile pushed into its owner's memory, or kept in this
-  rank's for the owner to pull). ``at`` indexes every ref alike; ``copy_out`` and
-  ``copy_in`` issue one copy under each predicate, with ``pl.when`` rather than the
-  copies' own predicate, which jax's GPU interpreter does not take. Each branch commits
-  its own copy group, so the counts of ``wait_smem_to_gmem`` stay those of one copy."""
-  choices: tuple
-
-  @property
-  def at(self):
-    either = self
-
-    class _At:
-      def __getitem__(self, idx):
-        return Either(tuple((pred, ref.at[idx]) for pred, ref in either.choices))
-    return _At()
-
-
-def copy_out(src, dst) -> None:
-  """``plgpu.copy_smem_to_gmem`` to a gmem ref or an ``Either``."""
-  if not isinstance(dst, Either):
-    plgpu.copy_smem_to_gmem(src, dst)
-    return
-  for pred, ref in dst.choices:
-    pl.when(pred)(lambda ref=ref: plgpu.copy_smem_to_gmem(src, ref))
-
-
-def copy_in(src, dst, barrier) -> None:
-  """``plgpu.copy_gmem_to_smem`` from a gmem ref or an ``Either``."""
-  if not isinstance(src, Either):
-    plgpu.copy_gmem_to_smem(src, dst, barrier)
-    return
-  for pred, ref in src.choices:
-    pl.when(pred)(lambda ref=ref: plgpu.copy_gmem_to_smem(ref, dst, barrier))
-
-
 def stage_out(value, out_smem, wg, slot: int, dest) -> None:
-  """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` (a ref or an ``Either``) through
-  staging slot ``slot`` of warpgroup ``wg`` (``out_smem_type``); the slot's previous store
-  must have read it."""
+  """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
   plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   out_smem[wg, slot] = value
   plgpu.commit_smem()
-  copy_out(out_smem.at[wg, slot], dest)
+  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
 
 
 def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling):

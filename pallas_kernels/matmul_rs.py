@@ -6,15 +6,10 @@ Inside a ``jax.shard_map`` over ``axis`` (n ranks; this rank r), y ``[B, T, F]``
 rank's slice of the features for the full sequence and w ``[F, D]`` its rows of the weight;
 rank c owns chunk c of the sequence (rows ``c S .. (c + 1) S`` of every sequence, S = T / n)
 of the sum over ranks. Each partial output tile of a peer's chunk goes, straight from the
-epilogue, either into slot c of this rank's outbox, in local memory, for the owner to pull,
-or (the first ``push_cols`` tile columns) into slot r of the owner's outbox, pushed over
-the link (``plgpu.remote_ref``), while the next tiles are computed; the owner's epilogue
-reads the peers' partials for its tile out of their outboxes or its own (the TMA loads
-start before the tile's matmul, so they land while it runs) and adds them to its
-accumulator, in fp32. Pulling alone leaves the link idle while the peers' chunks are
-computed and makes it carry every partial while the own chunk is: at TP=2 on the 1.3B
-out-projection that bounds the kernel at half the matmul plus the whole transfer. Pushing
-half the columns gives the link half of it in each loop. The row tiles of every chunk come
+epilogue, into slot c of this rank's outbox, in local memory, while the next tiles are
+computed; the owner's epilogue reads the peers' partials for its tile out of their
+outboxes (``plgpu.remote_ref``; the TMA loads start before the tile's matmul, so they land
+while it runs) and adds them to its accumulator, in fp32. The row tiles of every chunk come
 in ``phases`` groups (``schedule``): phase p of each peer's chunk (``c = r + 1, ..., r + n -
 1``), then phase p - 1 of the own chunk, whose partials the peers wrote one phase earlier.
 Once every warpgroup of a rank has written its partials of a phase for a peer, one relayed
@@ -26,8 +21,7 @@ scope), the signals of a GPU's 264 compute warpgroups were served one after the 
 held SMs for up to ~200 us; the relay is what took the kernel from the matmul's time plus
 the whole transfer's to 1.09x the matmul at the 1.3B MLP-out (pulling alone gained ~4%).
 Pulling keeps the sender's stores local, so a sent loop's stores have landed, and can be
-signalled, as soon as the loop ends (docs/parallel.md, "Found on 2026-11-24"); the pushed
-half is waited for before the loop's signal.
+signalled, as soon as the loop ends (docs/parallel.md, "Found on 2026-11-24").
 
 Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
 groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
@@ -38,8 +32,7 @@ reduce-scatter (``matmul_reduce_scatter_reference``).
 
 ``rank`` and ``received`` give local mode, for the CPU tests (jax's GPU interpret mode
 simulates no peer copies or semaphores): the peers' partials for this rank come from
-``received`` instead of their outboxes and its own, and what it pushes lands in an output
-that stands for the peers' outboxes.
+``received`` instead of their outboxes.
 """
 from __future__ import annotations
 
@@ -89,10 +82,10 @@ MAX_PHASES = 4
 
 
 def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None,
-           phases: int | None = None, push_cols: int | None = None):
+           phases: int | None = None):
   """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
-  tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups;
-  ``push_cols`` pushed tile columns), or None when it can."""
+  tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups),
+  or None when it can."""
   b, t, f = y_shape
   if w_shape[0] != f:
     return f"y {tuple(y_shape)} and w {tuple(w_shape)} do not contract"
@@ -105,22 +98,12 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None
   row_tiles = b * t // n // tiling.cta_m
   if reason is None and phases is not None and (phases < 1 or row_tiles % phases):
     return f"{phases} phases do not divide the chunk's {row_tiles} row tiles"
-  cols = w_shape[1] // tiling.cta_n
-  if reason is None and push_cols is not None and not 0 <= push_cols <= cols:
-    return f"push_cols {push_cols} is not between 0 and the chunk's {cols} tile columns"
   return reason
 
 
 def default_phases(row_tiles: int) -> int:
   """The most phases, up to ``MAX_PHASES``, that divide a chunk's row tiles evenly."""
   return max(p for p in range(1, MAX_PHASES + 1) if row_tiles % p == 0)
-
-
-def default_push_cols(cols: int) -> int:
-  """Half of a chunk's tile columns, rounded down: the link then carries half of each
-  partial while the sender computes the peers' chunks and half while the owner computes
-  its own (module docstring)."""
-  return cols // 2
 
 
 def schedule(n: int, phases: int) -> list[tuple[int, int]]:
@@ -178,8 +161,9 @@ class _Epilogues:
       plgpu.commit_smem()
       rows = pl.ds(row + i * t.epi_m, t.epi_m)
       for dest_codes, dest_mult in dests:
-        gemm.copy_out(codes_smem.at[wg, slot], dest_codes.at[rows, pl.ds(col, t.tile_n)])
-        gemm.copy_out(mult_smem.at[wg, slot], dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
+        plgpu.copy_smem_to_gmem(codes_smem.at[wg, slot], dest_codes.at[rows, pl.ds(col, t.tile_n)])
+        plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
+                                dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
 
   def _reads(self):
     """The order in which ``finish`` reads the peers' partials: ``(slab, block, j)``, the
@@ -193,18 +177,17 @@ class _Epilogues:
 
   def _fetch(self, k: int, wg, r, row, col, peer):
     """Starts the TMA loads of read ``k`` (``_reads``) from the peer's partials (``peer(a,
-    p, col)``: array a of what rank p sent this rank for the tiles at column col, a ref or
-    a ``gemm.Either``) into receive slot ``k % 2``."""
+    p)``: array a of what rank p sent this rank) into receive slot ``k % 2``."""
     t, (i, c, j), slot = self.t, self._reads()[k], k % 2
     p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
     if not self.fp8:
-      gemm.copy_in(peer(0, p, col).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
-                   self.s["in_values"].at[wg, slot], self._barrier(wg, slot, 0))
+      plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
+                              self.s["in_values"].at[wg, slot], self._barrier(wg, slot, 0))
       return
-    gemm.copy_in(peer(0, p, col).at[rows, pl.ds(col, t.tile_n)],
-                 self.s["codes_smem"].at[wg, slot], self._barrier(wg, slot, 0))
-    gemm.copy_in(peer(1, p, col).at[pl.ds(col // t.tile_n, 1), rows],
-                 self.s["mult_smem"].at[wg, slot], self._barrier(wg, slot, 1))
+    plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col, t.tile_n)],
+                            self.s["codes_smem"].at[wg, slot], self._barrier(wg, slot, 0))
+    plgpu.copy_gmem_to_smem(peer(1, p).at[pl.ds(col // t.tile_n, 1), rows],
+                            self.s["mult_smem"].at[wg, slot], self._barrier(wg, slot, 1))
 
   def prefetch(self, wg, r, row, col, peer):
     """Before this rank's own tile is computed: the loads of its first two reads, so that
@@ -248,9 +231,9 @@ class _Epilogues:
       yield i, jnp.where(last, total + own, total)
 
   def finish(self, acc, wg, r, row, col, peer, out_ref):
-    """This rank's tile: its partial plus the peers' (``peer(a, p, col)``: array a of what
-    rank p sent this rank, ``[rows, D]`` values or codes and ``[D / G, rows]``
-    multipliers), stored to ``out_ref`` at (row, col)."""
+    """This rank's tile: its partial plus the peers' (``peer(a, p)``: array a of what rank
+    p sent this rank, ``[rows, D]`` values or codes and ``[D / G, rows]`` multipliers),
+    stored to ``out_ref`` at (row, col)."""
     t, n = self.t, self.n
     cols = t.tile_n // t.epi_n
     if self.fp8:
@@ -285,12 +268,10 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, push_cols: int, fp8=None, received=None):
+          num_sms: int, out_dtype, phases: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
-  (local mode): what the peers sent this rank, stacked by sender: the arrays they left in
-  their outboxes' slot r, then those they pushed into this rank's outbox. Returns the
-  output rows ``[B S, D]`` and the outbox (``slot_shapes``), and in local mode what this
-  rank pushed into each peer's outbox."""
+  (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
+  sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
   t = tiling
   local = received is not None
   rows, f = y_RF.shape
@@ -305,36 +286,16 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8)
 
   def body(*refs, **scratch):
-    (y_ref, w_ref), received_refs, (out_ref,), outbox, pushed_refs = gemm.split_refs(
-        refs, 2, 2 * n_slots if local else 0, 1, n_slots, n_slots if local else 0)
+    (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
+        refs, 2, n_slots if local else 0, 1, n_slots)
     # per phase and for the release at the end: the peers' relayed signals, then the counts
     # of this rank's own warpgroups (``relay``)
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
 
-    def pushed(col):  # the partials of tiles at this column go into their owner's outbox
-      return col < push_cols * t.cta_n
-
-    def either(col, kept, pushed_ref):
-      return gemm.Either(((jnp.logical_not(pushed(col)), kept), (pushed(col), pushed_ref)))
-
-    def peer(a, p, col):
-      """Array a of what rank p sent this rank for the tiles at column ``col``: slot r of
-      p's outbox (pulled), or slot p of this rank's (pushed there by p)."""
+    def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
-        pulled, pushed_here = received_refs[a].at[p], received_refs[n_slots + a].at[p]
-      else:
-        pulled = plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
-        pushed_here = outbox[a].at[p]
-      return either(col, pulled, pushed_here) if push_cols else pulled
-
-    def sent_to(a, c, col):
-      """Where array a of this rank's partials for rank c at column ``col`` goes: slot c of
-      this rank's outbox (for c to pull), or slot r of c's (pushed)."""
-      if not push_cols:
-        return outbox[a].at[c]
-      into = pushed_refs[a].at[c] if local else (
-          plgpu.remote_ref(outbox[a], {axis_name: c}).at[r])
-      return either(col, outbox[a].at[c], into)
+        return received_refs[a].at[p]
+      return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
     epi = epilogues(scratch=scratch)
     phase_tiles = out_rows // t.cta_m // phases
     cols = d // t.cta_n
@@ -379,8 +340,8 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           if q == n:
             epi.finish(acc, wg, r, row, col, peer, out_ref)
             return
-          dest = tuple(sent_to(a, lax.rem(r + q, n), col) for a in range(n_slots))
-          epi.send(acc, wg, row, col, [dest + (None,) * (fp8 is None)])
+          dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
+          epi.send(acc, wg, row, col, [dest])
 
         def prefetch(m_idx, n_idx, wg, at=at):  # the own tile's first reads of the peers'
           epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
@@ -396,7 +357,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           @pl.when(computes)
           def _signal(q=q, p=p):
             with jax.named_scope("signal"):
-              plgpu.wait_smem_to_gmem(0)  # the stores kept here land at once, pushed ones later
+              plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
               relay(p, q, [lax.rem(r + q, n)])
 
       if sems is not None:  # every read of the peers' outboxes has landed: they may go
@@ -407,8 +368,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types,
-              *(slot_types if local else ())]
+  out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
   kernel = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms,
                        scratch_types=epilogues(scratch=None).scratch_types(),
                        name=f"taco_matmul_reduce_scatter{'_fp8' if fp8 else ''}_{n}")
@@ -428,34 +388,28 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          push_cols: int | None = None, rank=None, n=None, received=None):
+                          rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
-  groups of the schedule (default ``default_phases``). ``push_cols``: how many of the
-  chunk's ``D / cta_n`` tile columns are pushed (default ``default_push_cols``).
-  Local mode: ``rank``, ``n`` and ``received``: what each peer p sent this rank, stacked by
-  p (see ``slot_shapes``), first what it left in slot r of its outbox, then what it pushed
-  into slot p of this rank's; it returns ``(out, sent)``, this rank's outbox's arrays and
-  then those it pushed into each peer's outbox (stacked by peer)."""
+  groups of the schedule (default ``default_phases``). Local mode: ``rank``, ``n`` and
+  ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by p; see
+  ``slot_shapes``); it returns ``(out, outbox)``."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
-  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases,
-                  push_cols)
+  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
   phases = phases or default_phases(b * t_len // n // tiling.cta_m)
-  if push_cols is None:
-    push_cols = default_push_cols(w_FD.shape[1] // tiling.cta_n)
   if fp8 is not None:
     fp8 = dict(fmt=fp8["fmt"], dual_scale=fp8["dual_scale"], lam=fp8["lam"],
                codes_dtype=jnp.dtype(FP8_DTYPES[fp8["fmt"]]))
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or y_BTF.dtype, phases=phases, push_cols=push_cols, fp8=fp8,
+              out_dtype=out_dtype or y_BTF.dtype, phases=phases, fp8=fp8,
               received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:

@@ -92,42 +92,20 @@ def _partials(n, b, s, f, d, seed):
 
 
 def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
-  """Runs every rank twice in local mode: first to collect what each sends to whom (what
-  it keeps in its outbox, and what it pushes into the owners'), then with the partials its
-  peers sent it. Returns each rank's output and what it sent to each rank, the two halves
-  put together (``_sent``)."""
+  """Runs every rank twice in local mode: first to collect what each sends to whom, then
+  with the partials its peers sent it. Returns each rank's output and what it sent."""
   with _interpret():
     sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=tiling, num_sms=num_sms,
-                                            rank=p, n=n, received=slots + slots, fp8=fp8)[1]
+                                            rank=p, n=n, received=slots, fp8=fp8)[1]
             for p in range(n)]
     outs = []
     for r in range(n):
-      received = tuple(jnp.stack([sent[p][i][r] for p in range(n)])
-                       for i in range(2 * len(slots)))
+      received = tuple(jnp.stack([sent[p][i][r] for p in range(n)]) for i in range(len(slots)))
       outs.append(matmul_rs.matmul_reduce_scatter(ys[r], ws[r], "t", tiling=tiling,
                                                   num_sms=num_sms, rank=r, n=n,
                                                   received=received,
                                                   fp8=fp8)[0])
-  return outs, [_sent(s, tiling, fp8) for s in sent]
-
-
-def _sent(sent, tiling, fp8):
-  """A rank's partials for each rank, per outbox array, from what it kept in its outbox
-  and what it pushed into the owners' (``matmul_rs.default_push_cols`` of the chunk's tile
-  columns, the first ones): the pushed columns must not be in the outbox, nor the kept ones
-  in what was pushed, so each half is taken from its own array only."""
-  arrays = len(sent) // 2
-  d = sent[0].shape[-1]
-  pushed_upto = matmul_rs.default_push_cols(d // tiling.cta_n) * tiling.cta_n
-  out = []
-  for a in range(arrays):
-    kept, pushed = np.asarray(sent[a], np.float32), np.asarray(sent[arrays + a], np.float32)
-    # values or codes [n, rows, D]: columns on the last axis; multipliers [n, D / G, rows]
-    cols = np.arange(d) if a == 0 else np.arange(kept.shape[1]) * fp8["group_size"]
-    mask = cols < pushed_upto
-    mask = mask[None, None, :] if a == 0 else mask[None, :, None]
-    out.append(np.where(mask, pushed, kept))
-  return out
+  return outs, sent
 
 
 # two slabs of epilogue rows per tile: four sub-tiles, so that three ranks read eight
@@ -135,25 +113,22 @@ def _sent(sent, tiling, fp8):
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s,d", [(2, TILING, 2, 64, 256), (3, TALL, 1, 128, 128),
-                                           (3, TILING, 1, 64, 256)],
-                         ids=["2_ranks", "3_ranks_tall", "3_ranks_pushed"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, d):
+@pytest.mark.parametrize("n,tiling,b,s", [(2, TILING, 2, 64), (3, TALL, 1, 128)],
+                         ids=["2_ranks", "3_ranks_tall"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
-  sends to rank c is its own partial of chunk c, in bf16: pushed into c's outbox for the
-  first of two tile columns, kept in its own for c to pull for the other (one tile column,
-  ``3_ranks_tall``: all kept). Two ranks: two row tiles per chunk, which the schedule runs
-  as two phases of one tile each, dealt by three SMs round-robin on from loop to loop
-  (gemm.dealt): every tile is computed once, whichever SM takes it. Three ranks, tall
-  tiles: each own tile reads eight partial sub-tiles through its two receive slots, each
-  refilled as soon as it is read."""
-  f = 128
+  sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
+  chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
+  round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
+  takes it. Three ranks: each own tile reads eight partial sub-tiles through its two
+  receive slots, each refilled as soon as it is read."""
+  f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
-  outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
+  outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),),
                          tiling, num_sms=3 if n == 2 else 2)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
@@ -181,21 +156,19 @@ def test_a_ranks_kernel_has_no_data_race(kernel, monkeypatch):
   if kernel == "all_gather":
     test_all_gather_matmul_kernel_per_rank()
   else:
-    test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(2, TILING, 2, 256)
+    test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(2, TILING, 2)
   assert not interpreter.get_races().races_found
 
 
-@pytest.mark.parametrize("n,tiling,row_tiles,d", [(1, TILING, 1, 128), (2, TILING, 1, 128),
-                                                  (3, TALL, 1, 128), (2, TILING, 2, 256)],
-                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases_pushed"])
-def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles, d):
+@pytest.mark.parametrize("n,tiling,row_tiles", [(1, TILING, 1), (2, TILING, 1),
+                                                (3, TALL, 1), (2, TILING, 2)],
+                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases"])
+def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles):
   """The FP8 kernel encodes each partial tile as the codec does (same codes, same
   multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
   make every partial exact, so accumulation order cannot change a code. Two phases: the
-  own tiles' prefetch into the send buffers comes after sent tiles and waits for them;
-  there, of two tile columns, the first one's codes and multipliers are pushed into the
-  owner's outbox."""
-  b, s, f = 1, tiling.cta_m * row_tiles, 128
+  own tiles' prefetch into the send buffers comes after sent tiles and waits for them."""
+  b, s, f, d = 1, tiling.cta_m * row_tiles, 128, 128
   ky, kw = jax.random.split(jax.random.key(3))
   ys = [jax.random.randint(jax.random.fold_in(ky, p), (b, n * s, f), -3, 4).astype(
       jnp.bfloat16) for p in range(n)]
@@ -289,11 +262,6 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), phases=3),
      "3 phases do not divide the chunk's 2 row tiles"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 256), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), push_cols=3),
-     "push_cols 3 is not between 0 and the chunk's 2 tile columns"),
 ])
 def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
@@ -341,14 +309,12 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  # four phases, one of two tile columns pushed; and one phase (the own loop waits right
-  # after sending), every partial pulled
-  for phases, push_cols in ((None, None), (1, 0)):
-    fn = smap(lambda y, w, phases=phases, push_cols=push_cols: matmul_rs.matmul_reduce_scatter(
-        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases, push_cols=push_cols),
+  for phases in (None, 1):  # four phases, and one (the own loop waits right after sending)
+    fn = smap(lambda y, w, phases=phases: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases),
         in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
-                                              sd((2 * f, 2 * d), jnp.bfloat16))
+                                              sd((2 * f, d), jnp.bfloat16))
 
 
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
