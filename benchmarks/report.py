@@ -703,7 +703,9 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[packed_sems]", "fused_fp8[packed_sems]",
+CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[push=0]", "fused_fp8[push=0]",
+              "fused[push=2]", "fused_fp8[push=2]", "fused[push=6]", "fused_fp8[push=6]",
+              "fused[packed_sems]", "fused_fp8[packed_sems]",
               "rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
               "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
 
@@ -760,7 +762,11 @@ def collective_matmul_section() -> str:
       "`[packed_sems]` (the `nvlink_sems` run): the kernels as they are, every semaphore in "
       "one cache line, beside `fused` / `fused_fp8` there with each semaphore on a line of "
       "its own and only the compute warpgroups waiting for the peers (a change reverted "
-      "after this run). Every kernel was checked against its reference before it was timed; "
+      "after this run). `[push=C]` (the `nvlink_push` run, 2xH100): the reduce-scatter "
+      "kernels as they are with C = 0 (every partial pulled by its owner), or pushing the "
+      "first C of 8 tile columns of each partial into the owner's memory, beside `fused` / "
+      "`fused_fp8` there pushing 4 (a change reverted after this run). "
+      "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
 

@@ -17,6 +17,7 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_4gpu_20261126.json',
  'bench_collective_matmul_nvlink_dx_4gpu_20261126.json',
+ 'bench_collective_matmul_nvlink_push_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_sems_2gpu_20261126.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
