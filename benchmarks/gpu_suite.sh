@@ -287,7 +287,8 @@ for job in "$@"; do
     collective_matmul)
       BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" \
-        --rs-phases "${RS_PHASES:-}" --out-dir "$out" ;;
+        --layers "${LAYERS:-qkv,up,proj,down,qkv_dx,proj_dx}" \
+        --rs-phases "${RS_PHASES:-}" --label "${LABEL:-nvlink}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)
