@@ -705,6 +705,7 @@ def measured_module() -> str:
 
 CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[push=0]", "fused_fp8[push=0]",
               "fused[push=2]", "fused_fp8[push=2]", "fused[push=6]", "fused_fp8[push=6]",
+              "fused[phases=1]", "fused[phases=2]", "fused[phases=8]",
               "fused[packed_sems]", "fused_fp8[packed_sems]",
               "rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
               "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
@@ -765,7 +766,9 @@ def collective_matmul_section() -> str:
       "after this run). `[push=C]` (the `nvlink_push` run, 2xH100): the reduce-scatter "
       "kernels as they are with C = 0 (every partial pulled by its owner), or pushing the "
       "first C of 8 tile columns of each partial into the owner's memory, beside `fused` / "
-      "`fused_fp8` there pushing 4 (a change reverted after this run). "
+      "`fused_fp8` there pushing 4 (a change reverted after this run). `[phases=P]` (the "
+      "`nvlink_phases` run): the plain reduce-scatter kernel with P row-tile phases, beside "
+      "`fused` with its default (`matmul_rs.default_phases`: 4 at these shapes). "
       "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
