@@ -164,7 +164,7 @@ def scratch_summary(hlo_text: str) -> dict:
   for r in rows:
     producers[r["producer"]] = producers.get(r["producer"], 0) + 1
   return dict(kernels=len(rows), producers=producers,
-              most_readers=max((r["readers"] for r in rows), default=0),
+              most_readers=max((len(r["reader_ops"]) for r in rows), default=0),
               reader_ops=sorted({op for r in rows for op in r["reader_ops"]}))
 
 

@@ -166,7 +166,6 @@ def test_kernel_scratch_inputs_name_each_kernels_scratch_and_its_maker():
       'custom_call_target="mosaic_gpu_v2"'])
   two = ["custom-call", "custom-call"]
   assert hlo.kernel_scratch_inputs(text) == [
-      dict(kernel="%k1", scratch="%zero", producer="broadcast", readers=1,
-           reader_ops=["custom-call"]),
-      dict(kernel="%k2", scratch="%shared", producer="constant", readers=2, reader_ops=two),
-      dict(kernel="%k3", scratch="%shared", producer="constant", readers=2, reader_ops=two)]
+      dict(kernel="%k1", scratch="%zero", producer="broadcast", reader_ops=["custom-call"]),
+      dict(kernel="%k2", scratch="%shared", producer="constant", reader_ops=two),
+      dict(kernel="%k3", scratch="%shared", producer="constant", reader_ops=two)]

@@ -138,5 +138,4 @@ def kernel_scratch_inputs(hlo_text: str, target: str = "mosaic_gpu_v2") -> list[
     if m["op"] == "custom-call" and f'custom_call_target="{target}"' in line and args:
       kernels.append((m["name"], args[-1]))
   return [dict(kernel=k, scratch=s, producer=producer.get(s),
-               readers=len(readers.get(s, [])), reader_ops=sorted(readers.get(s, [])))
-          for k, s in kernels]
+               reader_ops=sorted(readers.get(s, []))) for k, s in kernels]
