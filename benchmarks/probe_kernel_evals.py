@@ -177,22 +177,17 @@ def main(argv=None) -> pathlib.Path:
   import jax
   import numpy as np
   from benchmarks import common
-  from taco_jax.tp import layout as layout_lib, mesh as mesh_lib, step as step_lib
-  from taco_jax.tp import fused
+  from taco_jax.tp import fused, step as step_lib
   from taco_jax.train import trainer
-  from taco_jax.train.config import compiler_options, devices, parallel_spec, validate
+  from taco_jax.train.config import compiler_options, validate
 
   root = pathlib.Path(tempfile.mkdtemp(prefix="taco_probe_"))
   accuracy_args = argparse.Namespace(corpus=args.corpus, seed=args.seed, steps=args.steps,
                                      eval_every=0, smoke=args.smoke, tp=args.tp)
   config = configure(load_config(args.config), accuracy_args, "on_all_cm", root)
   validate(config)
-  p = config.parallel
-  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
+  mesh, spec, tx, p_abs, o_abs = trainer.run_parts(config)  # tx over train.steps = --steps
   corpus = trainer.load_data(config)
-  tx = trainer.make_optimizer(config.optim, args.steps)
-  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
-  o_abs = trainer.opt_state_target(tx, p_abs, mesh, spec)
   params, opt_state = trainer.fresh_state(spec, mesh, tx, o_abs, config.seed)
   batch = trainer.batches(config, corpus, mesh)
   val_batch = lambda i: batch(i, 1, corpus.val)  # noqa: E731 (the runner's val_batch)

@@ -89,21 +89,17 @@ def bits_per_element(setting: dict, width: int) -> float:
 def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
             compiler_options=None) -> monitor.Capture:
   """Runs `steps` training steps of `config` and returns what each compressed site sent."""
-  from taco_jax.tp import mesh as mesh_lib, layout as layout_lib, step as step_lib
+  from taco_jax.tp import step as step_lib
   from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
-  from taco_jax.train.config import devices, parallel_spec, validate
+  from taco_jax.train.config import validate
   from taco_jax.train.trainer import load_data
 
   validate(config)
-  p = config.parallel
-  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
+  mesh, spec, tx, p_abs, o_abs = ptrain.run_parts(config)
   if not spec.plan.any:
     raise ValueError("compression is off in this config: there is nothing to calibrate")
   corpus = load_data(config)
-  tx = ptrain.make_optimizer(config.optim, config.train.steps)
-  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
-  o_abs = ptrain.opt_state_target(tx, p_abs, mesh, spec)
   start = 0
   if workdir:
     ckpt = checkpoint.Checkpoints(workdir)

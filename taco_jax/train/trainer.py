@@ -23,6 +23,7 @@ import dataclasses
 import pathlib
 import sys
 import time
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -120,6 +121,26 @@ def eval_spec(spec: step_lib.ParallelSpec) -> step_lib.ParallelSpec:
   return dataclasses.replace(spec, tp_overlap="none")
 
 
+class RunParts(NamedTuple):
+  """What every compiled run of a config starts from: the trainer's, calibration's
+  (`apps.calibrate.capture`) and the GPU probes'."""
+  mesh: jax.sharding.Mesh
+  spec: step_lib.ParallelSpec
+  tx: optax.GradientTransformation
+  p_abs: Any  # the parameters' abstract values, with their shardings
+  o_abs: Any  # the optimizer state's (`opt_state_target`)
+
+
+def run_parts(config) -> RunParts:
+  """``config``'s mesh, layout, optimizer (its schedule over ``train.steps``) and the
+  abstract sharded state the training step takes."""
+  p = config.parallel
+  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
+  tx = make_optimizer(config.optim, config.train.steps)
+  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
+  return RunParts(mesh, spec, tx, p_abs, opt_state_target(tx, p_abs, mesh, spec))
+
+
 def train(config, workdir) -> dict:
   """Trains (or resumes, on any mesh) per `config` in `workdir`; returns a summary dict."""
   mesh_lib.maybe_initialize_distributed(config)
@@ -128,7 +149,7 @@ def train(config, workdir) -> dict:
   workdir.mkdir(parents=True, exist_ok=True)
   d, t, lead = config.data, config.train, jax.process_index() == 0
   p = config.parallel
-  mesh, spec = mesh_lib.make_mesh(p.dp, p.pp, p.tp, devices(config)), parallel_spec(config)
+  mesh, spec, tx, p_abs, o_abs = run_parts(config)
   corpus = load_data(config)
   ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
   start = ckpt.latest_step() or 0
@@ -142,9 +163,6 @@ def train(config, workdir) -> dict:
   if lead and config.compression.enabled and mesh.size == 1:
     print('note: compression.enabled has no effect on one device (nothing is sent)',
           file=sys.stderr)
-  tx = make_optimizer(config.optim, t.steps)
-  p_abs = layout_lib.abstract_params(spec.cfg, mesh)
-  o_abs = opt_state_target(tx, p_abs, mesh, spec)
   n_params = sum(x.size for x in jax.tree.leaves(p_abs))
   if lead:
     tqdm.write(run_header(config.name, n_params, workdir, dict(mesh.shape)))
