@@ -224,7 +224,8 @@ def xla_options(variant: Variant, args) -> dict:
   variant from XLA_FLAGS (`add_overlap_flags`), not from here."""
   from taco_jax.tp.step import compiler_options
   return compiler_options(1 if args.no_interleave_options else variant.interleave,
-                          collectives_in_flight=variant.collectives_in_flight)
+                          collectives_in_flight=variant.collectives_in_flight,
+                          kernels=variant.kernels)
 
 
 def build(variant: Variant, layout, args, cfg, tx):

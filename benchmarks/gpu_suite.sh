@@ -404,7 +404,8 @@ for job in "$@"; do
       # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results;
       # STEP_CHECK=N first compares N training steps fed three ways, twice each
       BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label "${LABEL:-nvlink}" \
-        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" --deadline-s 360 --out-dir "$out" ;;
+        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" \
+        ${WAYS:+--ways "$WAYS"} --deadline-s "${DEADLINE:-360}" --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED
       timeout 570 python3 benchmarks/bench_accuracy.py --config configs/gpt_125m_dp2_zero.py \

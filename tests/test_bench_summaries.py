@@ -74,6 +74,9 @@ def test_bench_train_variants_and_their_compile_options():
   assert bench_train.xla_options(v("on_il2_save_cif2_pgle"), args) == compiler_options(
       collectives_in_flight=2)  # the latency-hiding scheduler, 2 collectives in flight
   assert [v(n).collectives_in_flight for n in ("on", "off_cif2", "gspmd_cif4_pgle")] == [1, 2, 4]
+  # the kernel layers' steps compile without CUDA graphs, as the trainer's
+  assert bench_train.xla_options(v("off_cm_save"), args) == compiler_options(kernels=True)
+  assert compiler_options(kernels=True) == {"xla_gpu_enable_command_buffer": ""}
 
 
 def test_bench_train_variant_names():

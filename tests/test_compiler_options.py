@@ -51,6 +51,20 @@ def test_a_configs_options_reach_the_compile(tmp_path):
     step_lib.compiler_options(collectives_in_flight=0)
 
 
+def test_the_kernel_layers_compile_without_cuda_graphs():
+  """tp_overlap="kernel" adds KERNEL_XLA_OPTIONS (no command buffers: step.py says why),
+  which the compile accepts (an empty list of command types; a bad one is refused)."""
+  c = tiny.get_micro_config()
+  assert c.parallel.tp_overlap == "none"
+  assert not step_lib.KERNEL_XLA_OPTIONS.items() <= compiler_options(c).items()
+  c.parallel.tp_overlap = "kernel"
+  opts = compiler_options(c)
+  assert opts == {**step_lib.XLA_OVERLAP_OPTIONS, **step_lib.KERNEL_XLA_OPTIONS}
+  _lowered().compile(opts)
+  with pytest.raises(Exception, match="not a valid enum value"):
+    _lowered().compile({"xla_gpu_enable_command_buffer": "-CUSTOM_CALL"})
+
+
 def test_an_unknown_option_is_refused_by_the_compile():
   with pytest.raises(Exception, match="No such compile option: 'xla_gpu_enable_pipelined_all"):
     _lowered().compile({"xla_gpu_enable_pipelined_all_gather": True})  # an XLA_FLAGS name

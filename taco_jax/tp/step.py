@@ -60,6 +60,18 @@ INTERLEAVE_XLA_OPTIONS = {
 # benchmarks/bench_train.py sets in XLA_FLAGS for every variant (XLA 0.11.2 maps its older
 # flag names, xla_gpu_enable_pipelined_*, to these; tests/test_compiler_options.py checks
 # that both give the same compile options).
+# XLA GPU options for steps with the fused collective-matmul kernels (tp_overlap="kernel"):
+# no CUDA graphs. XLA records runs of thunks, Mosaic GPU kernels included, into CUDA graphs
+# and replays a graph while this GPU's own buffers stay where they were. A kernel's TMA
+# descriptors for the peer's buffers (`plgpu.remote_ref`) are built on the host with the
+# peer's addresses and recorded into the graph as kernel arguments, and the peer's
+# temporaries move between executions when the two GPUs' allocations differ (a batch
+# copied to each GPU between queued calls): a replayed kernel then read and wrote the
+# peer's memory of an earlier execution. Evaluations queued with batch copies between them
+# returned NaN in 16 of 190 with graphs, none of 74 without (2xH200;
+# docs/parallel.md, "What the probe found").
+KERNEL_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+
 LATENCY_HIDING_SCHEDULER = "xla_gpu_enable_latency_hiding_scheduler"
 COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"  # XLA: 1
 XLA_OVERLAP_OPTIONS = {
@@ -164,17 +176,20 @@ def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
 
 
 def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
-                     collectives_in_flight: int = 1) -> dict:
+                     collectives_in_flight: int = 1, kernels: bool = False) -> dict:
   """XLA options to compile a step with (`jax.jit(..., compiler_options=)` or
   `.compile(...)`): `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches
   (`ParallelSpec.interleave` > 1), `XLA_OVERLAP_OPTIONS` with `xla_overlap`
-  (parallel.xla_overlap), and with `collectives_in_flight` > 1 (parallel.collectives_in_flight)
+  (parallel.xla_overlap), with `collectives_in_flight` > 1 (parallel.collectives_in_flight)
   the latency-hiding scheduler allowed that many asynchronous collectives at once (the limit
-  is that scheduler's, so asking for it turns the scheduler on). The one place the trainer
-  and benchmarks/bench_train.py get a step's options from."""
+  is that scheduler's, so asking for it turns the scheduler on), and `KERNEL_XLA_OPTIONS`
+  with `kernels` (tp_overlap="kernel"). The one place the trainer and
+  benchmarks/bench_train.py get a step's options from."""
   if not (isinstance(collectives_in_flight, int) and collectives_in_flight >= 1):
     raise ValueError(f"collectives_in_flight={collectives_in_flight!r} must be an integer >= 1")
   out = dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
+  if kernels:
+    out.update(KERNEL_XLA_OPTIONS)
   if xla_overlap:
     out.update(XLA_OVERLAP_OPTIONS)
   if collectives_in_flight > 1:

@@ -148,7 +148,8 @@ def compiler_options(c: ml_collections.ConfigDict) -> dict:
   """The per-compile XLA options of a valid config's step (`step.compiler_options`)."""
   p = c.parallel
   return step_lib.compiler_options(p.interleave, xla_overlap=p.xla_overlap,
-                                   collectives_in_flight=p.collectives_in_flight)
+                                   collectives_in_flight=p.collectives_in_flight,
+                                   kernels=p.tp_overlap == "kernel")
 
 
 def notes(c: ml_collections.ConfigDict) -> list[str]:

@@ -112,10 +112,12 @@ def eval_spec(spec: step_lib.ParallelSpec) -> step_lib.ParallelSpec:
   fused collective-matmul kernels (``parallel.tp_overlap="kernel"``) give way to XLA's
   collectives with the same codecs. Forward-only programs of the kernels returned a NaN
   loss in 50 of 125 of the trainer's evaluations on 2xH200 (TP=2, every TP message in FP8;
-  the training steps stayed finite). A probe reproduces it only with calls queued and the
-  next batches' host-to-device copies between them, as the runner feeds them, and never
-  with the calls queued without copies or each copy waited for; the cause is not found:
-  docs/parallel.md, "What the probe found"."""
+  the training steps stayed finite). The cause was XLA's CUDA graphs, which replayed the
+  kernels with the peer's buffer addresses of an earlier execution; the kernel layers now
+  compile without them (`step.KERNEL_XLA_OPTIONS`), and a probe in the runner's order gave
+  no NaN in 37 evaluations so (docs/parallel.md, "What the probe found"). The validation
+  loss keeps XLA's collectives until a training run on the GPU shows the kernels'
+  evaluations finite too."""
   if spec.tp_overlap != "kernel":
     return spec
   return dataclasses.replace(spec, tp_overlap="none")
