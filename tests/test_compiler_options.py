@@ -58,6 +58,8 @@ def test_the_kernel_layers_compile_without_cuda_graphs():
   assert c.parallel.tp_overlap == "none"
   assert not step_lib.KERNEL_XLA_OPTIONS.items() <= compiler_options(c).items()
   c.parallel.tp_overlap = "kernel"
+  assert compiler_options(c) == step_lib.XLA_OVERLAP_OPTIONS  # TP=1: no kernels
+  c.parallel.tp = 2
   opts = compiler_options(c)
   assert opts == {**step_lib.XLA_OVERLAP_OPTIONS, **step_lib.KERNEL_XLA_OPTIONS}
   _lowered().compile(opts)

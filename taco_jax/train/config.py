@@ -149,7 +149,7 @@ def compiler_options(c: ml_collections.ConfigDict) -> dict:
   p = c.parallel
   return step_lib.compiler_options(p.interleave, xla_overlap=p.xla_overlap,
                                    collectives_in_flight=p.collectives_in_flight,
-                                   kernels=p.tp_overlap == "kernel")
+                                   kernels=p.tp_overlap == "kernel" and p.tp > 1)
 
 
 def notes(c: ml_collections.ConfigDict) -> list[str]:
@@ -159,6 +159,9 @@ def notes(c: ml_collections.ConfigDict) -> list[str]:
   if o.warmup_steps > t.steps:
     out.append(f'optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the warm-up is '
                f'clamped to the run ({t.steps} steps)')
+  if c.parallel.tp_overlap == 'kernel' and c.parallel.tp > 1:
+    out.append("parallel.tp_overlap='kernel': the steps compile without CUDA graphs, which "
+               "replay the kernels with stale peer addresses (step.KERNEL_XLA_OPTIONS)")
   return out
 
 
