@@ -27,10 +27,11 @@ Found on 2026-11-26: `trainer_order` (and `trainer_order_kept`) returned NaN in 
 evaluations, every other way in none; compiled without CUDA graphs
 (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`), none in 74. The evaluation is compiled
 with the trainer's options (`config.compiler_options`), which now turn the graphs off for
-the kernel layers (`step.KERNEL_XLA_OPTIONS`). The probe also records how the compiled training and evaluation steps hand each Mosaic
-GPU kernel its zeroed scratch (the semaphores; `kernel_scratch`). With ``--step-check N``
-it first asks the same of the training step: N steps from one fresh state, fed three ways
-(``STEP_WAYS``) twice each, compared bit for bit (`step_check`).
+the kernel layers (`step.KERNEL_XLA_OPTIONS`). The probe also records how the compiled
+training and evaluation steps hand each Mosaic GPU kernel its zeroed scratch (the
+semaphores; `kernel_scratch`). With ``--step-check N`` it first asks the same of the
+training step: N steps from one fresh state, fed three ways (``STEP_WAYS``) twice each,
+compared bit for bit (`step_check`).
 
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.

@@ -52,14 +52,6 @@ INTERLEAVE_XLA_OPTIONS = {
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
 }
 
-# XLA GPU options for overlapping collectives with compute (parallel.xla_overlap): the
-# latency-hiding scheduler (off by default in jax 0.11.2's XLA, unless a PGLE profile is
-# given), all-gathers / reduce-scatters / all-reduces pipelined across the layer loop's
-# iterations, and that loop unrolled by two so one iteration's collectives can overlap the
-# next one's compute. The per-compile form of benchmarks.gspmd.XLA_OVERLAP_FLAGS, which
-# benchmarks/bench_train.py sets in XLA_FLAGS for every variant (XLA 0.11.2 maps its older
-# flag names, xla_gpu_enable_pipelined_*, to these; tests/test_compiler_options.py checks
-# that both give the same compile options).
 # XLA GPU options for steps with the fused collective-matmul kernels (tp_overlap="kernel"):
 # no CUDA graphs. XLA records runs of thunks, Mosaic GPU kernels included, into CUDA graphs
 # and replays a graph while this GPU's own buffers stay where they were. A kernel's TMA
@@ -69,9 +61,17 @@ INTERLEAVE_XLA_OPTIONS = {
 # copied to each GPU between queued calls): a replayed kernel then read and wrote the
 # peer's memory of an earlier execution. Evaluations queued with batch copies between them
 # returned NaN in 16 of 190 with graphs, none of 74 without (2xH200;
-# docs/parallel.md, "What the probe found").
+# docs/parallel.md, "The cause: CUDA graphs replayed with the peer's old addresses").
 KERNEL_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 
+# XLA GPU options for overlapping collectives with compute (parallel.xla_overlap): the
+# latency-hiding scheduler (off by default in jax 0.11.2's XLA, unless a PGLE profile is
+# given), all-gathers / reduce-scatters / all-reduces pipelined across the layer loop's
+# iterations, and that loop unrolled by two so one iteration's collectives can overlap the
+# next one's compute. The per-compile form of benchmarks.gspmd.XLA_OVERLAP_FLAGS, which
+# benchmarks/bench_train.py sets in XLA_FLAGS for every variant (XLA 0.11.2 maps its older
+# flag names, xla_gpu_enable_pipelined_*, to these; tests/test_compiler_options.py checks
+# that both give the same compile options).
 LATENCY_HIDING_SCHEDULER = "xla_gpu_enable_latency_hiding_scheduler"
 COLLECTIVES_IN_FLIGHT = "xla_gpu_experimental_parallel_collective_overlap_limit"  # XLA: 1
 XLA_OVERLAP_OPTIONS = {
