@@ -44,6 +44,7 @@
 #   bash benchmarks/gpu_suite.sh accuracy_cm       # issue 15, TP=2: FP8 kernels vs FP8 collectives (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh accuracy_cm_evals # ... both evaluated every 4 steps (<= 5.5 min)
 #   bash benchmarks/gpu_suite.sh probe_evals       # ... why the kernels' evaluations gave NaN (<= 7 min)
+#   bash benchmarks/gpu_suite.sh cm_graphs         # ... what the kernel layers' step pays without CUDA graphs (<= 10 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
@@ -208,6 +209,12 @@ for job in "$@"; do
       timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
         --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
         off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
+    cm_graphs)  # issue 15 on 2xH200 (TP=2): what compiling the kernel layers without CUDA
+      # graphs costs (step.KERNEL_XLA_OPTIONS; _graphs keeps them, for timing only), beside
+      # the strong step and its free-comm ideal, one process
+      timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_graphs --layouts 1,1,2 \
+        --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
+        off_save_dots_unroll,ideal_save_dots_unroll,off_cm_save_dots_unroll,off_cm_save_dots_unroll_graphs ;;
     cm_dots_pipelined)  # issues 15 + 19 on 2xH200 (TP=2), steps timed back to back: the
       # strong bf16 step, its free-comm ideal and the kernel layers (cm_dots' first three)
       timeout 420 python3 benchmarks/bench_train.py --label nvlink_cm_dots_pipelined \
