@@ -80,9 +80,12 @@ def parse_args(argv=None):
   p.add_argument("--deadline-s", type=float, default=None,
                  help="stop training after this many seconds and report what was evaluated")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
-  return parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
+  args = parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
                                         tp=4, steps=4, every=2, batches=2,
                                         corpus="embedded", label="smoke"))
+  if unknown := set(args.ways.split(",")) - set(WAYS):
+    p.error(f"--ways: unknown {', '.join(sorted(unknown))}; choose from {', '.join(WAYS)}")
+  return args
 
 
 def finite_or_none(losses) -> list:
@@ -225,21 +228,19 @@ def main(argv=None) -> pathlib.Path:
       return finite_or_none([np.asarray(f(params, b)) for b in val])
     if way == "behind_other":
       busy()
-    if way == "trainer_order":  # as the runner: each batch made just before its call
-      return finite_or_none(jax.device_get([f(params, val_batch(i))
+    if way.startswith("trainer_order"):  # as the runner: each batch made just before its call
+      made = []
+
+      def kept(i):  # held until the losses are fetched
+        made.append(val_batch(i))
+        return made[-1]
+      feed = dict(trainer_order=val_batch, trainer_order_kept=kept,
+                  trainer_order_synced=lambda i: jax.block_until_ready(val_batch(i)))[way]
+      return finite_or_none(jax.device_get([f(params, feed(i))
                                             for i in range(args.batches)]))
-    if way == "trainer_order_kept":
-      kept = []  # each batch still made just before its call
-      return finite_or_none(jax.device_get([f(params, kept.append(val_batch(i)) or kept[-1])
-                                            for i in range(args.batches)]))
-    if way == "trainer_order_synced":
-      return finite_or_none(jax.device_get([
-          f(params, jax.block_until_ready(val_batch(i))) for i in range(args.batches)]))
     return finite_or_none(jax.device_get([f(params, b) for b in val]))
 
   ways = args.ways.split(",")
-  if unknown := set(ways) - set(WAYS):
-    raise SystemExit(f"--ways: unknown {sorted(unknown)}; choose from {', '.join(WAYS)}")
   behind_ways = [w for w in BEHIND_STEP if w in ways]
   after_ways = [w for w in AFTER_STEP if w in ways]
   evals = []

@@ -80,3 +80,10 @@ def test_step_check_flags_the_run_fed_differently():
     assert r["losses_equal"] is not bad and r["params_equal"] is not bad
     assert r["first_step_that_differs"] == (1 if bad else None)
     assert r["nonfinite_losses"] == 0
+
+
+def test_an_unknown_way_is_refused_before_anything_compiles(capsys):
+  with pytest.raises(SystemExit):
+    probe.parse_args(["--ways", "trainer_order,nope"])
+  assert "unknown nope" in capsys.readouterr().err
+  assert probe.parse_args(["--ways", "trainer_order"]).ways == "trainer_order"

@@ -115,7 +115,7 @@ def eval_spec(spec: step_lib.ParallelSpec) -> step_lib.ParallelSpec:
   the training steps stayed finite). The cause was XLA's CUDA graphs, which replayed the
   kernels with the peer's buffer addresses of an earlier execution; the kernel layers now
   compile without them (`step.KERNEL_XLA_OPTIONS`), and a probe in the runner's order gave
-  no NaN in 37 evaluations so (docs/parallel.md, "What the probe found"). The validation
+  no NaN in 37 evaluations so (docs/parallel.md, "The cause"). The validation
   loss keeps XLA's collectives until a training run on the GPU shows the kernels'
   evaluations finite too."""
   if spec.tp_overlap != "kernel":
