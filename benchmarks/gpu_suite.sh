@@ -66,6 +66,8 @@
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
 # them into benchmarks/results/ and run `python -m benchmarks.report`. The device tool
 # returns at most 8 files a call: keep a call's jobs within that.
+# A 2-GPU job runs on a 4-GPU lease under CUDA_VISIBLE_DEVICES=0,1 (2026-11-26), so one
+# machine start serves both kinds of job. Jobs that share a results file name take LABEL.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0   # never NVLink multicast
 # a job's second run of the same programs (e.g. NVLink, then NCCL_P2P_DISABLE=1) loads them
@@ -282,12 +284,12 @@ for job in "$@"; do
       # collectives', plain and compressed. It compiles in ~2.5 min (cm_hang_4gpu's stacks,
       # 2026-11-26: the Mosaic kernels' LLVM passes, not a deadlock).
       BENCH_WATCHDOG_S=${LIMIT:-420} timeout $(( ${LIMIT:-420} + 10 )) \
-        python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,4 \
+        python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_dots}" --layouts 1,1,4 \
         --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 20 ))" --build-timeout-s 300 \
         --out-dir "$out" --variants off_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll ;;
     cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers and GSPMD
       BENCH_WATCHDOG_S=$(( ${LIMIT:-420} - 10 )) \
-        timeout "${LIMIT:-420}" python3 benchmarks/bench_train.py --label nvlink_cm_dots \
+        timeout "${LIMIT:-420}" python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_dp2}" \
         --layouts 2,1,2 --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 40 ))" \
         --build-timeout-s 240 --out-dir "$out" \
         --variants off_save_dots_unroll,gspmd,off_cm_save_dots_unroll ;;
@@ -400,9 +402,9 @@ for job in "$@"; do
         --variants off,on_all,on_all_cm --deadline-s 540 --out-dir "$out" ;;
     accuracy_cm_evals)  # issue 15, TP=2: accuracy_cm's kernel run ended on a NaN
       # validation loss (2026-11-26, the last of 8 evaluations; its training curve finite):
-      # both paths evaluated every 4 steps for 500, to see how often and where
-      timeout 330 python3 benchmarks/bench_accuracy.py --label nvlink_cm_evals --tp 2 \
-        --variants on_all,on_all_cm --steps 500 --eval-every 4 --deadline-s 320 \
+      # both paths evaluated every 4 steps for 500, to see how often and where (~4 min)
+      timeout 330 python3 benchmarks/bench_accuracy.py --label "${LABEL:-nvlink_cm_evals}" \
+        --tp 2 --variants on_all,on_all_cm --steps 500 --eval-every 4 --deadline-s 320 \
         --out-dir "$out" ;;
     probe_evals)  # issue 15, 2 GPUs: the kernels' NaN evaluations, one compiled evaluation
       # asked ten ways: queued right behind the training step (all at once, or one at a time),
