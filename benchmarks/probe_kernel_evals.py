@@ -19,7 +19,8 @@ steps, evaluates the same parameters on the same `--batches` validation batches 
   back_to_back   the same from batches made beforehand;
   again          the same, once more: a loss that changes between identical calls is a race;
   one_by_one     each batch's loss fetched before the next is dispatched;
-  collectives    through XLA's collectives with the same codecs (`trainer.eval_spec`);
+  collectives    through XLA's collectives with the same codecs (how the trainer evaluated
+                 kernel runs until the kernels' evaluations were confirmed);
   behind_other   every batch queued behind a long computation without kernels (matmuls on
                  every GPU, about a training step long): a queue without the step.
 
@@ -44,6 +45,7 @@ CPU smoke test (8 fake devices, tiny model; the kernels fall back to XLA there):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import pathlib
 import sys
@@ -205,7 +207,7 @@ def main(argv=None) -> pathlib.Path:
                   out_shardings=(trainer.shardings(p_abs), trainer.shardings(o_abs), None)
                   ).lower(params, opt_state, batch(0)).compile(xla)
   evaluate = {way: jax.jit(step_lib.make_eval_step(
-      trainer.eval_spec(spec) if way == "collectives" else spec, mesh)
+      dataclasses.replace(spec, tp_overlap="none") if way == "collectives" else spec, mesh)
       ).lower(params, val[0]).compile(xla) for way in ("kernels", "collectives")}
   scratch = {name: scratch_summary(exe.as_text())
              for name, exe in (("train", train), ("evaluate", evaluate["kernels"]))}

@@ -422,18 +422,3 @@ def test_tp_overlap_config_errors():
   with pytest.raises(ValueError, match="tp_overlap='yes' must be one of"):
     step_lib.ParallelSpec(step_lib.layout_lib.model_config(tiny.get_micro_config().model),
                           1, 1, 1, tp_overlap="yes")
-
-
-def test_the_trainer_evaluates_kernel_layers_through_xla_collectives():
-  """The validation loss of a `tp_overlap="kernel"` run comes from XLA's collectives with
-  the same codecs (their forward-only programs gave NaN on 2xH200); other layouts are
-  evaluated as they train."""
-  from taco_jax.configs import tiny
-  from taco_jax.tp import step as step_lib
-  from taco_jax.train.trainer import eval_spec
-  cfg = step_lib.layout_lib.model_config(tiny.get_micro_config().model)
-  kernel = step_lib.ParallelSpec(cfg, 1, 1, 2, tp_overlap="kernel")
-  assert eval_spec(kernel) == dataclasses.replace(kernel, tp_overlap="none")
-  for overlap in ("none", "ring"):
-    spec = step_lib.ParallelSpec(cfg, 1, 1, 2, tp_overlap=overlap)
-    assert eval_spec(spec) is spec

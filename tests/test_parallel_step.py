@@ -227,6 +227,10 @@ def test_kernel_layers_match_single_device(layout, reference):
   np.testing.assert_allclose(float(loss), ref_loss, rtol=F32_TOL)
   for (path, g), (_, r) in zip(_leaves(jax.device_get(grads)), _leaves(ref_grads), strict=True):
     assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+  if layout == (2, 2, 2):  # the trainer evaluates through the kernel layers too
+    evaluate = jax.jit(step_lib.make_eval_step(spec, mesh)).lower(params, tokens).compile(
+        compiler_options=FAST_COMPILE)
+    np.testing.assert_allclose(float(evaluate(params, tokens)), ref_loss, rtol=F32_TOL)
 
 
 def test_site_overrides_reach_every_collective(reference):

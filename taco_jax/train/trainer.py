@@ -107,22 +107,6 @@ def global_batch(tokens_BT1: np.ndarray, mesh) -> jax.Array:
   return jax.make_array_from_callback(tokens_BT1.shape, sharding, lambda i: tokens_BT1[i])
 
 
-def eval_spec(spec: step_lib.ParallelSpec) -> step_lib.ParallelSpec:
-  """The layout the validation loss is computed with: the training step's, except that the
-  fused collective-matmul kernels (``parallel.tp_overlap="kernel"``) give way to XLA's
-  collectives with the same codecs. Forward-only programs of the kernels returned a NaN
-  loss in 50 of 125 of the trainer's evaluations on 2xH200 (TP=2, every TP message in FP8;
-  the training steps stayed finite). The cause was XLA's CUDA graphs, which replayed the
-  kernels with the peer's buffer addresses of an earlier execution; the kernel layers now
-  compile without them (`step.KERNEL_XLA_OPTIONS`), and a probe in the runner's order gave
-  no NaN in 37 evaluations so (docs/parallel.md, "The cause"). The validation
-  loss keeps XLA's collectives until a training run on the GPU shows the kernels'
-  evaluations finite too."""
-  if spec.tp_overlap != "kernel":
-    return spec
-  return dataclasses.replace(spec, tp_overlap="none")
-
-
 class RunParts(NamedTuple):
   """What every compiled run of a config starts from: the trainer's, calibration's
   (`apps.calibrate.capture`) and the GPU probes'."""
@@ -182,7 +166,7 @@ def train(config, workdir) -> dict:
                    out_shardings=(shardings(p_abs), shardings(o_abs), None))
     with collectives.recording_decisions() as decisions:
       lowered = step.lower(params, opt_state, batch(start))
-    evaluate = jax.jit(step_lib.make_eval_step(eval_spec(spec), mesh), compiler_options=xla)
+    evaluate = jax.jit(step_lib.make_eval_step(spec, mesh), compiler_options=xla)
     return lowered, evaluate, decisions
 
   t0 = time.perf_counter()  # compiled now: out of the throughput
@@ -208,8 +192,6 @@ def train(config, workdir) -> dict:
     tqdm.write(f'  {memory_line(p_abs, o_abs, spec)}')
     for line in link.lines:
       tqdm.write(f'  {line}')
-    if eval_spec(spec) is not spec:
-      tqdm.write("  validation loss: through XLA's collectives, not the kernels (eval_spec)")
     _report_plain_messages(compressed)
   writer = metrics.MetricsWriter(workdir, start) if lead else None
   pbar = tqdm(total=t.steps, initial=start, disable=not t.progress_bar, dynamic_ncols=True,
