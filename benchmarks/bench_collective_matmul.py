@@ -8,7 +8,8 @@ count), the same random inputs go through:
 * ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
   kernel (its own time is reported apart as ``fp8_kernel``); ``fused[phases=P]``
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
-  ``matmul_rs.default_phases``;
+  ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
+  peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -83,6 +84,9 @@ def parse_args(argv=None):
   p.add_argument("--rs-phases", default="",
                  help="comma-separated phase counts to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.default_phases): fused[phases=P]")
+  p.add_argument("--rs-pull-depth", default="",
+                 help="comma-separated pull depths to time the plain reduce-scatter kernel "
+                      "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -173,9 +177,10 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, "tensor"), P(None, "tensor"), P(None, None, "tensor")
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
+      rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
+          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x]
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
-                           args.tilings, ag_matmul, matmul_rs, encode,
-                           [int(x) for x in args.rs_phases.split(",") if x])
+                           args.tilings, ag_matmul, matmul_rs, encode, rs_options)
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
                   tp=tp, variants={})
       results["cases"].append(case)
@@ -361,8 +366,10 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
-              encode, rs_phases=()):
-  """name -> (function of (a, w), runs on the one-GPU mesh)."""
+              encode, rs_options=()):
+  """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options``: (keyword,
+  value) pairs, each timed as one more plain reduce-scatter kernel, ``fused[keyword=value]``
+  (``phases=P``; ``pull_depth`` is named ``pull``)."""
   from jax.sharding import PartitionSpec as P
   from taco_jax.pallas_kernels import gemm
   t = "tensor"
@@ -407,8 +414,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       tl = _tiling(rs.TILING, spec)
       tl8 = _tiling(rs.FP8_TILING, spec)
 
-      def plain(y, w, tl=tl, phases=None):
-        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, phases=phases),)
+      def plain(y, w, tl=tl, **options):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, **options),)
 
       def fp8(y, w, tl=tl8):
         return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8),)
@@ -417,9 +424,10 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                  out_specs=(out_spec,)), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
-      for phases in rs_phases:
-        name = f"fused[{'' if spec == 'default' else spec + '+'}phases={phases}]"
-        out[name] = (smap(functools.partial(plain, phases=phases), mesh=mesh,
+      for keyword, value in rs_options:
+        label = f"{keyword.removesuffix('_depth')}={value}"
+        name = f"fused[{'' if spec == 'default' else spec + '+'}{label}]"
+        out[name] = (smap(functools.partial(plain, **{keyword: value}), mesh=mesh,
                           in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),

@@ -706,6 +706,7 @@ def measured_module() -> str:
 CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[push=0]", "fused_fp8[push=0]",
               "fused[push=2]", "fused_fp8[push=2]", "fused[push=6]", "fused_fp8[push=6]",
               "fused[phases=1]", "fused[phases=2]", "fused[phases=8]",
+              "fused[pull=1]", "fused[pull=3]",
               "fused[packed_sems]", "fused_fp8[packed_sems]",
               "rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
               "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")

@@ -8,8 +8,9 @@ rank c owns chunk c of the sequence (rows ``c S .. (c + 1) S`` of every sequence
 of the sum over ranks. Each partial output tile of a peer's chunk goes, straight from the
 epilogue, into slot c of this rank's outbox, in local memory, while the next tiles are
 computed; the owner's epilogue reads the peers' partials for its tile out of their
-outboxes (``plgpu.remote_ref``; the TMA loads start before the tile's matmul, so they land
-while it runs) and adds them to its accumulator, in fp32. The row tiles of every chunk come
+outboxes (``plgpu.remote_ref``; the first ``pull_depth`` TMA loads start before the tile's
+matmul, so they land while it runs, and each later one as a slot is read) and adds them to
+its accumulator, in fp32. The row tiles of every chunk come
 in ``phases`` groups (``schedule``): phase p of each peer's chunk (``c = r + 1, ..., r + n -
 1``), then phase p - 1 of the own chunk, whose partials the peers wrote one phase earlier.
 Once every warpgroup of a rank has written its partials of a phase for a peer, one relayed
@@ -79,6 +80,10 @@ FP8_TILING = gemm.Tiling(stages=3, epi_n=32)  # G = tile_n = 128; the codes' buf
 
 
 MAX_PHASES = 4
+PULL_DEPTH = 2  # receive slots per warpgroup: the peers' partial blocks in flight
+# what shared memory holds beside the pipeline's three stages at the default tiles: with
+# 4 slots the kernels need 240 KB (plain) and 228 KB (FP8) of the 227 KB a block may have
+MAX_PULL_DEPTH = 3
 
 
 def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None,
@@ -124,9 +129,9 @@ class _Epilogues:
   ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
   ``finish`` this rank's tile by adding the received partials and storing the result."""
 
-  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, scratch):
+  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, depth, scratch):
     self.t, self.n, self.dtype, self.out_dtype = tiling, n, dtype, out_dtype
-    self.fp8, self.s = fp8, scratch
+    self.fp8, self.depth, self.s = fp8, depth, scratch
 
   def _slabs(self):
     return range(self.t.tile_m // self.t.epi_m)
@@ -173,12 +178,12 @@ class _Epilogues:
     return [(i, c, j) for i in self._slabs() for c in range(blocks) for j in range(self.n - 1)]
 
   def _barrier(self, wg, slot: int, which: int):
-    return self.s["in_barrier"].at[(wg * 2 + slot) * 2 + which]
+    return self.s["in_barrier"].at[(wg * self.depth + slot) * 2 + which]
 
   def _fetch(self, k: int, wg, r, row, col, peer):
     """Starts the TMA loads of read ``k`` (``_reads``) from the peer's partials (``peer(a,
-    p)``: array a of what rank p sent this rank) into receive slot ``k % 2``."""
-    t, (i, c, j), slot = self.t, self._reads()[k], k % 2
+    p)``: array a of what rank p sent this rank) into receive slot ``k % depth``."""
+    t, (i, c, j), slot = self.t, self._reads()[k], k % self.depth
     p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
     if not self.fp8:
       plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
@@ -190,18 +195,18 @@ class _Epilogues:
                             self.s["mult_smem"].at[wg, slot], self._barrier(wg, slot, 1))
 
   def prefetch(self, wg, r, row, col, peer):
-    """Before this rank's own tile is computed: the loads of its first two reads, so that
-    they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own tile
+    """Before this rank's own tile is computed: the loads of its first ``depth`` reads, so
+    that they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own tile
     sends nothing), once the last sent tile has been read out of them."""
     if self.fp8:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for k in range(min(2, len(self._reads()))):
+    for k in range(min(self.depth, len(self._reads()))):
       self._fetch(k, wg, r, row, col, peer)
 
   def _take(self, k: int, wg, r, row, col, peer):
     """Read ``k``'s partial in fp32, once its loads have landed; its slot is refilled with
-    read k + 2."""
-    slot = k % 2
+    read k + depth."""
+    slot = k % self.depth
     with jax.named_scope("wait_read"):
       plgpu.barrier_wait(self._barrier(wg, slot, 0))
       if self.fp8:
@@ -211,9 +216,9 @@ class _Epilogues:
                         jnp.float32)
     else:
       got = self.s["in_values"][wg, slot].astype(jnp.float32)
-    if k + 2 < len(self._reads()):
+    if k + self.depth < len(self._reads()):
       plgpu.commit_smem()  # every warp has read the slot before the TMA refills it
-      self._fetch(k + 2, wg, r, row, col, peer)
+      self._fetch(k + self.depth, wg, r, row, col, peer)
     return got
 
   def _fp8_sums(self, acc, wg, r, row, col, peer):
@@ -251,24 +256,24 @@ class _Epilogues:
                        out_ref.at[rows, pl.ds(col + c * t.epi_n, t.epi_n)])
 
   def scratch_types(self) -> dict:
-    t, wgs = self.t, gemm.COMPUTE_WGS
+    t, wgs, depth = self.t, gemm.COMPUTE_WGS, self.depth
     out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
                # per warpgroup and receive slot: values or codes, and multipliers
-               in_barrier=plgpu.Barrier(num_barriers=wgs * 4))
-    if self.fp8:
-      codes_dtype = jnp.dtype(self.fp8["codes_dtype"])
+               in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
+    if self.fp8:  # the send slots (two) are receive slots too
+      codes_dtype, slots = jnp.dtype(self.fp8["codes_dtype"]), max(2, depth)
       out.update(
-          codes_smem=plgpu.SMEM((wgs, 2, t.epi_m, t.tile_n), codes_dtype,
+          codes_smem=plgpu.SMEM((wgs, slots, t.epi_m, t.tile_n), codes_dtype,
                                 transforms=gemm.swizzled(t.tile_n, codes_dtype)),
-          mult_smem=plgpu.SMEM((wgs, 2, 1, t.epi_m), jnp.float32))
+          mult_smem=plgpu.SMEM((wgs, slots, 1, t.epi_m), jnp.float32))
     else:
-      out.update(in_values=plgpu.SMEM((wgs, 2, t.epi_m, t.epi_n), self.dtype,
+      out.update(in_values=plgpu.SMEM((wgs, depth, t.epi_m, t.epi_n), self.dtype,
                                       transforms=gemm.swizzled(t.epi_n, self.dtype)))
     return out
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, fp8=None, received=None):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -283,7 +288,8 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   slot_types = slot_shapes(n, out_rows, d, dtype, fp8 and dict(fp8, group_size=t.tile_n))
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
-  epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8)
+  epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
+                                depth=pull_depth)
 
   def body(*refs, **scratch):
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
@@ -388,18 +394,21 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          rank=None, n=None, received=None):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
-  groups of the schedule (default ``default_phases``). Local mode: ``rank``, ``n`` and
+  groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``, ``n`` and
   ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by p; see
   ``slot_shapes``); it returns ``(out, outbox)``."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
   reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases)
+  if not 1 <= pull_depth <= MAX_PULL_DEPTH:
+    reason = f"pull_depth={pull_depth} is not between 1 and {MAX_PULL_DEPTH}"
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
@@ -409,8 +418,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                codes_dtype=jnp.dtype(FP8_DTYPES[fp8["fmt"]]))
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or y_BTF.dtype, phases=phases, fp8=fp8,
-              received=received)
+              out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
+              fp8=fp8, received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -91,20 +91,17 @@ def _partials(n, b, s, f, d, seed):
   return ys, ws
 
 
-def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
+def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
+  run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
+                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth)
   with _interpret():
-    sent = [matmul_rs.matmul_reduce_scatter(ys[p], ws[p], "t", tiling=tiling, num_sms=num_sms,
-                                            rank=p, n=n, received=slots, fp8=fp8)[1]
-            for p in range(n)]
+    sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
     for r in range(n):
       received = tuple(jnp.stack([sent[p][i][r] for p in range(n)]) for i in range(len(slots)))
-      outs.append(matmul_rs.matmul_reduce_scatter(ys[r], ws[r], "t", tiling=tiling,
-                                                  num_sms=num_sms, rank=r, n=n,
-                                                  received=received,
-                                                  fp8=fp8)[0])
+      outs.append(run(ys[r], ws[r], rank=r, received=received)[0])
   return outs, sent
 
 
@@ -113,15 +110,16 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1):
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s", [(2, TILING, 2, 64), (3, TALL, 1, 128)],
-                         ids=["2_ranks", "3_ranks_tall"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s):
+@pytest.mark.parametrize("n,tiling,b,s,depth", [(2, TILING, 2, 64, 2), (3, TALL, 1, 128, 2),
+                                               (3, TALL, 1, 128, 3)],
+                         ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
   chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
-  takes it. Three ranks: each own tile reads eight partial sub-tiles through its two
-  receive slots, each refilled as soon as it is read."""
+  takes it. Three ranks: each own tile reads eight partial sub-tiles through its
+  ``depth`` receive slots, each refilled as soon as it is read."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -129,7 +127,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s):
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),),
-                         tiling, num_sms=3 if n == 2 else 2)
+                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -262,6 +260,11 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), phases=3),
      "3 phases do not divide the chunk's 2 row tiles"),
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=2,
+                                             received=(), pull_depth=4),
+     "pull_depth=4 is not between 1 and 3"),
 ])
 def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
