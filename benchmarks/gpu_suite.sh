@@ -57,6 +57,7 @@
 #   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step (<= 7.5 min)
 #   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
 #   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 7 min)
+#   bash benchmarks/gpu_suite.sh trainer_cm          # issue 15, TP=2: the trainer's own step, kernels or not (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
 #   bash benchmarks/gpu_suite.sh slow_links_combined # overlap levers alone, combined, and
@@ -154,6 +155,16 @@ for job in "$@"; do
           trainer_40 $cfg "trainer_1gpu_${cfg}_$(slug "$v")" 150 \
             --config.parallel.$first --config.parallel.$second
         done
+      done ;;
+    trainer_cm)  # issue 15 on 2 GPUs (TP=2): the trainer's own 1.3B step (batch 8, 40 steps,
+      # metrics fetched every 10), the collectives between the matmuls against the kernel
+      # layers, which compile without CUDA graphs: bench_train times steps within turns of
+      # back-to-back steps, where a step of the kernel layers waited for alone took 272 ms
+      # against 166 (2026-11-26), so this is what a user's run gets
+      for v in none kernel; do
+        trainer_40 gpt_1_3b "trainer_tp2_$v" 280 --config.parallel.tp=2 \
+          --config.parallel.tp_overlap=$v --config.parallel.save_tp_outputs=True \
+          --config.data.batch_size=8
       done ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
       # and the bf16 step's remat policies (keep matmul outputs, no remat)
