@@ -10,9 +10,9 @@ epilogue, into slot c of this rank's outbox, in local memory, while the next til
 computed; the owner's epilogue reads the peers' partials for its tile out of their
 outboxes (``plgpu.remote_ref``; the first ``pull_depth`` TMA loads start before the tile's
 matmul, so they land while it runs, and each later one as a slot is read) and adds them to
-its accumulator, in fp32. The row tiles of every chunk come
-in ``phases`` groups (``schedule``): phase p of each peer's chunk (``c = r + 1, ..., r + n -
-1``), then phase p - 1 of the own chunk, whose partials the peers wrote one phase earlier.
+its accumulator, in fp32. The row tiles of every chunk come in ``phases`` groups
+(``schedule``): phase p of each peer's chunk (``c = r + 1, ..., r + n - 1``), then phase
+p - 1 of the own chunk, whose partials the peers wrote one phase earlier.
 Once every warpgroup of a rank has written its partials of a phase for a peer, one relayed
 signal tells the peer (``relay``); the peer's own phase starts when every peer's has come.
 A last one holds every rank until its peers have read its outbox.
@@ -196,8 +196,8 @@ class _Epilogues:
 
   def prefetch(self, wg, r, row, col, peer):
     """Before this rank's own tile is computed: the loads of its first ``depth`` reads, so
-    that they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own tile
-    sends nothing), once the last sent tile has been read out of them."""
+    that they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own
+    tile sends nothing), once the last sent tile has been read out of them."""
     if self.fp8:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for k in range(min(self.depth, len(self._reads()))):
@@ -400,9 +400,9 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``, ``n`` and
-  ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by p; see
-  ``slot_shapes``); it returns ``(out, outbox)``."""
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
+  ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
+  p; see ``slot_shapes``); it returns ``(out, outbox)``."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
