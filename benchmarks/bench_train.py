@@ -64,6 +64,10 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           trainer turns off for them (`step.KERNEL_XLA_OPTIONS`: replayed graphs use the
           peer's addresses of an earlier execution, so results may be wrong): for timing
           what turning them off costs
+  _fgraphs (with _cm only) CUDA graphs for XLA's fusions and library calls, the kernels
+          outside them (`step.KERNEL_FUSION_GRAPHS_OPTIONS`): the candidate that would keep
+          most graphs and none of the stale addresses. The trainer compiles neither, so
+          neither is picked as a best variant
 
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
 (`DecoderConfig.attention_backend`) and, on one random batch of the run's attention shapes,
@@ -117,7 +121,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat",
-             "cif2", "cif4", "pgle", "graphs")  # in this order: off_cm_1f1b_save_cif2_pgle
+             "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_cif2_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
@@ -141,7 +145,7 @@ class Variant:
   overlap_grad_reduce: bool = False  # _ogr: parallel.overlap_grad_reduce
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
-  graphs: bool = False          # _graphs: the kernel layers keep XLA's CUDA graphs
+  graphs: str = "none"          # the kernel layers' CUDA graphs: _graphs "all", _fgraphs "fusions"
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -167,12 +171,13 @@ def parse_variant(name: str) -> Variant:
       base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
       "noremat" in mods and set(mods) & set(REMAT_SAVES)) or len(set(mods) & set(CIF)) > 1 or (
       "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods) or (
-      "zero" in mods and base == "ideal") or ("graphs" in mods and "cm" not in mods):
+      "zero" in mods and base == "ideal") or (
+      {"graphs", "fgraphs"} & set(mods) and "cm" not in mods) or {"graphs", "fgraphs"} <= set(mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on, _graphs only "
-                     "with _cm; _1f1b or _vs2; "
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on, _graphs and "
+                     "_fgraphs only with _cm; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
@@ -182,7 +187,8 @@ def parse_variant(name: str) -> Variant:
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
                  scan_layers="unroll" not in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
-                 graphs="graphs" in mods)
+                 graphs=next((g for m, g in (("graphs", "all"), ("fgraphs", "fusions"))
+                              if m in mods), "none"))
 
 
 def parse_args(argv=None):
@@ -229,10 +235,13 @@ def xla_options(variant: Variant, args) -> dict:
   """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`), the
   interleaving ones unless --no-interleave-options. XLA's overlap options come for every
   variant from XLA_FLAGS (`add_overlap_flags`), not from here."""
-  from taco_jax.tp.step import compiler_options
-  return compiler_options(1 if args.no_interleave_options else variant.interleave,
-                          collectives_in_flight=variant.collectives_in_flight,
-                          kernels=variant.kernels and not variant.graphs)
+  from taco_jax.tp.step import KERNEL_FUSION_GRAPHS_OPTIONS, compiler_options
+  options = compiler_options(1 if args.no_interleave_options else variant.interleave,
+                             collectives_in_flight=variant.collectives_in_flight,
+                             kernels=variant.kernels and variant.graphs == "none")
+  if variant.graphs == "fusions":
+    options.update(KERNEL_FUSION_GRAPHS_OPTIONS)
+  return options
 
 
 def build(variant: Variant, layout, args, cfg, tx):
@@ -468,7 +477,7 @@ def summarize(rows) -> list[dict]:
         s[f"recovered_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
       if v.kernels and "gspmd" in t:
         s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
-    pickable = [v for v in ours if not v.graphs]  # _graphs is for timing only
+    pickable = [v for v in ours if v.graphs == "none"]  # as the trainer compiles them
     offs = [v.name for v in pickable if v.base in ("off", "ring_off")]
     ons = [v.name for v in pickable if v.compressed]
     if len(offs) > 1 or len(ons) > 1:  # a choice of programs: what a user would pick

@@ -224,11 +224,13 @@ for job in "$@"; do
         --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
         off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
     cm_graphs)  # issue 15 on 2xH200 (TP=2): what compiling the kernel layers without CUDA
-      # graphs costs (step.KERNEL_XLA_OPTIONS; _graphs keeps them, for timing only), beside
-      # the strong step and its free-comm ideal, one process
-      timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_graphs --layouts 1,1,2 \
-        --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
-        off_save_dots_unroll,ideal_save_dots_unroll,off_cm_save_dots_unroll,off_cm_save_dots_unroll_graphs ;;
+      # graphs costs (step.KERNEL_XLA_OPTIONS; _graphs keeps them, for timing only; _fgraphs
+      # keeps them for all but the kernels), beside the strong step and its free-comm ideal,
+      # one process (2026-11-26, 4 variants: ~4.5 min)
+      v=off_save_dots_unroll,ideal_save_dots_unroll,off_cm_save_dots_unroll
+      timeout 585 python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_graphs}" \
+        --layouts 1,1,2 --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
+        $v,off_cm_save_dots_unroll_graphs,off_cm_save_dots_unroll_fgraphs ;;
     cm_dots_pipelined)  # issues 15 + 19 on 2xH200 (TP=2), steps timed back to back: the
       # strong bf16 step, its free-comm ideal and the kernel layers (cm_dots' first three)
       timeout 420 python3 benchmarks/bench_train.py --label nvlink_cm_dots_pipelined \
@@ -424,9 +426,10 @@ for job in "$@"; do
       # after it (the trainer's order, with its batches kept or their copies waited for, back
       # to back, again, one by one, through XLA's collectives), and queued behind matmuls
       # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results;
-      # STEP_CHECK=N first compares N training steps fed three ways, twice each
+      # STEP_CHECK=N first compares N training steps fed three ways, twice each; GRAPHS
+      # none | fusions | all: the kernel layers' CUDA graphs (none: the trainer's)
       BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label "${LABEL:-nvlink}" \
-        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" \
+        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" --graphs "${GRAPHS:-none}" \
         ${WAYS:+--ways "$WAYS"} --deadline-s "${DEADLINE:-360}" --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED

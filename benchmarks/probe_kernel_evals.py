@@ -28,7 +28,8 @@ Found on 2026-11-26: `trainer_order` (and `trainer_order_kept`) returned NaN in 
 evaluations, every other way in none; compiled without CUDA graphs
 (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`), none in 74. The evaluation is compiled
 with the trainer's options (`config.compiler_options`), which now turn the graphs off for
-the kernel layers (`step.KERNEL_XLA_OPTIONS`). The probe also records how the compiled
+the kernel layers (`step.KERNEL_XLA_OPTIONS`); ``--graphs fusions`` keeps them for all but
+the kernels (the candidate), ``--graphs all`` for the kernels too (as before). The probe also records how the compiled
 training and evaluation steps hand each Mosaic GPU kernel its zeroed scratch (the
 semaphores; `kernel_scratch`). With ``--step-check N`` it first asks the same of the
 training step: N steps from one fresh state, fed three ways (``STEP_WAYS``) twice each,
@@ -63,6 +64,20 @@ BEHIND_STEP = ("behind_step", "behind_step_one_by_one")
 AFTER_STEP = ("trainer_order", "trainer_order_kept", "trainer_order_synced", "back_to_back",
               "again", "one_by_one", "collectives", "behind_other")
 WAYS = BEHIND_STEP + AFTER_STEP
+GRAPHS = ("none", "fusions", "all")  # --graphs
+
+
+def graphs_options(options: dict, graphs: str) -> dict:
+  """The trainer's compile `options` with the kernel layers' CUDA graphs as `graphs` says:
+  "none" leaves them (`step.KERNEL_XLA_OPTIONS`), "fusions" keeps graphs for everything
+  but the kernels (`step.KERNEL_FUSION_GRAPHS_OPTIONS`), "all" drops the option (XLA's
+  default: the kernels inside graphs)."""
+  from taco_jax.tp import step as step_lib
+  option = "xla_gpu_enable_command_buffer"
+  if graphs == "none" or option not in options:  # no kernel layers: nothing to change
+    return options
+  rest = {k: v for k, v in options.items() if k != option}
+  return rest if graphs == "all" else {**rest, **step_lib.KERNEL_FUSION_GRAPHS_OPTIONS}
 
 
 def parse_args(argv=None):
@@ -81,6 +96,10 @@ def parse_args(argv=None):
                       "STEP_WAYS, twice, and compare losses and parameters bit for bit")
   p.add_argument("--deadline-s", type=float, default=None,
                  help="stop training after this many seconds and report what was evaluated")
+  p.add_argument("--graphs", default="none", choices=GRAPHS,
+                 help="the kernel layers' CUDA graphs: none (the trainer's), fusions (XLA's "
+                      "fusions and library calls only: the candidate) or all (as before "
+                      "2026-11-26)")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
   args = parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
                                         tp=4, steps=4, every=2, batches=2,
@@ -202,7 +221,7 @@ def main(argv=None) -> pathlib.Path:
   val_batch = lambda i: batch(i, 1, corpus.val)  # noqa: E731 (the runner's val_batch)
   val = [val_batch(i) for i in range(args.batches)]
   t0 = time.perf_counter()
-  xla = compiler_options(config) or None  # the trainer's
+  xla = graphs_options(compiler_options(config), args.graphs) or None
   train = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                   out_shardings=(trainer.shardings(p_abs), trainer.shardings(o_abs), None)
                   ).lower(params, opt_state, batch(0)).compile(xla)

@@ -34,9 +34,9 @@ def test_bench_train_summary_of_the_interleaved_variants():
   assert s["best_off_vs_gspmd"] == pytest.approx(180 / 175)
 
 
-def test_bench_train_summary_never_picks_a_timing_only_graphs_variant():
+def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_compile():
   (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, off_cm=180.0,
-                                     off_cm_graphs=170.0))
+                                     off_cm_graphs=170.0, off_cm_fgraphs=175.0))
   assert s["best_off"] == "off_cm" and s["best_off_ms"] == 180.0
   assert s["recovered_off_cm"] == pytest.approx(0.4)     # (200 - 180) / 50
 
@@ -84,6 +84,8 @@ def test_bench_train_variants_and_their_compile_options():
   # the kernel layers' steps compile without CUDA graphs, as the trainer's
   assert bench_train.xla_options(v("off_cm_save"), args) == compiler_options(kernels=True)
   assert bench_train.xla_options(v("off_cm_save_graphs"), args) == {}  # timing only
+  assert bench_train.xla_options(v("off_cm_save_fgraphs"), args) == {
+      "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}  # graphs but the kernels
   assert compiler_options(kernels=True) == {"xla_gpu_enable_command_buffer": ""}
 
 
@@ -105,7 +107,8 @@ def test_bench_train_variant_names():
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
               "off_save_noremat", "off_dots_noremat", "gspmd_dots", "gspmd_zero", "ideal_zero",
               "off_zero_save", "gspmd_unroll", "off_unroll_dots", "on_cif2_cif4",
-              "on_pgle_cif2", "gspmd_save_cif2", "off_save_graphs", "off_cm_graphs_pgle"):
+              "on_pgle_cif2", "gspmd_save_cif2", "off_save_graphs", "off_cm_graphs_pgle",
+              "off_save_fgraphs", "off_cm_graphs_fgraphs"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

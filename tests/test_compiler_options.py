@@ -63,6 +63,7 @@ def test_the_kernel_layers_compile_without_cuda_graphs():
   opts = compiler_options(c)
   assert opts == {**step_lib.XLA_OVERLAP_OPTIONS, **step_lib.KERNEL_XLA_OPTIONS}
   _lowered().compile(opts)
+  _lowered().compile({**opts, **step_lib.KERNEL_FUSION_GRAPHS_OPTIONS})  # the candidate
   with pytest.raises(Exception, match="not a valid enum value"):
     _lowered().compile({"xla_gpu_enable_command_buffer": "-CUSTOM_CALL"})
 

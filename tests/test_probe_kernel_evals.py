@@ -46,6 +46,19 @@ def test_scratch_summary_counts_the_makers_of_the_kernels_scratch():
                                            reader_ops=[])
 
 
+def test_graphs_change_only_the_kernel_layers_command_buffers():
+  from taco_jax.tp import step as step_lib
+  kernels = {"xla_gpu_enable_latency_hiding_scheduler": True, **step_lib.KERNEL_XLA_OPTIONS}
+  assert probe.graphs_options(kernels, "none") == kernels
+  assert probe.graphs_options(kernels, "all") == {"xla_gpu_enable_latency_hiding_scheduler": True}
+  assert probe.graphs_options(kernels, "fusions") == {
+      "xla_gpu_enable_latency_hiding_scheduler": True,
+      "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
+  assert probe.graphs_options({}, "fusions") == {}  # no kernel layers (e.g. TP=1)
+  with pytest.raises(SystemExit):
+    probe.parse_args(["--graphs", "some"])
+
+
 @pytest.mark.slow
 def test_probe_kernel_evals_smoke(tmp_path):
   path = probe.main(["--smoke", "--out-dir", str(tmp_path)])

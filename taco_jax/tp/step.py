@@ -64,6 +64,11 @@ INTERLEAVE_XLA_OPTIONS = {
 # "The cause: CUDA graphs replayed with the peer's old addresses", and "Confirmed"). It
 # costs the queued 1.3B TP=2 step 1.1 ms of 166.
 KERNEL_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+# A candidate for it: CUDA graphs for XLA's own fusions and library calls only, so the
+# kernels (custom calls) launch outside them with each execution's addresses. Timed by
+# bench_train's `_fgraphs` and probed by `probe_kernel_evals --graphs fusions`; not yet
+# run on the GPU.
+KERNEL_FUSION_GRAPHS_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
 
 # XLA GPU options for overlapping collectives with compute (parallel.xla_overlap): the
 # latency-hiding scheduler (off by default in jax 0.11.2's XLA, unless a PGLE profile is
