@@ -12,7 +12,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 README = (REPO / "README.md").read_text()

@@ -136,7 +136,6 @@ def loss_and_grads(parts: Parts, params, inputs_MBT, targets_MBT, *, pp: int, v:
   m = inputs_MBT.shape[0]
   t = schedules.ticks(pp, v, m)
   s = jax.lax.axis_index(PIPE)
-  last_chunk = v * pp - 1
   head_params = {k: x for k, x in params.items() if k != "blocks"}
   chunk_params = lambda k: cast_kernels(  # noqa: E731
       jax.tree.map(lambda x: x[k], params["blocks"]), parts.dtype)
