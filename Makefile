@@ -4,7 +4,9 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 CONFIG ?= configs/tiny.py
-PYTEST_ARGS ?= -n 2
+# worksteal: a worker that runs out takes tests queued for the other, so the long ones
+# do not leave one core idle at the end (9:40 against 9:57 on 2 cores, 2026-11-26)
+PYTEST_ARGS ?= -n 2 --dist worksteal
 
 .PHONY: venv install train test clean
 
