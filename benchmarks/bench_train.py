@@ -235,13 +235,10 @@ def xla_options(variant: Variant, args) -> dict:
   """The per-compile XLA options of `variant`: the trainer's (`step.compiler_options`), the
   interleaving ones unless --no-interleave-options. XLA's overlap options come for every
   variant from XLA_FLAGS (`add_overlap_flags`), not from here."""
-  from taco_jax.tp.step import KERNEL_FUSION_GRAPHS_OPTIONS, compiler_options
-  options = compiler_options(1 if args.no_interleave_options else variant.interleave,
-                             collectives_in_flight=variant.collectives_in_flight,
-                             kernels=variant.kernels and variant.graphs == "none")
-  if variant.graphs == "fusions":
-    options.update(KERNEL_FUSION_GRAPHS_OPTIONS)
-  return options
+  from taco_jax.tp.step import compiler_options
+  return compiler_options(1 if args.no_interleave_options else variant.interleave,
+                          collectives_in_flight=variant.collectives_in_flight,
+                          kernels=variant.kernels, kernel_graphs=variant.graphs)
 
 
 def build(variant: Variant, layout, args, cfg, tx):

@@ -26,14 +26,15 @@ steps, evaluates the same parameters on the same `--batches` validation batches 
 
 Found on 2026-11-26: `trainer_order` (and `trainer_order_kept`) returned NaN in 16 of 190
 evaluations, every other way in none; compiled without CUDA graphs
-(`XLA_FLAGS=--xla_gpu_enable_command_buffer=`), none in 74. The evaluation is compiled
-with the trainer's options (`config.compiler_options`), which now turn the graphs off for
-the kernel layers (`step.KERNEL_XLA_OPTIONS`); ``--graphs fusions`` keeps them for all but
-the kernels (the candidate), ``--graphs all`` for the kernels too (as before). The probe also records how the compiled
-training and evaluation steps hand each Mosaic GPU kernel its zeroed scratch (the
-semaphores; `kernel_scratch`). With ``--step-check N`` it first asks the same of the
-training step: N steps from one fresh state, fed three ways (``STEP_WAYS``) twice each,
-compared bit for bit (`step_check`).
+(`XLA_FLAGS=--xla_gpu_enable_command_buffer=`), none in 74, and later none in 360 over
+every way. The evaluation is compiled with the trainer's options (`config.compiler_options`),
+which now turn the graphs off for the kernel layers (`step.KERNEL_XLA_OPTIONS`);
+``--graphs fusions`` keeps them for all but the kernels (the candidate), ``--graphs all``
+for the kernels too (as before). The probe also records how the compiled training and
+evaluation steps hand each Mosaic GPU kernel its zeroed scratch (the semaphores;
+`kernel_scratch`). With ``--step-check N`` it first asks the same of the training step: N
+steps from one fresh state, fed three ways (``STEP_WAYS``) twice each, compared bit for
+bit (`step_check`).
 
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.
@@ -64,20 +65,7 @@ BEHIND_STEP = ("behind_step", "behind_step_one_by_one")
 AFTER_STEP = ("trainer_order", "trainer_order_kept", "trainer_order_synced", "back_to_back",
               "again", "one_by_one", "collectives", "behind_other")
 WAYS = BEHIND_STEP + AFTER_STEP
-GRAPHS = ("none", "fusions", "all")  # --graphs
-
-
-def graphs_options(options: dict, graphs: str) -> dict:
-  """The trainer's compile `options` with the kernel layers' CUDA graphs as `graphs` says:
-  "none" leaves them (`step.KERNEL_XLA_OPTIONS`), "fusions" keeps graphs for everything
-  but the kernels (`step.KERNEL_FUSION_GRAPHS_OPTIONS`), "all" drops the option (XLA's
-  default: the kernels inside graphs)."""
-  from taco_jax.tp import step as step_lib
-  option = "xla_gpu_enable_command_buffer"
-  if graphs == "none" or option not in options:  # no kernel layers: nothing to change
-    return options
-  rest = {k: v for k, v in options.items() if k != option}
-  return rest if graphs == "all" else {**rest, **step_lib.KERNEL_FUSION_GRAPHS_OPTIONS}
+GRAPHS = ("none", "fusions", "all")  # --graphs: step.KERNEL_GRAPHS' keys (no jax import yet)
 
 
 def parse_args(argv=None):
@@ -221,7 +209,7 @@ def main(argv=None) -> pathlib.Path:
   val_batch = lambda i: batch(i, 1, corpus.val)  # noqa: E731 (the runner's val_batch)
   val = [val_batch(i) for i in range(args.batches)]
   t0 = time.perf_counter()
-  xla = graphs_options(compiler_options(config), args.graphs) or None
+  xla = compiler_options(config, kernel_graphs=args.graphs) or None
   train = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                   out_shardings=(trainer.shardings(p_abs), trainer.shardings(o_abs), None)
                   ).lower(params, opt_state, batch(0)).compile(xla)

@@ -68,6 +68,21 @@ def test_the_kernel_layers_compile_without_cuda_graphs():
     _lowered().compile({"xla_gpu_enable_command_buffer": "-CUSTOM_CALL"})
 
 
+def test_kernel_graphs_change_only_the_kernel_layers_command_buffers():
+  c = tiny.get_micro_config()
+  c.parallel.update(tp=2, tp_overlap="kernel")
+  overlap = step_lib.XLA_OVERLAP_OPTIONS
+  assert compiler_options(c, kernel_graphs="none") == {**overlap, **step_lib.KERNEL_XLA_OPTIONS}
+  assert compiler_options(c, kernel_graphs="all") == overlap
+  assert compiler_options(c, kernel_graphs="fusions") == {
+      **overlap, "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
+  c.parallel.tp = 1  # no kernel layers
+  assert compiler_options(c, kernel_graphs="fusions") == overlap
+  with pytest.raises(ValueError, match=r"kernel_graphs='some' must be one of \('none', "
+                     r"'fusions', 'all'\)"):
+    step_lib.compiler_options(kernels=True, kernel_graphs="some")
+
+
 def test_an_unknown_option_is_refused_by_the_compile():
   with pytest.raises(Exception, match="No such compile option: 'xla_gpu_enable_pipelined_all"):
     _lowered().compile({"xla_gpu_enable_pipelined_all_gather": True})  # an XLA_FLAGS name

@@ -46,15 +46,9 @@ def test_scratch_summary_counts_the_makers_of_the_kernels_scratch():
                                            reader_ops=[])
 
 
-def test_graphs_change_only_the_kernel_layers_command_buffers():
+def test_graphs_are_the_compiler_options_kernel_graphs():
   from taco_jax.tp import step as step_lib
-  kernels = {"xla_gpu_enable_latency_hiding_scheduler": True, **step_lib.KERNEL_XLA_OPTIONS}
-  assert probe.graphs_options(kernels, "none") == kernels
-  assert probe.graphs_options(kernels, "all") == {"xla_gpu_enable_latency_hiding_scheduler": True}
-  assert probe.graphs_options(kernels, "fusions") == {
-      "xla_gpu_enable_latency_hiding_scheduler": True,
-      "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
-  assert probe.graphs_options({}, "fusions") == {}  # no kernel layers (e.g. TP=1)
+  assert probe.GRAPHS == tuple(step_lib.KERNEL_GRAPHS)
   with pytest.raises(SystemExit):
     probe.parse_args(["--graphs", "some"])
 

@@ -69,6 +69,10 @@ KERNEL_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
 # bench_train's `_fgraphs` and probed by `probe_kernel_evals --graphs fusions`; not yet
 # run on the GPU.
 KERNEL_FUSION_GRAPHS_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
+# the kernel layers' CUDA graphs (`compiler_options(kernel_graphs=)`): none (the trainer's),
+# for all but the kernels, or for the kernels too (XLA's default: timing only, the results
+# may be wrong)
+KERNEL_GRAPHS = {"none": KERNEL_XLA_OPTIONS, "fusions": KERNEL_FUSION_GRAPHS_OPTIONS, "all": {}}
 
 # XLA GPU options for overlapping collectives with compute (parallel.xla_overlap): the
 # latency-hiding scheduler (off by default in jax 0.11.2's XLA, unless a PGLE profile is
@@ -182,20 +186,24 @@ def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
 
 
 def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
-                     collectives_in_flight: int = 1, kernels: bool = False) -> dict:
+                     collectives_in_flight: int = 1, kernels: bool = False,
+                     kernel_graphs: str = "none") -> dict:
   """XLA options to compile a step with (`jax.jit(..., compiler_options=)` or
   `.compile(...)`): `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches
   (`ParallelSpec.interleave` > 1), `XLA_OVERLAP_OPTIONS` with `xla_overlap`
   (parallel.xla_overlap), with `collectives_in_flight` > 1 (parallel.collectives_in_flight)
   the latency-hiding scheduler allowed that many asynchronous collectives at once (the limit
-  is that scheduler's, so asking for it turns the scheduler on), and `KERNEL_XLA_OPTIONS`
-  with `kernels` (tp_overlap="kernel"). The one place the trainer and
-  benchmarks/bench_train.py get a step's options from."""
+  is that scheduler's, so asking for it turns the scheduler on), and with `kernels`
+  (tp_overlap="kernel") the kernel layers' CUDA graphs as `kernel_graphs` says
+  (`KERNEL_GRAPHS`; the trainer's: none). The one place the trainer and the benchmarks get
+  a step's options from."""
   if not (isinstance(collectives_in_flight, int) and collectives_in_flight >= 1):
     raise ValueError(f"collectives_in_flight={collectives_in_flight!r} must be an integer >= 1")
+  if kernel_graphs not in KERNEL_GRAPHS:
+    raise ValueError(f"kernel_graphs={kernel_graphs!r} must be one of {tuple(KERNEL_GRAPHS)}")
   out = dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
   if kernels:
-    out.update(KERNEL_XLA_OPTIONS)
+    out.update(KERNEL_GRAPHS[kernel_graphs])
   if xla_overlap:
     out.update(XLA_OVERLAP_OPTIONS)
   if collectives_in_flight > 1:

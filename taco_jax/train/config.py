@@ -144,12 +144,17 @@ def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
                       overlap_grad_reduce=p.overlap_grad_reduce)
 
 
-def compiler_options(c: ml_collections.ConfigDict) -> dict:
-  """The per-compile XLA options of a valid config's step (`step.compiler_options`)."""
+def _has_kernel_layers(c: ml_collections.ConfigDict) -> bool:
+  return c.parallel.tp_overlap == 'kernel' and c.parallel.tp > 1
+
+
+def compiler_options(c: ml_collections.ConfigDict, kernel_graphs: str = "none") -> dict:
+  """The per-compile XLA options of a valid config's step (`step.compiler_options`);
+  `kernel_graphs` (benchmarks only) as there."""
   p = c.parallel
   return step_lib.compiler_options(p.interleave, xla_overlap=p.xla_overlap,
                                    collectives_in_flight=p.collectives_in_flight,
-                                   kernels=p.tp_overlap == "kernel" and p.tp > 1)
+                                   kernels=_has_kernel_layers(c), kernel_graphs=kernel_graphs)
 
 
 def notes(c: ml_collections.ConfigDict) -> list[str]:
@@ -159,7 +164,7 @@ def notes(c: ml_collections.ConfigDict) -> list[str]:
   if o.warmup_steps > t.steps:
     out.append(f'optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the warm-up is '
                f'clamped to the run ({t.steps} steps)')
-  if c.parallel.tp_overlap == 'kernel' and c.parallel.tp > 1:
+  if _has_kernel_layers(c):
     out.append("parallel.tp_overlap='kernel': the steps compile without CUDA graphs, which "
                "replay the kernels with stale peer addresses (step.KERNEL_XLA_OPTIONS)")
   return out
