@@ -66,6 +66,7 @@ def _ag_fp8() -> dict:
   import jax
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
+RS_OPTION_NAMES = {"pull_depth": "pull"}  # a keyword's name in a variant's brackets
 
 
 def parse_args(argv=None):
@@ -369,7 +370,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
               encode, rs_options=()):
   """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options``: (keyword,
   value) pairs, each timed as one more plain reduce-scatter kernel, ``fused[keyword=value]``
-  (``phases=P``; ``pull_depth`` is named ``pull``)."""
+  (``phases=P``; ``pull_depth`` is named ``pull``: ``RS_OPTION_NAMES``)."""
   from jax.sharding import PartitionSpec as P
   from taco_jax.pallas_kernels import gemm
   t = "tensor"
@@ -425,7 +426,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
       for keyword, value in rs_options:
-        label = f"{keyword.removesuffix('_depth')}={value}"
+        label = f"{RS_OPTION_NAMES.get(keyword, keyword)}={value}"
         name = f"fused[{'' if spec == 'default' else spec + '+'}{label}]"
         out[name] = (smap(functools.partial(plain, **{keyword: value}), mesh=mesh,
                           in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)

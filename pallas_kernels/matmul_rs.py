@@ -87,10 +87,10 @@ MAX_PULL_DEPTH = 3
 
 
 def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None,
-           phases: int | None = None):
+           phases: int | None = None, pull_depth: int = PULL_DEPTH):
   """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
-  tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups),
-  or None when it can."""
+  tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups;
+  ``pull_depth`` receive slots), or None when it can."""
   b, t, f = y_shape
   if w_shape[0] != f:
     return f"y {tuple(y_shape)} and w {tuple(w_shape)} do not contract"
@@ -103,6 +103,8 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None
   row_tiles = b * t // n // tiling.cta_m
   if reason is None and phases is not None and (phases < 1 or row_tiles % phases):
     return f"{phases} phases do not divide the chunk's {row_tiles} row tiles"
+  if reason is None and not 1 <= pull_depth <= MAX_PULL_DEPTH:
+    return f"pull_depth={pull_depth} is not between 1 and {MAX_PULL_DEPTH}"
   return reason
 
 
@@ -406,9 +408,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
-  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases)
-  if not 1 <= pull_depth <= MAX_PULL_DEPTH:
-    reason = f"pull_depth={pull_depth} is not between 1 and {MAX_PULL_DEPTH}"
+  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases,
+                  pull_depth)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
