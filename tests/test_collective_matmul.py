@@ -126,7 +126,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
-  outs, sent = _exchange(n, None, ys, ws, (jnp.zeros((n, b * s, d), jnp.bfloat16),),
+  outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
                          tiling, num_sms=3 if n == 2 else 2, pull_depth=depth)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
