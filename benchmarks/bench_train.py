@@ -60,14 +60,13 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           the scheduler overlaps collectives by measured costs rather than its guesses.
           The profiled steps run on a throwaway state; timing starts from the same
           parameters as the other variants.
-  _graphs (with _cm only) the kernel layers compiled with XLA's CUDA graphs, which the
-          trainer turns off for them (`step.KERNEL_XLA_OPTIONS`: replayed graphs use the
-          peer's addresses of an earlier execution, so results may be wrong): for timing
-          what turning them off costs
+  _graphs (with _cm only) the kernel layers compiled with XLA's CUDA graphs for the kernels
+          too, which the trainer keeps them out of (`step.KERNEL_XLA_OPTIONS`: replayed
+          graphs use the peer's addresses of an earlier execution, so results may be
+          wrong): timing only, never picked as a best variant
   _fgraphs (with _cm only) CUDA graphs for XLA's fusions and library calls, the kernels
-          outside them (`step.KERNEL_FUSION_GRAPHS_OPTIONS`): the candidate that would keep
-          most graphs and none of the stale addresses. The trainer compiles neither, so
-          neither is picked as a best variant
+          outside them: what the trainer compiles (since 2026-11-27). Without either, the
+          kernel layers compile with no CUDA graph at all (the trainer's before)
 
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
 (`DecoderConfig.attention_backend`) and, on one random batch of the run's attention shapes,
@@ -474,7 +473,7 @@ def summarize(rows) -> list[dict]:
         s[f"recovered_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
       if v.kernels and "gspmd" in t:
         s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
-    pickable = [v for v in ours if v.graphs == "none"]  # as the trainer compiles them
+    pickable = [v for v in ours if v.graphs != "all"]  # as the trainer may compile them
     offs = [v.name for v in pickable if v.base in ("off", "ring_off")]
     ons = [v.name for v in pickable if v.compressed]
     if len(offs) > 1 or len(ons) > 1:  # a choice of programs: what a user would pick

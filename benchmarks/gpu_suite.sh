@@ -45,7 +45,7 @@
 #   bash benchmarks/gpu_suite.sh accuracy_cm       # issue 15, TP=2: FP8 kernels vs FP8 collectives (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh accuracy_cm_evals # ... both evaluated every 4 steps (<= 5.5 min)
 #   bash benchmarks/gpu_suite.sh probe_evals       # ... why the kernels' evaluations gave NaN (<= 7 min)
-#   bash benchmarks/gpu_suite.sh cm_graphs         # ... what the kernel layers' step pays without CUDA graphs (<= 10 min)
+#   bash benchmarks/gpu_suite.sh cm_graphs         # ... the kernel layers' step by its CUDA graphs (<= 10 min)
 #   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
 #   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
@@ -156,13 +156,13 @@ for job in "$@"; do
             --config.parallel.$first --config.parallel.$second
         done
       done ;;
-    trainer_cm)  # issue 15 on 2 GPUs (TP=2): the trainer's own 1.3B step (batch 8, 40 steps,
-      # metrics fetched every 10), the collectives between the matmuls against the kernel
-      # layers, which compile without CUDA graphs: bench_train times steps within turns of
-      # back-to-back steps, where a step of the kernel layers waited for alone took 272 ms
-      # against 166 (2026-11-26), so this is what a user's run gets
+    trainer_cm)  # issue 15 on 2 GPUs (TP=2; TP=4 on 4): the trainer's own 1.3B step (batch 8,
+      # 40 steps, metrics fetched every 10), the collectives between the matmuls against the
+      # kernel layers: bench_train times steps within turns of back-to-back steps, where a
+      # step of the kernel layers waited for alone took 263 ms without CUDA graphs, 177 with
+      # the trainer's (2026-11-26), so this is what a user's run gets
       for v in none kernel; do
-        trainer_40 gpt_1_3b "trainer_tp2_$v" 280 --config.parallel.tp=2 \
+        trainer_40 gpt_1_3b "trainer_tp${TP:-2}_$v" 280 --config.parallel.tp=${TP:-2} \
           --config.parallel.tp_overlap=$v --config.parallel.save_tp_outputs=True \
           --config.data.batch_size=8
       done ;;
@@ -223,10 +223,10 @@ for job in "$@"; do
       timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
         --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
         off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
-    cm_graphs)  # issue 15 on 2xH200 (TP=2): what compiling the kernel layers without CUDA
-      # graphs costs (step.KERNEL_XLA_OPTIONS; _graphs keeps them, for timing only; _fgraphs
-      # keeps them for all but the kernels), beside the strong step and its free-comm ideal,
-      # one process (2026-11-26, 4 variants: ~4.5 min)
+    cm_graphs)  # issue 15 on 2xH200 (TP=2): the kernel layers' step with no CUDA graph, with
+      # graphs for all but the kernels (_fgraphs: the trainer's, step.KERNEL_XLA_OPTIONS) and
+      # for the kernels too (_graphs, timing only), beside the strong step and its free-comm
+      # ideal, one process (2026-11-26, 5 variants: ~5 min)
       v=off_save_dots_unroll,ideal_save_dots_unroll,off_cm_save_dots_unroll
       timeout 585 python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_graphs}" \
         --layouts 1,1,2 --attention cudnn --deadline-s 520 --out-dir "$out" --variants \

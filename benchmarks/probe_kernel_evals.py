@@ -27,10 +27,10 @@ steps, evaluates the same parameters on the same `--batches` validation batches 
 Found on 2026-11-26: `trainer_order` (and `trainer_order_kept`) returned NaN in 16 of 190
 evaluations, every other way in none; compiled without CUDA graphs
 (`XLA_FLAGS=--xla_gpu_enable_command_buffer=`), none in 74, and later none in 360 over
-every way. The evaluation is compiled with the trainer's options (`config.compiler_options`),
-which now turn the graphs off for the kernel layers (`step.KERNEL_XLA_OPTIONS`);
-``--graphs fusions`` keeps them for all but the kernels (the candidate), ``--graphs all``
-for the kernels too (as before). The probe also records how the compiled training and
+every way; with CUDA graphs for all but the kernels (``--graphs fusions``), none in 360
+(the trainer's since 2026-11-27, `step.KERNEL_XLA_OPTIONS`). The evaluation is compiled
+with the trainer's options (`config.compiler_options`); ``--graphs none`` compiles no graph,
+``--graphs all`` graphs for the kernels too (as before 2026-11-26). The probe also records how the compiled training and
 evaluation steps hand each Mosaic GPU kernel its zeroed scratch (the semaphores;
 `kernel_scratch`). With ``--step-check N`` it first asks the same of the training step: N
 steps from one fresh state, fed three ways (``STEP_WAYS``) twice each, compared bit for
@@ -65,7 +65,7 @@ BEHIND_STEP = ("behind_step", "behind_step_one_by_one")
 AFTER_STEP = ("trainer_order", "trainer_order_kept", "trainer_order_synced", "back_to_back",
               "again", "one_by_one", "collectives", "behind_other")
 WAYS = BEHIND_STEP + AFTER_STEP
-GRAPHS = ("none", "fusions", "all")  # --graphs: step.KERNEL_GRAPHS' keys (no jax import yet)
+GRAPHS = ("fusions", "none", "all")  # --graphs: step.KERNEL_GRAPHS' keys (no jax import yet)
 
 
 def parse_args(argv=None):
@@ -84,10 +84,9 @@ def parse_args(argv=None):
                       "STEP_WAYS, twice, and compare losses and parameters bit for bit")
   p.add_argument("--deadline-s", type=float, default=None,
                  help="stop training after this many seconds and report what was evaluated")
-  p.add_argument("--graphs", default="none", choices=GRAPHS,
-                 help="the kernel layers' CUDA graphs: none (the trainer's), fusions (XLA's "
-                      "fusions and library calls only: the candidate) or all (as before "
-                      "2026-11-26)")
+  p.add_argument("--graphs", default="fusions", choices=GRAPHS,
+                 help="the kernel layers' CUDA graphs: fusions (XLA's fusions and library "
+                      "calls only: the trainer's), none, or all (as before 2026-11-26)")
   add_output_args(p, label="nvlink", smoke="CPU, 8 fake devices, tiny model")
   args = parse_with_smoke(p, argv, dict(config=str(REPO / "configs" / "parallel_tiny.py"),
                                         tp=4, steps=4, every=2, batches=2,

@@ -51,9 +51,10 @@ def test_a_configs_options_reach_the_compile(tmp_path):
     step_lib.compiler_options(collectives_in_flight=0)
 
 
-def test_the_kernel_layers_compile_without_cuda_graphs():
-  """tp_overlap="kernel" adds KERNEL_XLA_OPTIONS (no command buffers: step.py says why),
-  which the compile accepts (an empty list of command types; a bad one is refused)."""
+def test_the_kernel_layers_launch_their_kernels_outside_cuda_graphs():
+  """tp_overlap="kernel" adds KERNEL_XLA_OPTIONS (CUDA graphs for XLA's fusions and library
+  calls only: step.py says why), which the compile accepts, as it does no graph at all (an
+  empty list of command types); a bad command type is refused."""
   c = tiny.get_micro_config()
   assert c.parallel.tp_overlap == "none"
   assert not step_lib.KERNEL_XLA_OPTIONS.items() <= compiler_options(c).items()
@@ -61,9 +62,10 @@ def test_the_kernel_layers_compile_without_cuda_graphs():
   assert compiler_options(c) == step_lib.XLA_OVERLAP_OPTIONS  # TP=1: no kernels
   c.parallel.tp = 2
   opts = compiler_options(c)
-  assert opts == {**step_lib.XLA_OVERLAP_OPTIONS, **step_lib.KERNEL_XLA_OPTIONS}
+  assert opts == {**step_lib.XLA_OVERLAP_OPTIONS,
+                  "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
   _lowered().compile(opts)
-  _lowered().compile({**opts, **step_lib.KERNEL_FUSION_GRAPHS_OPTIONS})  # the candidate
+  _lowered().compile({**opts, **step_lib.KERNEL_NO_GRAPHS_OPTIONS})
   with pytest.raises(Exception, match="not a valid enum value"):
     _lowered().compile({"xla_gpu_enable_command_buffer": "-CUSTOM_CALL"})
 
@@ -72,14 +74,14 @@ def test_kernel_graphs_change_only_the_kernel_layers_command_buffers():
   c = tiny.get_micro_config()
   c.parallel.update(tp=2, tp_overlap="kernel")
   overlap = step_lib.XLA_OVERLAP_OPTIONS
-  assert compiler_options(c, kernel_graphs="none") == {**overlap, **step_lib.KERNEL_XLA_OPTIONS}
+  assert compiler_options(c, kernel_graphs="fusions") == compiler_options(c)
+  assert compiler_options(c, kernel_graphs="none") == {
+      **overlap, "xla_gpu_enable_command_buffer": ""}
   assert compiler_options(c, kernel_graphs="all") == overlap
-  assert compiler_options(c, kernel_graphs="fusions") == {
-      **overlap, "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
   c.parallel.tp = 1  # no kernel layers
-  assert compiler_options(c, kernel_graphs="fusions") == overlap
-  with pytest.raises(ValueError, match=r"kernel_graphs='some' must be one of \('none', "
-                     r"'fusions', 'all'\)"):
+  assert compiler_options(c, kernel_graphs="none") == overlap
+  with pytest.raises(ValueError, match=r"kernel_graphs='some' must be one of \('fusions', "
+                     r"'none', 'all'\)"):
     step_lib.compiler_options(kernels=True, kernel_graphs="some")
 
 

@@ -196,7 +196,7 @@ def test_short_runs_clamp_the_warm_up_and_mfu_needs_a_known_peak():
   assert config_lib.notes(c) == ['optim.warmup_steps=50 > train.steps=10: the warm-up is '
                                  'clamped to the run (10 steps)']
   c.parallel.update(tp=2, tp_overlap="kernel")
-  assert "without CUDA graphs" in config_lib.notes(c)[-1]
+  assert "launch outside XLA's CUDA graphs" in config_lib.notes(c)[-1]
   lr = optim.lr_schedule(c.optim, 10)
   assert float(lr(5)) == pytest.approx(c.optim.lr / 2, rel=1e-6)  # fp32 schedule
   assert float(lr(10)) == pytest.approx(c.optim.lr, rel=1e-6)

@@ -53,26 +53,24 @@ INTERLEAVE_XLA_OPTIONS = {
 }
 
 # XLA GPU options for steps with the fused collective-matmul kernels (tp_overlap="kernel"):
-# no CUDA graphs. XLA records runs of thunks, Mosaic GPU kernels included, into CUDA graphs
-# and replays a graph while this GPU's own buffers stay where they were. A kernel's TMA
-# descriptors for the peer's buffers (`plgpu.remote_ref`) are built on the host with the
-# peer's addresses and recorded into the graph as kernel arguments, and the peer's
-# temporaries move between executions when the two GPUs' allocations differ (a batch
-# copied to each GPU between queued calls): a replayed kernel then read and wrote the
-# peer's memory of an earlier execution. Evaluations queued with batch copies between them
-# returned NaN in 16 of 190 with graphs, none of 154 without (2xH200; docs/parallel.md,
-# "The cause: CUDA graphs replayed with the peer's old addresses", and "Confirmed"). It
-# costs the queued 1.3B TP=2 step 1.1 ms of 166.
-KERNEL_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
-# A candidate for it: CUDA graphs for XLA's own fusions and library calls only, so the
-# kernels (custom calls) launch outside them with each execution's addresses. Timed by
-# bench_train's `_fgraphs` and probed by `probe_kernel_evals --graphs fusions`; not yet
-# run on the GPU.
-KERNEL_FUSION_GRAPHS_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
-# the kernel layers' CUDA graphs (`compiler_options(kernel_graphs=)`): none (the trainer's),
-# for all but the kernels, or for the kernels too (XLA's default: timing only, the results
-# may be wrong)
-KERNEL_GRAPHS = {"none": KERNEL_XLA_OPTIONS, "fusions": KERNEL_FUSION_GRAPHS_OPTIONS, "all": {}}
+# CUDA graphs for XLA's own fusions and library calls only, so that the kernels (custom
+# calls) launch outside them. XLA records runs of thunks, Mosaic GPU kernels included, into
+# CUDA graphs and replays a graph while this GPU's own buffers stay where they were. A
+# kernel's TMA descriptors for the peer's buffers (`plgpu.remote_ref`) are built on the host
+# with the peer's addresses and recorded into the graph as kernel arguments, and the peer's
+# temporaries move between executions when the two GPUs' allocations differ (a batch copied
+# to each GPU between queued calls): a replayed kernel then read and wrote the peer's memory
+# of an earlier execution. Evaluations queued with batch copies between them returned NaN in
+# 16 of 190 with every graph, none of 360 with these options or with no graph at all; the
+# 1.3B TP=2 step waited for alone took 177 ms with these options, 263 with no graph (the
+# host launching every fusion) and 174 with every graph (2xH200, 2026-11-26;
+# docs/parallel.md, "The cause: CUDA graphs replayed with the peer's old addresses").
+KERNEL_XLA_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"}
+KERNEL_NO_GRAPHS_OPTIONS = {"xla_gpu_enable_command_buffer": ""}
+# the kernel layers' CUDA graphs (`compiler_options(kernel_graphs=)`): for all but the
+# kernels (the trainer's), none, or for the kernels too (XLA's default: timing only, the
+# results may be wrong)
+KERNEL_GRAPHS = {"fusions": KERNEL_XLA_OPTIONS, "none": KERNEL_NO_GRAPHS_OPTIONS, "all": {}}
 
 # XLA GPU options for overlapping collectives with compute (parallel.xla_overlap): the
 # latency-hiding scheduler (off by default in jax 0.11.2's XLA, unless a PGLE profile is
@@ -187,7 +185,7 @@ def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
 
 def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
                      collectives_in_flight: int = 1, kernels: bool = False,
-                     kernel_graphs: str = "none") -> dict:
+                     kernel_graphs: str = "fusions") -> dict:
   """XLA options to compile a step with (`jax.jit(..., compiler_options=)` or
   `.compile(...)`): `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches
   (`ParallelSpec.interleave` > 1), `XLA_OVERLAP_OPTIONS` with `xla_overlap`
@@ -195,7 +193,7 @@ def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
   the latency-hiding scheduler allowed that many asynchronous collectives at once (the limit
   is that scheduler's, so asking for it turns the scheduler on), and with `kernels`
   (tp_overlap="kernel") the kernel layers' CUDA graphs as `kernel_graphs` says
-  (`KERNEL_GRAPHS`; the trainer's: none). The one place the trainer and the benchmarks get
+  (`KERNEL_GRAPHS`; the trainer's: fusions). The one place the trainer and the benchmarks get
   a step's options from."""
   if not (isinstance(collectives_in_flight, int) and collectives_in_flight >= 1):
     raise ValueError(f"collectives_in_flight={collectives_in_flight!r} must be an integer >= 1")

@@ -148,7 +148,7 @@ def _has_kernel_layers(c: ml_collections.ConfigDict) -> bool:
   return c.parallel.tp_overlap == 'kernel' and c.parallel.tp > 1
 
 
-def compiler_options(c: ml_collections.ConfigDict, kernel_graphs: str = "none") -> dict:
+def compiler_options(c: ml_collections.ConfigDict, kernel_graphs: str = "fusions") -> dict:
   """The per-compile XLA options of a valid config's step (`step.compiler_options`);
   `kernel_graphs` (benchmarks only) as there."""
   p = c.parallel
@@ -165,8 +165,8 @@ def notes(c: ml_collections.ConfigDict) -> list[str]:
     out.append(f'optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the warm-up is '
                f'clamped to the run ({t.steps} steps)')
   if _has_kernel_layers(c):
-    out.append("parallel.tp_overlap='kernel': the steps compile without CUDA graphs, which "
-               "replay the kernels with stale peer addresses (step.KERNEL_XLA_OPTIONS)")
+    out.append("parallel.tp_overlap='kernel': the kernels launch outside XLA's CUDA graphs, "
+               "which would replay them with stale peer addresses (step.KERNEL_XLA_OPTIONS)")
   return out
 
 
