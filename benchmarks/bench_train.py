@@ -123,6 +123,7 @@ MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll"
              "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_cif2_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
+KERNEL_ONLY_MODIFIERS = ("cm", "graphs", "fgraphs")  # a kernel variant's pair lacks them
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -468,7 +469,8 @@ def summarize(rows) -> list[dict]:
         if exposed:
           s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
       # a kernel variant against the collectives-between-matmuls pair of its other modifiers
-      off, ideal = f"off{mods.removeprefix('_cm')}", f"ideal{mods.removeprefix('_cm')}"
+      pair = "".join(f"_{m}" for m in mods.split("_")[1:] if m not in KERNEL_ONLY_MODIFIERS)
+      off, ideal = f"off{pair}", f"ideal{pair}"
       if v.kernels and off in t and ideal in t and t[off] > t[ideal]:
         s[f"recovered_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
       if v.kernels and "gspmd" in t:

@@ -109,13 +109,16 @@ def trace_per_device():
 def _traced_call(fn, args, trace_dir: pathlib.Path, calls: int = 3) -> list[pathlib.Path]:
   """Runs ``fn`` ``calls`` times and returns the last call's traces, one per device (in no
   known order of devices): caches and clocks are warm by then. Each call's traces are moved
-  aside before the next, as the profiler writes none where its file exists."""
+  aside, into a folder of their own, before the next, as the profiler writes none where its
+  file exists. (Until 2026-11-27 they were renamed in place, where the next call's glob
+  found them again: the reports of that day and before hold every call's traces.)"""
   import jax
   kept = []
   with trace_per_device():
     for i in range(calls):
       jax.block_until_ready(fn(*args))
-      kept = [f.rename(trace_dir / f"call{i}-{f.name}")
+      (trace_dir / f"call{i}").mkdir()
+      kept = [f.rename(trace_dir / f"call{i}" / f.name)
               for f in sorted(trace_dir.glob("*-trace.json"))]
   if not kept:
     raise RuntimeError(f"the profiler wrote no trace to {trace_dir}")

@@ -39,6 +39,7 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
                                      off_cm_graphs=170.0, off_cm_fgraphs=175.0))
   assert s["best_off"] == "off_cm_fgraphs" and s["best_off_ms"] == 175.0  # not _graphs
   assert s["recovered_off_cm"] == pytest.approx(0.4)     # (200 - 180) / 50
+  assert s["recovered_off_cm_fgraphs"] == pytest.approx(0.5)  # against off, not off_fgraphs
   (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, off_cm=180.0, off_cm_fgraphs=185.0))
   assert s["best_off"] == "off_cm"  # no CUDA graph is as safe as the trainer's
 
@@ -365,3 +366,21 @@ def test_profile_rs_kernel_keeps_a_trace_per_device(tmp_path):
   assert sorted(p.name for p in tmp_path.iterdir()) == [
       "kernel-123-dev1-trace.json", "kernel-123-dev2-trace.json", "kernel-123-trace.json"]
   assert not hasattr(registration, "open")  # the module's builtin open again
+
+
+def test_profile_rs_kernel_returns_the_last_calls_traces_only(tmp_path):
+  """Each call writes one trace per device; `_traced_call` returns the last call's two,
+  not every call's traces found again under their moved names."""
+  from jax._src.pallas.mosaic_gpu import pallas_call_registration as registration
+
+  from benchmarks.profile_rs_kernel import _traced_call
+  calls = []
+
+  def fn():  # what a profiled kernel on two devices leaves in the trace folder
+    calls.append(len(calls))
+    for device in range(2):
+      with registration.open(str(tmp_path / "kernel-7-trace.json"), "x") as f:
+        f.write(f"call {calls[-1]} device {device}")
+    return 0
+  kept = _traced_call(fn, (), tmp_path, calls=3)
+  assert sorted(p.read_text() for p in kept) == ["call 2 device 0", "call 2 device 1"]
