@@ -770,6 +770,8 @@ def collective_matmul_section() -> str:
       "`fused_fp8` there pushing 4 (a change reverted after this run). `[phases=P]` (the "
       "`nvlink_phases` run): the plain reduce-scatter kernel with P row-tile phases, beside "
       "`fused` with its default (`matmul_rs.default_phases`: 4 at these shapes). "
+      "`[pull=D]` (the `nvlink_pull` run): the reduce-scatter kernel with D receive slots "
+      "per warpgroup for the peers' partials, beside `fused` with 2 (`matmul_rs.PULL_DEPTH`). "
       "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 

@@ -18,6 +18,7 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_4gpu_20261126.json',
  'bench_collective_matmul_nvlink_dx_4gpu_20261126.json',
  'bench_collective_matmul_nvlink_phases_2gpu_20261126.json',
+ 'bench_collective_matmul_nvlink_pull_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_push_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_sems_2gpu_20261126.json']
 
