@@ -703,13 +703,20 @@ def measured_module() -> str:
           f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
 
 
-CM_COLUMNS = ("xla", "fused", "fused_fp8", "fused[push=0]", "fused_fp8[push=0]",
-              "fused[push=2]", "fused_fp8[push=2]", "fused[push=6]", "fused_fp8[push=6]",
-              "fused[phases=1]", "fused[phases=2]", "fused[phases=8]",
-              "fused[pull=1]", "fused[pull=3]",
-              "fused[packed_sems]", "fused_fp8[packed_sems]",
-              "rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
-              "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
+# the collective-matmul tables' columns, in order; a run's variants of the fused kernels
+# (`fused[phases=2]`, `fused_fp8[push=0]`, ...) come after them, as the run wrote them (the
+# tiling sweeps of `gemm` / `core` stay out: their runs' JSON has them)
+CM_FUSED = ("xla", "fused", "fused_fp8")
+CM_REFERENCES = ("rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
+                 "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
+
+
+def _cm_columns(cases: list) -> list:
+  """The variants that ran in any case of a collective-matmul run, as its table's columns."""
+  ran = list(dict.fromkeys(k for c in cases for k, v in c["variants"].items() if "ms" in v))
+  known = CM_FUSED + CM_REFERENCES
+  variants = [k for k in ran if k.startswith(("fused[", "fused_fp8[")) and k not in known]
+  return ([k for k in CM_FUSED if k in ran] + variants + [k for k in CM_REFERENCES if k in ran])
 
 
 def _kernel_ms(variant: dict) -> float | None:
@@ -725,7 +732,7 @@ def collective_matmul_section() -> str:
   for name, d in _load("bench_collective_matmul_*.json"):
     if "cases" not in d or not any("ms" in v for c in d["cases"] for v in c["variants"].values()):
       continue
-    cols = [c for c in CM_COLUMNS if any("ms" in x["variants"].get(c, {}) for x in d["cases"])]
+    cols = _cm_columns(d["cases"])
     fp8 = "fused_fp8" if "fused_fp8" in cols else "gemm_fp8"
     plain = "fused" if "fused" in cols else "rank0"  # on one GPU: rank 0 alone
     rows = []
@@ -770,6 +777,8 @@ def collective_matmul_section() -> str:
       "`fused_fp8` there pushing 4 (a change reverted after this run). `[phases=P]` (the "
       "`nvlink_phases` run): the plain reduce-scatter kernel with P row-tile phases, beside "
       "`fused` with its default (`matmul_rs.default_phases`: 4 at these shapes). "
+      "`[mix]` (the `nvlink` run of 2026-11-23): the reduce-scatter kernels with each peer "
+      "phase and the previous own phase in one loop, measured slower (`matmul_rs.schedule`). "
       "`[pull=D]` (the `nvlink_pull` run): the reduce-scatter kernel with D receive slots "
       "per warpgroup for the peers' partials, beside `fused` with 2 (`matmul_rs.PULL_DEPTH`). "
       "Every kernel was checked against its reference before it was timed; "
