@@ -10,7 +10,6 @@ count), the same random inputs go through:
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
   ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
   peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
-  ``fused[relay_sm=1]`` (``--rs-relay-sm``): with its last SM relaying the signals only;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -89,9 +88,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-relay-sm", action="store_true",
-                 help="also time the plain reduce-scatter kernel with its last SM only "
-                      "relaying the phases' signals (matmul_rs's relay_sm): fused[relay_sm=1]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -183,8 +179,7 @@ def run(args) -> dict:
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
-          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x] + [
-          ("relay_sm", 1)] * args.rs_relay_sm
+          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x]
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode, rs_options)
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,

@@ -146,17 +146,16 @@ class TileLoop:
 
   def run(self, allocs, *, m: int, n: int, a_refs: Callable, w_ref, epilogue: Callable,
           decode: Callable | None = None, after_mma: Callable | None = None,
-          before_tile: Callable | None = None, acc_dtype=jnp.float32, first_sm: int = 0,
-          sms: int | None = None):
+          before_tile: Callable | None = None, acc_dtype=jnp.float32, first_sm: int = 0):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
     compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator. The tiles are dealt to the
-    first ``sms`` SMs (default: all) from ``first_sm`` on (``dealt``)."""
+    SMs from ``first_sm`` on (``dealt``)."""
     t = self.t
     grid = (m // t.cta_m, n // t.cta_n)
 
-    @dealt(grid[0] * grid[1], first_sm, sms)
+    @dealt(grid[0] * grid[1], first_sm)
     def _tile(idx):
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
       wg = lax.axis_index(WG)
@@ -193,26 +192,18 @@ class TileLoop:
           *a_refs(m_idx), w_ref.at[:, pl.ds(n_idx * t.cta_n, t.cta_n)], allocations=allocs)
 
 
-def dealt(tiles: int, first_sm: int = 0, sms: int | None = None):
-  """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the first
-  ``sms`` SMs (default: all; the others take none) from SM ``first_sm`` on: the body gets
-  each tile's index. A kernel that runs several loops one after the other (the
-  reduce-scatter's phases) starts each where the last one's deal ended, so that no SM takes
-  the remainder of every loop: at a tile count just above a multiple of the SMs, that
-  remainder would make every loop take one more wave."""
+def dealt(tiles: int, first_sm: int = 0):
+  """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
+  SM ``first_sm`` on: the body gets each tile's index. A kernel that runs several loops
+  one after the other (the reduce-scatter's phases) starts each where the last one's deal
+  ended, so that no SM takes the remainder of every loop: at a tile count just above a
+  multiple of the SMs, that remainder would make every loop take one more wave."""
   def loop(body):
-    width = sms or lax.axis_size(SM)
-    count, place = share(lax.axis_index(SM), tiles, first_sm, width)
-    lax.fori_loop(0, count, lambda i, _: body(i * width + place), None)
+    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+    place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
+    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
+    lax.fori_loop(0, count, lambda i, _: body(i * sms + place), None)
   return loop
-
-
-def share(sm, tiles: int, first_sm: int, width: int):
-  """SM ``sm``'s share of ``dealt``'s deal: it takes ``count`` tiles, ``place``,
-  ``place + width``, ... (none from an SM at or past ``width``)."""
-  place = lax.rem(sm + (width - first_sm % width), width)  # this SM's place in the deal
-  count = tiles // width + lax.convert_element_type(place < tiles % width, place.dtype)
-  return jnp.where(sm < width, count, 0), place
 
 
 def stage_out(value, out_smem, wg, slot: int, dest) -> None:

@@ -87,12 +87,10 @@ MAX_PULL_DEPTH = 3
 
 
 def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None,
-           phases: int | None = None, pull_depth: int = PULL_DEPTH, num_sms: int = 2,
-           relay_sm: bool = False):
+           phases: int | None = None, pull_depth: int = PULL_DEPTH):
   """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
   tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups;
-  ``pull_depth`` receive slots; ``relay_sm``: one of ``num_sms`` SMs only relays), or None
-  when it can."""
+  ``pull_depth`` receive slots), or None when it can."""
   b, t, f = y_shape
   if w_shape[0] != f:
     return f"y {tuple(y_shape)} and w {tuple(w_shape)} do not contract"
@@ -107,8 +105,6 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None
     return f"{phases} phases do not divide the chunk's {row_tiles} row tiles"
   if reason is None and not 1 <= pull_depth <= MAX_PULL_DEPTH:
     return f"pull_depth={pull_depth} is not between 1 and {MAX_PULL_DEPTH}"
-  if reason is None and relay_sm and num_sms < 2:
-    return f"relay_sm needs an SM to compute beside the one that relays (num_sms={num_sms})"
   return reason
 
 
@@ -279,8 +275,7 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, relay_sm: bool, fp8=None,
-          received=None):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -294,10 +289,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                        w_FD.dtype, f)
   slot_types = slot_shapes(n, out_rows, d, dtype, fp8 and dict(fp8, group_size=t.tile_n))
   n_slots = len(slot_types)
-  # the SMs that compute (and count their loops); with relay_sm the last SM only relays
-  computing_sms = num_sms - 1 if relay_sm else num_sms
-  relay_at = num_sms - 1 if relay_sm else 0  # the SM whose compute warpgroup 0 relays
-  signals = computing_sms * gemm.COMPUTE_WGS
+  signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
                                 depth=pull_depth)
 
@@ -323,21 +315,15 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     def relay(slot: int, times: int, owners):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
       reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
-      warpgroup 0 of SM ``relay_at``) waits until every computing warpgroup has counted
-      ``times`` times and signals ``owners`` once. A signal to a peer is a release at
-      system scope: given by every warpgroup at once, the signals held each SM for up to
-      ~200 us, one after the other (benchmarks/profile_rs_kernel.py); a count on this GPU
-      is a release at GPU scope, and the relay's signal carries what it saw. With
-      ``relay_sm`` the relaying warpgroup is on an SM that computes no tile, so that a slow
-      signal holds no tile."""
+      warpgroup 0 of SM 0) waits until every warpgroup has counted ``times`` times and
+      signals ``owners`` once. A signal to a peer is a release at system scope: given by
+      every warpgroup at once, the signals held each SM for up to ~200 us, one after the
+      other (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU
+      scope, and the relay's signal carries what it saw."""
       count = sems.at[phases + 1 + slot]
-      sm = lax.axis_index(gemm.SM)
+      plgpu.semaphore_signal(count, memory_scope="gpu")
 
-      @pl.when(sm < computing_sms)
-      def _count():
-        plgpu.semaphore_signal(count, memory_scope="gpu")
-
-      @pl.when((sm == relay_at) & (lax.axis_index(gemm.WG) == 0))
+      @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.WG) == 0))
       def _relay():
         plgpu.semaphore_wait(count, value=times * signals, decrement=False, memory_scope="gpu")
         for owner in owners:
@@ -373,7 +359,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
                      y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                  w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
-                 first_sm=dealt % computing_sms, sms=computing_sms)
+                 first_sm=dealt % num_sms)
         dealt += phase_tiles * cols
         if q < n and sems is not None:
           @pl.when(computes)
@@ -410,23 +396,20 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, relay_sm: bool = False, rank=None,
-                          n=None, received=None):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``relay_sm``: the last SM
-  computes no tile and only relays the phases' signals (``relay``), so that a slow signal
-  to the peer holds no SM's tiles; an experiment (docs/parallel.md). Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
   reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases,
-                  pull_depth, num_sms, relay_sm)
+                  pull_depth)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
@@ -437,7 +420,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              relay_sm=relay_sm, fp8=fp8, received=received)
+              fp8=fp8, received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -84,21 +84,6 @@ def test_gemm_core_alone_is_the_matmul(split, sms):
     gemm.matmul(a, w[:64], tiling=tiling, num_sms=sms)
 
 
-@pytest.mark.parametrize("tiles,first_sm,width", [(7, 0, 3), (5, 2, 3), (8, 4, 3), (2, 1, 4)])
-def test_the_deal_gives_every_tile_once_and_none_past_its_width(tiles, first_sm, width):
-  """`gemm.dealt`'s share per SM of a grid of width + 1 SMs: round-robin from first_sm on
-  over the first `width` SMs; the last SM (matmul_rs's relay_sm) takes none."""
-  taken = []
-  for sm in range(width + 1):
-    count, place = gemm.share(jnp.int32(sm), tiles, first_sm, width)
-    taken += [int(place) + i * width for i in range(int(count))]
-    if sm == width:
-      assert int(count) == 0
-  assert sorted(taken) == list(range(tiles))
-  count, place = gemm.share(jnp.int32(first_sm % width), tiles, first_sm, width)
-  assert int(place) == 0  # the deal starts at first_sm
-
-
 def _partials(n, b, s, f, d, seed):
   ky, kw = jax.random.split(jax.random.key(seed))
   ys = [_bf16(jax.random.fold_in(ky, p), (b, n * s, f)) for p in range(n)]
@@ -106,12 +91,11 @@ def _partials(n, b, s, f, d, seed):
   return ys, ws
 
 
-def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2, relay_sm=False):
+def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
-                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth,
-                          relay_sm=relay_sm)
+                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth)
   with _interpret():
     sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
@@ -126,18 +110,16 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2, rel
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s,depth,relay_sm", [
-    (2, TILING, 2, 64, 2, False), (2, TILING, 2, 64, 2, True), (3, TALL, 1, 128, 2, False),
-    (3, TALL, 1, 128, 3, False)],
-    ids=["2_ranks", "2_ranks_relay_sm", "3_ranks_tall", "3_ranks_tall_pull_depth_3"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, relay_sm):
+@pytest.mark.parametrize("n,tiling,b,s,depth", [(2, TILING, 2, 64, 2), (3, TALL, 1, 128, 2),
+                                               (3, TALL, 1, 128, 3)],
+                         ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
   chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
-  ``depth`` receive slots, each refilled as soon as it is read. ``relay_sm``: the tiles
-  dealt to two of the three SMs, the third only relaying."""
+  ``depth`` receive slots, each refilled as soon as it is read."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -145,8 +127,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, relay_sm)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
-                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth,
-                         relay_sm=relay_sm)
+                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -284,11 +265,6 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), pull_depth=4),
      "pull_depth=4 is not between 1 and 3"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), relay_sm=True),
-     "relay_sm needs an SM to compute beside the one that relays"),
 ])
 def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
@@ -336,10 +312,9 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  # four phases, and one (the own loop waits right after sending); an SM that only relays
-  for phases, relay_sm in ((None, False), (1, False), (None, True)):
-    fn = smap(lambda y, w, phases=phases, relay_sm=relay_sm: matmul_rs.matmul_reduce_scatter(
-        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases, relay_sm=relay_sm),
+  for phases in (None, 1):  # four phases, and one (the own loop waits right after sending)
+    fn = smap(lambda y, w, phases=phases: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases),
         in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
                                               sd((2 * f, d), jnp.bfloat16))
