@@ -781,6 +781,9 @@ def collective_matmul_section() -> str:
       "phase and the previous own phase in one loop, measured slower (`matmul_rs.schedule`). "
       "`[pull=D]` (the `nvlink_pull` run): the reduce-scatter kernel with D receive slots "
       "per warpgroup for the peers' partials, beside `fused` with 2 (`matmul_rs.PULL_DEPTH`). "
+      "`[relay_sm=1]` (the `nvlink_relay` run): the reduce-scatter kernel with its last SM "
+      "computing no tile and only relaying the phases' signals, beside `fused` relaying from "
+      "SM 0's first compute warpgroup (a change reverted after this run). "
       "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
