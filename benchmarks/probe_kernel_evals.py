@@ -30,11 +30,11 @@ evaluations, every other way in none; compiled without CUDA graphs
 every way; with CUDA graphs for all but the kernels (``--graphs fusions``), none in 360
 (the trainer's since 2026-11-27, `step.KERNEL_XLA_OPTIONS`). The evaluation is compiled
 with the trainer's options (`config.compiler_options`); ``--graphs none`` compiles no graph,
-``--graphs all`` graphs for the kernels too (as before 2026-11-26). The probe also records how the compiled training and
-evaluation steps hand each Mosaic GPU kernel its zeroed scratch (the semaphores;
-`kernel_scratch`). With ``--step-check N`` it first asks the same of the training step: N
-steps from one fresh state, fed three ways (``STEP_WAYS``) twice each, compared bit for
-bit (`step_check`).
+``--graphs all`` graphs for the kernels too (as before 2026-11-26). The probe also
+records how the compiled training and evaluation steps hand each Mosaic GPU kernel its
+zeroed scratch (the semaphores; `kernel_scratch`). With ``--step-check N`` it first asks
+the same of the training step: N steps from one fresh state, fed three ways
+(``STEP_WAYS``) twice each, compared bit for bit (`step_check`).
 
 Results: benchmarks/results/probe_kernel_evals_<label>_<n><kind>_<date>.json, per
 evaluation the losses of each way (NaN as null) and a summary.
