@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 WG = "wg"        # the warpgroup axis (2 compute + 1 memory warpgroup)
-SM = "sm"        # the persistent grid axis: one CTA per SM
+SM = "sm"        # the persistent grid axis: one CTA per SM (one cluster of CTAs, with clusters)
+CLUSTER = "cluster"  # a cluster's CTAs (Tiling.cluster_n), side by side along N
 COMPUTE_WGS = 2
 SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90
 
@@ -58,13 +59,17 @@ class Tiling:
   # (bench_collective_matmul's one-GPU run).
   grid_minor: str = "m"
   grid_width: int = 8
+  # CTAs per cluster, computing neighbouring column tiles of one row: each A block is loaded
+  # once into all of them (TMA multicast), as jax's hopper_matmul_mgpu does for pairs
+  cluster_n: int = 1
 
   def __post_init__(self):
     for field in ("split", "grid_minor"):
       if getattr(self, field) not in ("n", "m"):
         raise ValueError(f"Tiling.{field} must be 'n' or 'm', got {getattr(self, field)!r}")
-    if self.grid_width < 1:
-      raise ValueError(f"Tiling.grid_width must be >= 1, got {self.grid_width}")
+    for field in ("grid_width", "cluster_n"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"Tiling.{field} must be >= 1, got {getattr(self, field)}")
 
   @property
   def cta_m(self) -> int:
@@ -84,7 +89,7 @@ class Tiling:
     """Why these tiles do not divide a chunk of ``m`` rows (in runs of ``rows_per_seq``
     contiguous rows) times ``[k, n]``, or None when they do."""
     for what, size, tile in (("sequence shard", rows_per_seq, self.cta_m),
-                             ("rows", m, self.cta_m), ("columns", n, self.cta_n),
+                             ("rows", m, self.cta_m), ("columns", n, self.cta_n * self.cluster_n),
                              ("contraction", k, self.tile_k)):
       if size % tile:
         return f"{what} {size} is not a multiple of the tile {tile}"
@@ -113,10 +118,12 @@ class Operand:
   index: Callable
   swizzle: bool = True
 
-  def spec(self, delay_release: int) -> plgpu.BlockSpec:
+  def spec(self, delay_release: int, multicast: bool = False) -> plgpu.BlockSpec:
+    """``multicast``: one load into every CTA of the cluster (they share the block)."""
     return plgpu.BlockSpec(self.block, self.index,
                            transforms=swizzled(self.block[1], self.dtype) if self.swizzle else (),
-                           memory_space=plgpu.SMEM, delay_release=delay_release)
+                           memory_space=plgpu.SMEM, delay_release=delay_release,
+                           collective_axes=(CLUSTER,) if multicast else ())
 
 
 class TileLoop:
@@ -132,7 +139,8 @@ class TileLoop:
     self.t, self.k_iters = tiling, k // tiling.tile_k
     self.delay_release = delay_release
     b = Operand((tiling.tile_k, tiling.cta_n), w_dtype, lambda kk: (kk, 0))
-    self.specs = [s.spec(delay_release) for s in (*a_ops, b)]
+    shared = tiling.cluster_n > 1  # the A blocks go to the cluster's CTAs at once
+    self.specs = [s.spec(delay_release, shared) for s in a_ops] + [b.spec(delay_release)]
 
   def _pipeline(self, body, context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -151,13 +159,16 @@ class TileLoop:
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
     compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator. The tiles are dealt to the
-    SMs from ``first_sm`` on (``dealt``)."""
+    SMs from ``first_sm`` on (``dealt``); with clusters, the rows of ``cluster_n``
+    neighbouring tiles to the clusters, whose CTAs take one tile each."""
     t = self.t
-    grid = (m // t.cta_m, n // t.cta_n)
+    grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
 
     @dealt(grid[0] * grid[1], first_sm)
     def _tile(idx):
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
+      if t.cluster_n > 1:
+        n_idx = n_idx * t.cluster_n + lax.axis_index(CLUSTER)
       wg = lax.axis_index(WG)
       row0, col0 = t.wg_offsets(wg)
 
@@ -272,17 +283,20 @@ def profiling(trace_dir: str, events: int = 96):
     _profile_dir.pop()
 
 
-def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str):
-  """A persistent kernel: ``num_sms`` CTAs of 2 compute + 1 memory warpgroups."""
+def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str,
+           cluster_n: int = 1):
+  """A persistent kernel: ``num_sms`` CTAs of 2 compute + 1 memory warpgroups, in clusters
+  of ``cluster_n`` (the grid's ``SM`` axis then counts clusters)."""
   profile = {}
   if _profile_dir:
     trace_dir, events = _profile_dir[-1]
     profile = dict(profile_dir=trace_dir, profile_space=events, profile_bounds_check=True)
+  clusters = dict(cluster=(cluster_n,), cluster_names=(CLUSTER,)) if cluster_n > 1 else {}
   return plgpu.kernel(
-      body, out_type=out_type, grid=(num_sms,), grid_names=(SM,), num_threads=COMPUTE_WGS + 1,
-      thread_name=WG, scratch_types=scratch_types or {}, kernel_name=name,
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile))
+      body, out_type=out_type, grid=(num_sms // cluster_n,), grid_names=(SM,),
+      num_threads=COMPUTE_WGS + 1, thread_name=WG, scratch_types=scratch_types or {},
+      kernel_name=name, compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile), **clusters)
 
 
 def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None):
@@ -294,6 +308,8 @@ def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
   if w_KN.shape[0] != k:
     raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract")
   reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k)
+  if reason is None and num_sms % t.cluster_n:
+    reason = f"{num_sms} SMs do not make clusters of {t.cluster_n}"
   if reason:
     raise ValueError(f"matmul: {reason}")
   out_dtype = out_dtype or a_MK.dtype
@@ -314,7 +330,7 @@ def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
 
   return kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), num_sms=num_sms,
                 scratch_types=dict(out_smem=out_smem_type(t, out_dtype)),
-                name="taco_gemm")(a_MK, w_KN)
+                name="taco_gemm", cluster_n=t.cluster_n)(a_MK, w_KN)
 
 
 def num_sms(default: int = 4) -> int:

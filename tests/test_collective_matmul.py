@@ -67,14 +67,16 @@ def test_all_gather_matmul_kernel_per_rank():
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
 
 
-@pytest.mark.parametrize("split,sms", [("n", 1), ("m", 3)])
-def test_gemm_core_alone_is_the_matmul(split, sms):
+@pytest.mark.parametrize("split,sms,cluster_n,n", [("n", 1, 1, 256), ("m", 3, 1, 256),
+                                                  ("n", 4, 2, 512), ("m", 4, 4, 512)])
+def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n):
   """``gemm.matmul``, the yardstick of the kernels' GEMM core: fp32-accumulated a @ w in
-  bf16, over tiles dealt to 1 or 3 SMs (3 leaves one SM a tile fewer)."""
-  m, k, n = 256, 192, 256
+  bf16, over tiles dealt to 1 or 3 SMs (3 leaves one SM a tile fewer), or in clusters of 2
+  or 4 CTAs along N that share each A block (multicast)."""
+  m, k = 256, 192
   ka, kw = jax.random.split(jax.random.key(7))
   a, w = _bf16(ka, (m, k)), _bf16(kw, (k, n), k ** -0.5)
-  tiling = dataclasses.replace(TILING, split=split)
+  tiling = dataclasses.replace(TILING, split=split, cluster_n=cluster_n)
   with _interpret():
     y = gemm.matmul(a, w, tiling=tiling, num_sms=sms)
   want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
@@ -285,6 +287,23 @@ def _lowers_for_hopper(f, *args) -> str:
   bindings, which `make install` adds (no GPU needed)."""
   pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_gemm_core_in_clusters_lowers_for_hopper():
+  """The GEMM core in clusters of 4 CTAs sharing each A block: the production tiles, 132
+  SMs as 33 clusters, through the sm_90 lowering (the multicast loads and the cluster's
+  barriers are what the interpreter does not check)."""
+  fn = functools.partial(gemm.matmul, tiling=gemm.Tiling(cluster_n=4), num_sms=132)
+  sd = jax.ShapeDtypeStruct
+  text = _lowers_for_hopper(fn, sd((1024, 512), jnp.bfloat16), sd((512, 1024), jnp.bfloat16))
+  assert "mosaic_gpu" in text
+  with pytest.raises(ValueError, match="130 SMs do not make clusters of 4"):
+    gemm.matmul(jnp.zeros((1024, 512), jnp.bfloat16), jnp.zeros((512, 1024), jnp.bfloat16),
+                tiling=gemm.Tiling(cluster_n=4), num_sms=130)
+  with pytest.raises(ValueError, match="take no clusters of CTAs"):
+    ag_matmul.all_gather_matmul(jnp.zeros((1, 128, 128), jnp.bfloat16),
+                                jnp.zeros((128, 512), jnp.bfloat16), "t",
+                                tiling=gemm.Tiling(cluster_n=2), num_sms=2)
 
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["plain", "fp8"])
