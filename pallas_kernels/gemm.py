@@ -123,7 +123,7 @@ class Operand:
     return plgpu.BlockSpec(self.block, self.index,
                            transforms=swizzled(self.block[1], self.dtype) if self.swizzle else (),
                            memory_space=plgpu.SMEM, delay_release=delay_release,
-                           collective_axes=(CLUSTER,) if multicast else ())
+                           collective_axes=(CLUSTER,) if multicast else None)
 
 
 class TileLoop:
