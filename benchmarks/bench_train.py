@@ -123,7 +123,8 @@ MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll"
              "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_cif2_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
-KERNEL_ONLY_MODIFIERS = ("cm", "graphs", "fgraphs")  # a kernel variant's pair lacks them
+GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
+KERNEL_ONLY_MODIFIERS = ("cm", *GRAPHS_MODIFIERS)  # a kernel variant's pair lacks them
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -145,7 +146,7 @@ class Variant:
   overlap_grad_reduce: bool = False  # _ogr: parallel.overlap_grad_reduce
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
-  graphs: str = "none"          # the kernel layers' CUDA graphs: _graphs "all", _fgraphs "fusions"
+  graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -172,7 +173,8 @@ def parse_variant(name: str) -> Variant:
       "noremat" in mods and set(mods) & set(REMAT_SAVES)) or len(set(mods) & set(CIF)) > 1 or (
       "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
-      {"graphs", "fgraphs"} & set(mods) and "cm" not in mods) or {"graphs", "fgraphs"} <= set(mods):
+      set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
+      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
@@ -187,8 +189,8 @@ def parse_variant(name: str) -> Variant:
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
                  scan_layers="unroll" not in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
-                 graphs=next((g for m, g in (("graphs", "all"), ("fgraphs", "fusions"))
-                              if m in mods), "none"))
+                 graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
+                             "none"))
 
 
 def parse_args(argv=None):

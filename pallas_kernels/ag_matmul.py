@@ -84,8 +84,6 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None)
               f"within the contraction {k}")
     if tiling.split != "m":
       return "the FP8 kernel splits the rows between its warpgroups (Tiling.split='m')"
-  if tiling.cluster_n != 1:
-    return "the collective kernels take no clusters of CTAs (Tiling.cluster_n) yet"
   return tiling.misfit(rows_per_seq=s, m=b * s, n=w_shape[1], k=k)
 
 

@@ -85,9 +85,13 @@ class Tiling:
       return wg * self.tile_m, 0
     return 0, wg * self.tile_n
 
-  def misfit(self, *, rows_per_seq: int, m: int, n: int, k: int) -> str | None:
+  def misfit(self, *, rows_per_seq: int, m: int, n: int, k: int,
+             clusters: bool = False) -> str | None:
     """Why these tiles do not divide a chunk of ``m`` rows (in runs of ``rows_per_seq``
-    contiguous rows) times ``[k, n]``, or None when they do."""
+    contiguous rows) times ``[k, n]``, or None when they do; ``clusters``: whether the
+    kernel runs clusters of CTAs (the collective kernels do not yet)."""
+    if self.cluster_n != 1 and not clusters:
+      return "the collective kernels take no clusters of CTAs (Tiling.cluster_n) yet"
     for what, size, tile in (("sequence shard", rows_per_seq, self.cta_m),
                              ("rows", m, self.cta_m), ("columns", n, self.cta_n * self.cluster_n),
                              ("contraction", k, self.tile_k)):
@@ -307,7 +311,7 @@ def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
   (m, k), n = a_MK.shape, w_KN.shape[1]
   if w_KN.shape[0] != k:
     raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract")
-  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k)
+  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, clusters=True)
   if reason is None and num_sms % t.cluster_n:
     reason = f"{num_sms} SMs do not make clusters of {t.cluster_n}"
   if reason:
