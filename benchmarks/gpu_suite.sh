@@ -429,9 +429,9 @@ for job in "$@"; do
       # to back, again, one by one, through XLA's collectives), and queued behind matmuls
       # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results;
       # STEP_CHECK=N first compares N training steps fed three ways, twice each; GRAPHS
-      # none | fusions | all: the kernel layers' CUDA graphs (none: the trainer's)
+      # fusions | none | all: the kernel layers' CUDA graphs (default: the probe's, the trainer's)
       BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label "${LABEL:-nvlink}" \
-        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" --graphs "${GRAPHS:-none}" \
+        --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" ${GRAPHS:+--graphs "$GRAPHS"} \
         ${WAYS:+--ways "$WAYS"} --deadline-s "${DEADLINE:-360}" --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
       # off and with both DP directions in FP8 (configs/gpt_125m_dp2_zero.py), seed $SEED
