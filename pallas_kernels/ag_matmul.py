@@ -13,6 +13,20 @@ k = j mod the columns), so the copies spread evenly over all SMs and the whole s
 rate the link sustains, instead of a few SMs stalling on them. The gathered x is an output
 as well: the weight gradient needs it and must not gather again.
 
+The pulled schedule (``Tiling.cluster_n > 1``) reads the peers' x instead: the row tiles of
+all chunks take turns (own, next peer's, ...) in one loop, and a peer's row tile is loaded
+straight from its x (TMA from ``plgpu.remote_ref``) into the pipeline, so the link is busy
+for the whole kernel instead of pacing the first step, and no chunk waits for a whole step.
+A row tile is read once per column group of ``cluster_n`` output tiles: the CTAs of a
+cluster compute neighbouring tiles of one row and share each A block (TMA multicast), so a
+cluster as wide as the row (the out-projection's backward at TP=2: 4 tiles of 256) moves
+each remote byte over the link once. Every A block is copied on into the gathered x as it
+leaves the pipeline, as the ring copies its own chunk. The peers' x are complete when the
+kernel starts (XLA runs a barrier across the GPUs before each collective kernel), and a
+rank leaves only once its peers' reads of its x have landed (one relayed signal from each,
+as the reduce-scatter's release).
+Plain only: the FP8 kernel keeps the ring.
+
 Compressed (``fp8=True``), what travels is the codec's FP8 codes ``[B, S, K]`` and one fp32
 multiplier per group of G codes, ``scale / alpha`` (``decode.group_multiplier``), laid out
 ``[K / G, B S]`` so that a row tile's multipliers are one TMA copy into shared memory. Each
@@ -21,7 +35,7 @@ dtype: exactly ``decode_reference`` without the Hadamard transform) right before
 wgmma. The encode is the codec's own kernel, run by the caller. Every chunk is decoded,
 this rank's too, as in the compressed all-gather (``all_gather_matmul_reference``).
 
-``local=True`` runs this rank's part without peers, for the CPU tests (jax's GPU interpret
+Local mode runs this rank's part without peers, for the CPU tests (jax's GPU interpret
 mode simulates no peer copies or semaphores): chunks c != r are read from a pre-gathered
 input, and the copies meant for rank r - 1 land in a local ``sent`` output, so the tests
 check both what the kernel computes and what it sends where.
@@ -72,9 +86,10 @@ def all_gather_matmul_reference(x_BSK, w_KN, axis_name, *, fp8=None, out_dtype=N
   return y.astype(out_dtype or x_BSK.dtype), x_BTK
 
 
-def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None) -> str | None:
+def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None,
+           num_sms: int | None = None) -> str | None:
   """Why the kernel cannot take x ``[B, S, K]`` and w ``[K, N]`` with these tiles (and, for
-  the FP8 kernel, groups of ``group_size``), or None when it can."""
+  the FP8 kernel, groups of ``group_size``) on ``num_sms`` SMs, or None when it can."""
   b, s, k = x_shape
   if w_shape[0] != k:
     return f"x {tuple(x_shape)} and w {tuple(w_shape)} do not contract"
@@ -84,7 +99,9 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None)
               f"within the contraction {k}")
     if tiling.split != "m":
       return "the FP8 kernel splits the rows between its warpgroups (Tiling.split='m')"
-  return tiling.misfit(rows_per_seq=s, m=b * s, n=w_shape[1], k=k)
+  no_clusters = "the FP8 all-gather kernel does not pull (Tiling.cluster_n)" if group_size else None
+  return tiling.misfit(rows_per_seq=s, m=b * s, n=w_shape[1], k=k, clusters=no_clusters,
+                       num_sms=num_sms)
 
 
 def fp8_tiling(x_shape, w_shape, group_size: int) -> gemm.Tiling:
@@ -157,6 +174,44 @@ def decode_tile(codes_MK, mult_M, dtype):
   return (q * mult_M[:, None]).astype(dtype)
 
 
+def _block_copier(loop: gemm.TileLoop, n_tiles: int, row_of, dests):
+  """The ``after_mma`` hook that copies each A block of a row tile, as it leaves the
+  pipeline, to the rows ``row_of(m_idx)`` of every gmem ref in ``dests`` (the gathered x,
+  a peer's). Every output tile of a row copies a share of the row's blocks (tile column j
+  the blocks k = j mod ``n_tiles``), from warpgroup 0."""
+  t = loop.t
+
+  def after_mma(m_idx, n_idx, k_idx, blocks):
+    row = row_of(m_idx)
+    sender = lax.axis_index(gemm.WG) == 0
+    mine = lax.rem(k_idx, n_tiles) == n_idx
+
+    # A block is released one step after its own (delay_release=1): the copies of the last
+    # step must have read it by the end of this one. The tile's last block is released as
+    # its pipeline ends, and the next tile's loads may refill it at once, so its copies
+    # must have read it before (the interpreter's race detector found the next tile's
+    # first block overwriting it under the copy).
+    @pl.when(sender & mine)
+    def _send():
+      for dest in dests:
+        plgpu.copy_smem_to_gmem(blocks[0], dest.at[
+            pl.ds(row, t.cta_m), pl.ds(k_idx * t.tile_k, t.tile_k)])
+      last = k_idx == loop.k_iters - 1
+
+      @pl.when(last)
+      def _read_out():
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      @pl.when(~last)
+      def _one_step_later():
+        plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
+
+    @pl.when(sender & ~mine)
+    def _drain():
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  return after_mma
+
+
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, dtype, mult_GR=None, group_size=None, gathered=None):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
@@ -208,34 +263,8 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             for dest in dests:
               mults.send(dest[1], at.gathered(c, m_idx), wg, scratch)
 
-        def after_mma(m_idx, n_idx, k_idx, blocks, c=c, dests=dests):
-          row = at.gathered(c, m_idx)
-          sender = lax.axis_index(gemm.WG) == 0
-          mine = lax.rem(k_idx, n_tiles) == n_idx
-
-          # A block is released one step after its own (delay_release=1): the copies of the
-          # last step must have read it by the end of this one. The tile's last block is
-          # released as its pipeline ends, and the next tile's loads may refill it at once,
-          # so its copies must have read it before (the interpreter's race detector found
-          # the next tile's first block overwriting it under the copy).
-          @pl.when(sender & mine)
-          def _send():
-            for dest in dests:
-              plgpu.copy_smem_to_gmem(blocks[0], dest[0].at[
-                  pl.ds(row, t.cta_m), pl.ds(k_idx * t.tile_k, t.tile_k)])
-            last = k_idx == loop.k_iters - 1
-
-            @pl.when(last)
-            def _read_out():
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-            @pl.when(~last)
-            def _one_step_later():
-              plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
-
-          @pl.when(sender & ~mine)
-          def _drain():
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        after_mma = _block_copier(loop, n_tiles, functools.partial(at.gathered, c),
+                                  [dest[0] for dest in dests])
 
         def epilogue(m_idx, n_idx, wg, acc, c=c):
           row0, col0 = t.wg_offsets(wg)
@@ -275,21 +304,94 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   return f(*operands)
 
 
+def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
+                 num_sms: int, out_dtype, gathered=None):
+  """The pulled schedule (module docstring) on this rank's rows ``x_RK``, ``s`` rows per
+  sequence shard; ``gathered`` (local mode): the pre-gathered x, whose chunks stand in for
+  the peers' x. Returns ``y`` rows and the gathered x rows."""
+  t = tiling
+  local = gathered is not None
+  rows, k = x_RK.shape
+  t_rows, n_out = rows * n, w_KN.shape[1]
+  at = _Rows(s, n * s, t.cta_m)
+  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), x_RK.dtype, lambda kk: (0, kk))],
+                       w_KN.dtype, k, delay_release=1)
+  done, count = range(2)  # the semaphores: the peers' reads of x landed, this GPU's CTAs'
+
+  def body(*refs, out_smem):
+    (x_ref, w_ref), src, (y_ref, xg_ref) = gemm.split_refs(refs, 2, int(local), 2)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2)
+    peers = [lax.rem(r + q, n) for q in range(1, n)]
+
+    def chunk(m_idx):  # the row tiles of the chunks take turns: own, next peer's, ...
+      return lax.rem(r + m_idx, n), m_idx // n
+
+    def a_view(m_idx):
+      c, j = chunk(m_idx)
+      options = [(c == r, [x_ref.at[pl.ds(at.local(j), t.cta_m)]])]
+      for p in peers:
+        if local:
+          view = src[0].at[pl.ds(at.gathered(p, j), t.cta_m)]
+        else:
+          view = plgpu.remote_ref(x_ref, {axis_name: p}).at[pl.ds(at.local(j), t.cta_m)]
+        options.append((c == p, [view]))
+      return gemm.Sources(tuple(options)) if peers else options[0][1]
+
+    def row_of(m_idx):
+      return at.gathered(*chunk(m_idx))
+
+    def epilogue(m_idx, n_idx, wg, acc):
+      row0, col0 = t.wg_offsets(wg)
+      gemm.store_tiles(acc.astype(out_dtype), out_smem, y_ref, row_of(m_idx) + row0,
+                       n_idx * t.cta_n + col0, wg, t)
+
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(x_ref, w_ref),
+                       collective_axes=gemm.WG)
+    def _scope(allocs):
+      loop.run(allocs, m=t_rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
+               after_mma=_block_copier(loop, n_out // t.cta_n, row_of, [xg_ref]))
+
+    if sems is not None:  # this CTA's reads have landed; no rank leaves while a peer reads it
+      @pl.when(lax.axis_index(gemm.WG) == 0)
+      def _release():
+        plgpu.semaphore_signal(sems.at[count], memory_scope="gpu")
+
+        @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.CLUSTER) == 0))
+        def _relay():
+          plgpu.semaphore_wait(sems.at[count], value=num_sms, decrement=False,
+                               memory_scope="gpu")
+          for p in peers:
+            pl.semaphore_signal(sems.at[done], device_id={axis_name: p})
+          pl.semaphore_wait(sems.at[done], value=n - 1, decrement=False)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  out_type = (jax.ShapeDtypeStruct((t_rows, n_out), out_dtype),
+              jax.ShapeDtypeStruct((t_rows, k), x_RK.dtype))
+  f = gemm.kernel(body, out_type=out_type, num_sms=num_sms,
+                  scratch_types=dict(out_smem=gemm.out_smem_type(t, out_dtype)),
+                  name=f"taco_all_gather_matmul_pulled_{n}", cluster_n=t.cluster_n)
+  return f(x_RK, w_KN, *(() if gathered is None else gathered))
+
+
 def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = gemm.Tiling(),
                       num_sms: int, out_dtype=None, rank=None, local_gathered=None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
-  ``num_sms``: the GPU's multiprocessor count. ``rank`` and ``local_gathered`` (the gathered
-  x): local mode, which also returns what this rank sent to rank r - 1."""
-  reason = misfit(x_BSK.shape, w_KN.shape, tiling)
+  ``num_sms``: the GPU's multiprocessor count. ``tiling.cluster_n > 1``: the pulled
+  schedule. ``rank`` and ``local_gathered`` (the gathered x): local mode, which with the
+  ring also returns what this rank sent to rank r - 1."""
+  reason = misfit(x_BSK.shape, w_KN.shape, tiling, num_sms=num_sms)
   if reason:
     raise ValueError(f"all_gather_matmul: {reason}")
   b, s, k = x_BSK.shape
   n = lax.axis_size(axis_name) if rank is None else local_gathered.shape[1] // s
   gathered = None if local_gathered is None else [local_gathered.reshape(-1, k)]
-  y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
-                   tiling=tiling, num_sms=num_sms, out_dtype=out_dtype or x_BSK.dtype,
-                   dtype=x_BSK.dtype, gathered=gathered)
+  args = dict(s=s, n=n, rank=rank, axis_name=axis_name, tiling=tiling, num_sms=num_sms,
+              out_dtype=out_dtype or x_BSK.dtype, gathered=gathered)
+  if tiling.cluster_n > 1:
+    y, *rest = _call_pulled(x_BSK.reshape(b * s, k), w_KN, **args)
+  else:
+    y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, **args)
   return (y.reshape(b, n * s, -1), *(a.reshape(b, n * s, k) for a in rest))
 
 

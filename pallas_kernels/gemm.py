@@ -8,7 +8,8 @@ A persistent, warp-specialized matmul: one CTA per SM walks the output tiles of 
 specific to a collective comes in through hooks of ``TileLoop.run``:
 
 * ``a_refs(m_idx)``: the gmem refs of the chunk's row tile ``m_idx`` (the sequence chunks of
-  a ``[B, T, D]`` activation are not contiguous rows for B > 1);
+  a ``[B, T, D]`` activation are not contiguous rows for B > 1), or ``Sources`` to choose
+  them per tile among refs of several arrays (this GPU's and a peer's);
 * ``before_tile(m_idx, n_idx, wg)``: per-tile work before the pipeline, e.g. loading the
   tile's FP8 group multipliers;
 * ``decode(blocks, wg, k_idx)``: for A operands that are not plain bf16 (FP8 codes), the
@@ -86,12 +87,15 @@ class Tiling:
     return 0, wg * self.tile_n
 
   def misfit(self, *, rows_per_seq: int, m: int, n: int, k: int,
-             clusters: bool = False) -> str | None:
+             clusters: str | None = None, num_sms: int | None = None) -> str | None:
     """Why these tiles do not divide a chunk of ``m`` rows (in runs of ``rows_per_seq``
-    contiguous rows) times ``[k, n]``, or None when they do; ``clusters``: whether the
-    kernel runs clusters of CTAs (the collective kernels do not yet)."""
-    if self.cluster_n != 1 and not clusters:
-      return "the collective kernels take no clusters of CTAs (Tiling.cluster_n) yet"
+    contiguous rows) times ``[k, n]`` on ``num_sms`` SMs, or None when they do;
+    ``clusters``: None where the kernel runs clusters of CTAs, else why it does not."""
+    if self.cluster_n != 1:
+      if clusters is not None:
+        return clusters
+      if num_sms is not None and num_sms % self.cluster_n:
+        return f"{num_sms} SMs do not make clusters of {self.cluster_n}"
     for what, size, tile in (("sequence shard", rows_per_seq, self.cta_m),
                              ("rows", m, self.cta_m), ("columns", n, self.cta_n * self.cluster_n),
                              ("contraction", k, self.tile_k)):
@@ -128,6 +132,14 @@ class Operand:
                            transforms=swizzled(self.block[1], self.dtype) if self.swizzle else (),
                            memory_space=plgpu.SMEM, delay_release=delay_release,
                            collective_axes=(CLUSTER,) if multicast else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sources:
+  """A row tile's A-side refs, chosen per tile: ``options`` are ``(when, refs)`` pairs, and
+  the tile runs on the refs of the one whose ``when`` holds. Each option builds its own
+  pipeline (its loads take their source array from the refs): one array per option."""
+  options: tuple
 
 
 class TileLoop:
@@ -203,8 +215,14 @@ class TileLoop:
         plgpu.wgmma_wait(pending)
         return acc
 
-      self._pipeline(mma, context)(
-          *a_refs(m_idx), w_ref.at[:, pl.ds(n_idx * t.cta_n, t.cta_n)], allocations=allocs)
+      w_block = w_ref.at[:, pl.ds(n_idx * t.cta_n, t.cta_n)]
+      sources = a_refs(m_idx)
+      if not isinstance(sources, Sources):
+        self._pipeline(mma, context)(*sources, w_block, allocations=allocs)
+        return
+      for when, refs in sources.options:
+        pl.when(when)(functools.partial(self._pipeline(mma, context), *refs, w_block,
+                                        allocations=allocs))
 
 
 def dealt(tiles: int, first_sm: int = 0):
@@ -311,9 +329,7 @@ def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
   (m, k), n = a_MK.shape, w_KN.shape[1]
   if w_KN.shape[0] != k:
     raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract")
-  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, clusters=True)
-  if reason is None and num_sms % t.cluster_n:
-    reason = f"{num_sms} SMs do not make clusters of {t.cluster_n}"
+  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, num_sms=num_sms)
   if reason:
     raise ValueError(f"matmul: {reason}")
   out_dtype = out_dtype or a_MK.dtype

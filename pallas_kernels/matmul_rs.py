@@ -99,7 +99,8 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None
   if group_size is not None and group_size != tiling.tile_n:
     return (f"the FP8 kernel encodes groups of its tile_n ({tiling.tile_n}) columns, "
             f"not {group_size}")
-  reason = tiling.misfit(rows_per_seq=t // n, m=b * t // n, n=w_shape[1], k=f)
+  reason = tiling.misfit(rows_per_seq=t // n, m=b * t // n, n=w_shape[1], k=f,
+                         clusters="the reduce-scatter kernels take no clusters of CTAs")
   row_tiles = b * t // n // tiling.cta_m
   if reason is None and phases is not None and (phases < 1 or row_tiles % phases):
     return f"{phases} phases do not divide the chunk's {row_tiles} row tiles"

@@ -67,6 +67,32 @@ def test_all_gather_matmul_kernel_per_rank():
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
 
 
+@pytest.mark.parametrize("n,cluster_n,sms,nout", [(2, 2, 2, 512), (3, 4, 4, 512)],
+                         ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4"])
+def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout):
+  """The pulled schedule (clusters of CTAs along N sharing each A block): each rank's output
+  rows equal the gathered x @ w, and its gathered x holds every chunk, its own from x and
+  the peers' from where a peer's x stands in (local mode: the pre-gathered x, whose own
+  chunk is garbled here, so a rank that read its own rows from there would fail). Clusters
+  of 2 cover half a row (each row tile is read twice), clusters of 4 all of it."""
+  b, s, k = 2, 64, 128
+  kx, kw = jax.random.split(jax.random.key(2))
+  x_full = _bf16(kx, (b, n * s, k))
+  w = _bf16(kw, (k, nout), k ** -0.5)
+  want = jnp.einsum("btk,kn->btn", x_full, w, preferred_element_type=jnp.float32)
+  tiling = dataclasses.replace(TILING, cluster_n=cluster_n)
+  with _interpret():
+    for r in range(n):
+      own = slice(r * s, (r + 1) * s)
+      x_r = x_full[:, own]
+      stand_in = x_full.at[:, own].set(jnp.nan)
+      y, xg = ag_matmul.all_gather_matmul(x_r, w, "t", tiling=tiling, num_sms=sms, rank=r,
+                                          local_gathered=stand_in)
+      np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(
+          want.astype(jnp.bfloat16), np.float32), rtol=1e-2, atol=1e-2)
+      np.testing.assert_array_equal(xg, x_full)
+
+
 @pytest.mark.parametrize("split,sms,cluster_n,n", [("n", 1, 1, 256), ("m", 3, 1, 256),
                                                   ("n", 4, 2, 512), ("m", 4, 4, 512)])
 def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n):
@@ -143,11 +169,13 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
                        np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("kernel", ["all_gather", "compressed_reduce_scatter"])
+@pytest.mark.parametrize("kernel", ["all_gather", "pulled_all_gather",
+                                    "compressed_reduce_scatter"])
 def test_a_ranks_kernel_has_no_data_race(kernel, monkeypatch):
   """The interpreter's race detector finds no data race in a rank's kernel (local mode).
   It found two: the all-gather's copy to the peer of a tile's last A block, which the
-  pipeline releases as the tile ends, overwritten by the next tile's first; and the FP8
+  pipeline releases as the tile ends, overwritten by the next tile's first (the pulled
+  schedule copies its blocks, shared by a cluster, the same way); and the FP8
   reduce-scatter, whose tiles of one epilogue slab (these tiles) refilled a send slot
   still being copied out."""
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
@@ -155,6 +183,8 @@ def test_a_ranks_kernel_has_no_data_race(kernel, monkeypatch):
   interpreter.reset_gpu_interpret_mode_state()
   if kernel == "all_gather":
     test_all_gather_matmul_kernel_per_rank()
+  elif kernel == "pulled_all_gather":
+    test_pulled_all_gather_matmul_kernel_per_rank(2, 2, 2, 512)
   else:
     test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(2, TILING, 2)
   assert not interpreter.get_races().races_found
@@ -300,10 +330,20 @@ def test_gemm_core_in_clusters_lowers_for_hopper():
   with pytest.raises(ValueError, match="130 SMs do not make clusters of 4"):
     gemm.matmul(jnp.zeros((1024, 512), jnp.bfloat16), jnp.zeros((512, 1024), jnp.bfloat16),
                 tiling=gemm.Tiling(cluster_n=4), num_sms=130)
-  with pytest.raises(ValueError, match="take no clusters of CTAs"):
+  clusters = gemm.Tiling(cluster_n=2, split="m")
+  with pytest.raises(ValueError, match="reduce-scatter kernels take no clusters"):
+    matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 256, 128), jnp.bfloat16),
+                                    jnp.zeros((128, 512), jnp.bfloat16), "t", tiling=clusters,
+                                    num_sms=2, rank=0, n=2, received=())
+  with pytest.raises(ValueError, match="FP8 all-gather kernel does not pull"):
+    ag_matmul.all_gather_matmul_fp8(jnp.zeros((1, 128, 128), jnp.float8_e4m3fn),
+                                    jnp.zeros((1, 128), jnp.float32),
+                                    jnp.zeros((128, 512), jnp.bfloat16), "t", group_size=128,
+                                    tiling=clusters, num_sms=2)
+  with pytest.raises(ValueError, match="3 SMs do not make clusters of 2"):
     ag_matmul.all_gather_matmul(jnp.zeros((1, 128, 128), jnp.bfloat16),
-                                jnp.zeros((128, 512), jnp.bfloat16), "t",
-                                tiling=gemm.Tiling(cluster_n=2), num_sms=2)
+                                jnp.zeros((128, 512), jnp.bfloat16), "t", tiling=clusters,
+                                num_sms=3)
 
 
 @pytest.mark.parametrize("compressed", [False, True], ids=["plain", "fp8"])
@@ -326,9 +366,11 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                 sd((d // g, b * t), jnp.float32), sd((d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
   else:
-    fn = smap(lambda x, w: ag_matmul.all_gather_matmul(x, w, "tensor", num_sms=132)[0],
-              in_specs=(P(None, "tensor"), P()), out_specs=P())
-    text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
+    for tiling in (gemm.Tiling(), gemm.Tiling(cluster_n=2)):  # the ring, and pulled
+      fn = smap(lambda x, w, tiling=tiling: ag_matmul.all_gather_matmul(
+          x, w, "tensor", tiling=tiling, num_sms=132)[0],
+          in_specs=(P(None, "tensor"), P()), out_specs=P())
+      text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
   for phases in (None, 1):  # four phases, and one (the own loop waits right after sending)
