@@ -81,7 +81,8 @@ def parse_args(argv=None):
                       "fewer GPUs, only the one-GPU variants run")
   p.add_argument("--tilings", default="default",
                  help="comma-separated Tiling overrides per kernel, e.g. "
-                      "'default,stages=3,tile_n=64' (each 'k=v+k=v')")
+                      "'default,stages=3,tile_n=64' (each 'k=v+k=v'; 'sms=N': on N SMs); "
+                      "with cluster_n > 1 the all-gather kernel pulls")
   p.add_argument("--rs-phases", default="",
                  help="comma-separated phase counts to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.default_phases): fused[phases=P]")
@@ -108,13 +109,25 @@ def layer_shapes(model: str, tp: int, batch: int, seq: int) -> dict:
           "proj_dx": ("ag", (batch, seq, d), (d, d))}
 
 
-def _tiling(base, spec: str):
-  from taco_jax.pallas_kernels import gemm
+def _spec(spec: str) -> dict:
+  """A ``--tilings`` entry's overrides: ``{}`` for ``default``, else ``k=v+k=v``."""
   if spec == "default":
-    return base
+    return {}
   kw = dict(kv.split("=") for kv in spec.split("+"))
-  return gemm.Tiling(**{**base.__dict__, **{k: (int(v) if v.isdigit() else v)
-                                            for k, v in kw.items()}})
+  return {k: (int(v) if v.isdigit() else v) for k, v in kw.items()}
+
+
+def _tiling(base, spec: str):
+  """``base`` with a ``--tilings`` entry's Tiling fields (all its keys but ``sms``)."""
+  from taco_jax.pallas_kernels import gemm
+  kw = {k: v for k, v in _spec(spec).items() if k != "sms"}
+  return gemm.Tiling(**{**base.__dict__, **kw}) if kw else base
+
+
+def _sms(spec: str, default: int) -> int:
+  """The SMs a ``--tilings`` entry runs the kernel on: its ``sms=N``, else ``default`` (a
+  grid of clusters of 4 may not fit 132 SMs at once: ``cluster_n=4+sms=128``)."""
+  return _spec(spec).get("sms", default)
 
 
 def device_time_ms(fn, args, iters: int, n_devices: int) -> dict:
@@ -214,7 +227,7 @@ def run(args) -> dict:
       if on_gpu:
         for spec in args.core_tilings.split(","):
           variants[f"core[{spec}]"] = (functools.partial(
-              _core, tiling=_tiling(gemm.Tiling(), spec), sms=sms), True)
+              _core, tiling=_tiling(gemm.Tiling(), spec), sms=_sms(spec, sms)), True)
         for cluster in (None, "m", "n"):
           variants["jax_gemm" + (f"[cluster={cluster}]" if cluster else "")] = (
               functools.partial(_jax_gemm, cluster=cluster), True)
@@ -386,10 +399,10 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       tl = _tiling(gemm.Tiling(), spec)
       tl8 = _tiling(ag.FP8_TILING, spec)
 
-      def plain(x, w, tl=tl):
+      def plain(x, w, tl=tl, sms=_sms(spec, sms)):
         return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms)
 
-      def fp8(x, w, tl=tl8):
+      def fp8(x, w, tl=tl8, sms=_sms(spec, sms)):
         b, s, k = x.shape
         codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
         y, cg, mg = ag.all_gather_matmul_fp8(
@@ -415,10 +428,10 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       tl = _tiling(rs.TILING, spec)
       tl8 = _tiling(rs.FP8_TILING, spec)
 
-      def plain(y, w, tl=tl, **options):
+      def plain(y, w, tl=tl, sms=_sms(spec, sms), **options):
         return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, **options),)
 
-      def fp8(y, w, tl=tl8):
+      def fp8(y, w, tl=tl8, sms=_sms(spec, sms)):
         return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8),)
 
       out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),

@@ -227,11 +227,11 @@ for job in "$@"; do
     cm_graphs)  # issue 15 on 2xH200 (TP=2): the kernel layers' step with no CUDA graph, with
       # graphs for all but the kernels (_fgraphs: the trainer's, step.KERNEL_XLA_OPTIONS) and
       # for the kernels too (_graphs, timing only), beside the strong step and its free-comm
-      # ideal, one process (2026-11-26, 5 variants: ~5 min)
+      # ideal, one process (2026-11-26, 5 variants: ~5 min); VARIANTS: others on that step
       v=off_save_dots_unroll,ideal_save_dots_unroll,off_cm_save_dots_unroll
       timeout 585 python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_graphs}" \
         --layouts 1,1,2 --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
-        $v,off_cm_save_dots_unroll_graphs,off_cm_save_dots_unroll_fgraphs ;;
+        "${VARIANTS:-$v,off_cm_save_dots_unroll_graphs,off_cm_save_dots_unroll_fgraphs}" ;;
     cm_dots_pipelined)  # issues 15 + 19 on 2xH200 (TP=2), steps timed back to back: the
       # strong bf16 step, its free-comm ideal and the kernel layers (cm_dots' first three)
       timeout 420 python3 benchmarks/bench_train.py --label nvlink_cm_dots_pipelined \
