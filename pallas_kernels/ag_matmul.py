@@ -317,14 +317,21 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
   loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), x_RK.dtype, lambda kk: (0, kk))],
                        w_KN.dtype, k, delay_release=1)
   done, count = range(2)  # the semaphores: the peers' reads of x landed, this GPU's CTAs'
+  clusters = num_sms // t.cluster_n
 
   def body(*refs, out_smem):
     (x_ref, w_ref), src, (y_ref, xg_ref) = gemm.split_refs(refs, 2, int(local), 2)
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2)
     peers = [lax.rem(r + q, n) for q in range(1, n)]
 
-    def chunk(m_idx):  # the row tiles of the chunks take turns: own, next peer's, ...
-      return lax.rem(r + m_idx, n), m_idx // n
+    def chunk(m_idx):
+      """The chunks' row tiles take turns, own, next peer's, ...; when the clusters are a
+      multiple of n, each round of the deal starts one chunk further, so that every
+      cluster takes turns too (else a cluster would only ever take one chunk's tiles)."""
+      if clusters % n:
+        return lax.rem(r + m_idx, n), m_idx // n
+      turn, place = m_idx // clusters, lax.rem(m_idx, clusters)
+      return lax.rem(r + place + turn, n), turn * (clusters // n) + place // n
 
     def a_view(m_idx):
       c, j = chunk(m_idx)

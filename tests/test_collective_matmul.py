@@ -67,15 +67,19 @@ def test_all_gather_matmul_kernel_per_rank():
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
 
 
-@pytest.mark.parametrize("n,cluster_n,sms,nout", [(2, 2, 2, 512), (3, 4, 4, 512)],
-                         ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4"])
-def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout):
+@pytest.mark.parametrize("n,cluster_n,sms,nout,b", [(2, 2, 2, 512, 2), (3, 4, 4, 512, 2),
+                                                    (2, 2, 8, 256, 3)],
+                         ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4",
+                              "2_ranks_4_clusters_turns"])
+def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b):
   """The pulled schedule (clusters of CTAs along N sharing each A block): each rank's output
   rows equal the gathered x @ w, and its gathered x holds every chunk, its own from x and
   the peers' from where a peer's x stands in (local mode: the pre-gathered x, whose own
   chunk is garbled here, so a rank that read its own rows from there would fail). Clusters
-  of 2 cover half a row (each row tile is read twice), clusters of 4 all of it."""
-  b, s, k = 2, 64, 128
+  of 2 cover half a row (each row tile is read twice), clusters of 4 all of it. Four
+  clusters, a multiple of the ranks, take turns between the chunks: 6 row tiles make one
+  whole round of the deal and a part of one."""
+  s, k = 64, 128
   kx, kw = jax.random.split(jax.random.key(2))
   x_full = _bf16(kx, (b, n * s, k))
   w = _bf16(kw, (k, nout), k ** -0.5)
@@ -184,7 +188,7 @@ def test_a_ranks_kernel_has_no_data_race(kernel, monkeypatch):
   if kernel == "all_gather":
     test_all_gather_matmul_kernel_per_rank()
   elif kernel == "pulled_all_gather":
-    test_pulled_all_gather_matmul_kernel_per_rank(2, 2, 2, 512)
+    test_pulled_all_gather_matmul_kernel_per_rank(2, 2, 8, 256, 3)
   else:
     test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(2, TILING, 2)
   assert not interpreter.get_races().races_found
