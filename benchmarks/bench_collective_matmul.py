@@ -5,8 +5,10 @@ For each model (1.3B, 2.7B) and TP layer, on a 1-D mesh over all local GPUs (TP 
 count), the same random inputs go through:
 
 * ``xla``: the plain collective, then the matmul (``*_reference``: what the layers do today);
-* ``fused``: the plain kernel; ``fused_fp8``: the codec's encode kernel, then the compressed
-  kernel (its own time is reported apart as ``fp8_kernel``); ``fused[phases=P]``
+* ``fused``: the plain kernel, on the tiles the layers take (the all-gather's
+  ``ag_matmul.plain_tiling``: pulled where a cluster covers the row; ``[cluster_n=1]``: the
+  ring); ``fused_fp8``: the codec's encode kernel, then the compressed kernel (its own time
+  is reported apart as ``fp8_kernel``); ``fused[phases=P]``
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
   ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
   peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
@@ -384,8 +386,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
   """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options``: (keyword,
   value) pairs, each timed as one more plain reduce-scatter kernel, ``fused[keyword=value]``
   (``phases=P``; ``pull_depth`` is named ``pull``: ``RS_OPTION_NAMES``)."""
+  from jax import lax
   from jax.sharding import PartitionSpec as P
-  from taco_jax.pallas_kernels import gemm
   t = "tensor"
   out = {}
   if kind == "ag":
@@ -396,10 +398,10 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                           mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec, P()))
     for spec in tilings.split(","):
       sfx = "" if spec == "default" else f"[{spec}]"
-      tl = _tiling(gemm.Tiling(), spec)
       tl8 = _tiling(ag.FP8_TILING, spec)
 
-      def plain(x, w, tl=tl, sms=_sms(spec, sms)):
+      def plain(x, w, spec=spec, sms=_sms(spec, sms)):  # on the layers' tiles, overridden
+        tl = _tiling(ag.plain_tiling(x.shape, w.shape, lax.axis_size(t)), spec)
         return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms)
 
       def fp8(x, w, tl=tl8, sms=_sms(spec, sms)):

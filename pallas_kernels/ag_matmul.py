@@ -104,6 +104,23 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None,
                        num_sms=num_sms)
 
 
+# Cluster widths at which the pulled schedule beat the ring where a cluster covers the row:
+# 4 at TP=2 (the out-projection's backward, 1.3B: 0.136-0.139 ms against 0.150 on 2 H200s,
+# bench_collective_matmul_nvlink_turns_2gpu_20261127).
+PULL_CLUSTERS = (4,)
+
+
+def plain_tiling(x_shape, w_shape, n: int) -> gemm.Tiling:
+  """The plain kernel's tiles for x ``[B, S, K]`` and w ``[K, N]`` over n ranks: the
+  pulled schedule where one cluster of ``PULL_CLUSTERS`` covers an output row (each remote
+  byte then crosses the link once), else the ring."""
+  ring = gemm.Tiling()
+  width = w_shape[1] // ring.cta_n
+  if n > 1 and width * ring.cta_n == w_shape[1] and width in PULL_CLUSTERS:
+    return dataclasses.replace(ring, cluster_n=width)
+  return ring
+
+
 def fp8_tiling(x_shape, w_shape, group_size: int) -> gemm.Tiling:
   """The first of ``FP8_TILINGS`` that fits these shapes, else the last (whose ``misfit``
   then says why none does)."""
@@ -317,7 +334,7 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
   loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), x_RK.dtype, lambda kk: (0, kk))],
                        w_KN.dtype, k, delay_release=1)
   done, count = range(2)  # the semaphores: the peers' reads of x landed, this GPU's CTAs'
-  clusters = num_sms // t.cluster_n
+  clusters = gemm.clusters(num_sms, t.cluster_n)
 
   def body(*refs, out_smem):
     (x_ref, w_ref), src, (y_ref, xg_ref) = gemm.split_refs(refs, 2, int(local), 2)
@@ -365,8 +382,8 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
 
         @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.CLUSTER) == 0))
         def _relay():
-          plgpu.semaphore_wait(sems.at[count], value=num_sms, decrement=False,
-                               memory_scope="gpu")
+          plgpu.semaphore_wait(sems.at[count], value=clusters * t.cluster_n,
+                               decrement=False, memory_scope="gpu")
           for p in peers:
             pl.semaphore_signal(sems.at[done], device_id={axis_name: p})
           pl.semaphore_wait(sems.at[done], value=n - 1, decrement=False)

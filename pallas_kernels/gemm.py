@@ -41,6 +41,12 @@ SM = "sm"        # the persistent grid axis: one CTA per SM (one cluster of CTAs
 CLUSTER = "cluster"  # a cluster's CTAs (Tiling.cluster_n), side by side along N
 COMPUTE_WGS = 2
 SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90
+# The clusters of CTAs an H200 (132 SMs) runs at once, where fewer than one per
+# ``cluster_n`` SMs: of 4 CTAs, 30. At the 1.3B shapes the GEMM core in 26 to 30 clusters
+# of 4 (5 of the 128 row tiles each) takes 0.107-0.110 ms; in 32 or 33 (4 each) 0.150-0.170,
+# some of them waiting for a place (bench_collective_matmul_nvlink_clusters_2gpu_20261127,
+# _turns_). Pairs: all 66 fit.
+RESIDENT_CLUSTERS = {4: 30}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,20 +311,26 @@ def profiling(trace_dir: str, events: int = 96):
     _profile_dir.pop()
 
 
+def clusters(num_sms: int, cluster_n: int) -> int:
+  """How many clusters of ``cluster_n`` CTAs a persistent kernel on ``num_sms`` SMs runs: as
+  many as the GPU holds at once (``RESIDENT_CLUSTERS``)."""
+  return min(num_sms // cluster_n, RESIDENT_CLUSTERS.get(cluster_n, num_sms))
+
+
 def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str,
            cluster_n: int = 1):
-  """A persistent kernel: ``num_sms`` CTAs of 2 compute + 1 memory warpgroups, in clusters
-  of ``cluster_n`` (the grid's ``SM`` axis then counts clusters)."""
+  """A persistent kernel on ``num_sms`` SMs: CTAs of 2 compute + 1 memory warpgroups, one
+  per SM, or in ``clusters`` of ``cluster_n`` (the grid's ``SM`` axis then counts them)."""
   profile = {}
   if _profile_dir:
     trace_dir, events = _profile_dir[-1]
     profile = dict(profile_dir=trace_dir, profile_space=events, profile_bounds_check=True)
-  clusters = dict(cluster=(cluster_n,), cluster_names=(CLUSTER,)) if cluster_n > 1 else {}
+  cluster = dict(cluster=(cluster_n,), cluster_names=(CLUSTER,)) if cluster_n > 1 else {}
   return plgpu.kernel(
-      body, out_type=out_type, grid=(num_sms // cluster_n,), grid_names=(SM,),
+      body, out_type=out_type, grid=(clusters(num_sms, cluster_n),), grid_names=(SM,),
       num_threads=COMPUTE_WGS + 1, thread_name=WG, scratch_types=scratch_types or {},
       kernel_name=name, compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile), **clusters)
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile), **cluster)
 
 
 def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None):

@@ -323,6 +323,19 @@ def _lowers_for_hopper(f, *args) -> str:
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def test_the_layers_pull_where_a_cluster_covers_the_row():
+  """The plain all-gather kernel pulls where one cluster of 4 covers an output row (the 1.3B
+  out-projection's backward at TP=2: 1024 columns in tiles of 256), and keeps the ring
+  elsewhere (wider rows, one rank, widths not measured); a grid of clusters of 4 holds
+  only as many as the GPU runs at once."""
+  x = (8, 1024, 2048)
+  assert ag_matmul.plain_tiling(x, (2048, 1024), 2).cluster_n == 4
+  for w, n in (((2048, 3072), 2), ((2048, 1024), 1), ((2048, 512), 4)):
+    assert ag_matmul.plain_tiling(x, w, n) == gemm.Tiling()
+  assert gemm.clusters(132, 4) == gemm.RESIDENT_CLUSTERS[4] < 33
+  assert (gemm.clusters(132, 2), gemm.clusters(8, 4), gemm.clusters(132, 1)) == (66, 2, 132)
+
+
 def test_gemm_core_in_clusters_lowers_for_hopper():
   """The GEMM core in clusters of 4 CTAs sharing each A block: the production tiles, 132
   SMs as 33 clusters, through the sm_90 lowering (the multicast loads and the cluster's

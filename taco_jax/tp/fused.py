@@ -113,13 +113,16 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
-  misfit = lambda k: (ag_matmul.misfit(x_BSD.shape, w_DF.shape, gemm.Tiling()) if k is None
+  tiling = ag_matmul.plain_tiling(x_BSD.shape, w_DF.shape, n)
+  misfit = lambda k: (ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, num_sms=gemm.num_sms())
+                      if k is None
                       else ag_matmul.misfit(x_BSD.shape, w_DF.shape,
                                             ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape,
                                                                  k.group_size), k.group_size))
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit)
   if problem is None and codec is None:
-    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, num_sms=gemm.num_sms())
+    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling,
+                                       num_sms=gemm.num_sms())
   if problem is None:
     b, s, d = x_BSD.shape
     codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
