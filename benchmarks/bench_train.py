@@ -26,6 +26,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _cm     (off / on only) the TP layers as fused collective-matmul kernels
           (`parallel.tp_overlap="kernel"`, `taco_jax.tp.fused`): the transfers run
           inside the matmul kernels, plain (`off_cm`) or FP8-compressed (`on_cm`)
+  _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
+          where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
+          2026-11-27): the layers' all-gather before that
   _1f1b   the 1F1B pipeline schedule (`parallel.schedule="1f1b"`: each stage keeps at most
           2 (pp - 1) micro-batches' activations, not all m)
   _vs2    the interleaved pipeline schedule with 2 chunks per stage
@@ -108,6 +111,7 @@ import tempfile
 import threading
 import time
 import traceback
+from unittest import mock
 
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -119,12 +123,12 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat",
+MODIFIERS = ("cm", "push", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat",
              "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_cif2_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
-KERNEL_ONLY_MODIFIERS = ("cm", *GRAPHS_MODIFIERS)  # a kernel variant's pair lacks them
+KERNEL_ONLY_MODIFIERS = ("cm", "push", *GRAPHS_MODIFIERS)  # a kernel variant's pair lacks them
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -140,6 +144,7 @@ class Variant:
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
+  push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -174,16 +179,18 @@ def parse_variant(name: str) -> Variant:
       "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
+      "push" in mods and "cm" not in mods) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on, _graphs and "
-                     "_fgraphs only with _cm; _1f1b or _vs2; "
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on, _push, _graphs "
+                     "and _fgraphs only with _cm; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
+                 push="push" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -273,6 +280,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   import jax
   from benchmarks import gspmd
   from taco_jax import collectives
+  from taco_jax.pallas_kernels import ag_matmul
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
   from taco_jax.train.trainer import opt_state_target, shardings
@@ -308,6 +316,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           overlap_grad_reduce=variant.overlap_grad_reduce,
                                           scan_layers=variant.scan_layers)
     ctx = (collectives.free_communication(TENSOR) if variant.base == "ideal" else
+           mock.patch.object(ag_matmul, "PULL_CLUSTERS", ()) if variant.push else
            contextlib.nullcontext())
   return step, state, batch, mesh, plan, ctx
 

@@ -104,10 +104,11 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None,
                        num_sms=num_sms)
 
 
-# Cluster widths at which the pulled schedule beat the ring where a cluster covers the row:
-# 4 at TP=2 (the out-projection's backward, 1.3B: 0.136-0.139 ms against 0.150 on 2 H200s,
-# bench_collective_matmul_nvlink_turns_2gpu_20261127).
-PULL_CLUSTERS = (4,)
+# Cluster widths at which the pulled schedule beat the ring where a cluster covers the row,
+# at the 1.3B out-projection's backward: 4 at TP=2 (0.140 ms against 0.152 on 2 H200s,
+# bench_collective_matmul_nvlink_layers_2gpu_20261127), 2 at TP=4 (0.179 against 0.191,
+# _nvlink_pulled_4gpu_).
+PULL_CLUSTERS = (2, 4)
 
 
 def plain_tiling(x_shape, w_shape, n: int) -> gemm.Tiling:

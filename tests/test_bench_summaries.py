@@ -42,6 +42,10 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert s["recovered_off_cm_fgraphs"] == pytest.approx(0.5)  # against off, not off_fgraphs
   (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, off_cm=180.0, off_cm_fgraphs=185.0))
   assert s["best_off"] == "off_cm"  # no CUDA graph is as safe as the trainer's
+  (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, off_cm_fgraphs=175.0,
+                                     off_cm_push_fgraphs=180.0))
+  assert s["recovered_off_cm_push_fgraphs"] == pytest.approx(0.4)  # its pair is off too
+  assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
 
 
 def test_bench_train_summary_of_the_pgle_variants():
@@ -111,7 +115,8 @@ def test_bench_train_variant_names():
               "off_save_noremat", "off_dots_noremat", "gspmd_dots", "gspmd_zero", "ideal_zero",
               "off_zero_save", "gspmd_unroll", "off_unroll_dots", "on_cif2_cif4",
               "on_pgle_cif2", "gspmd_save_cif2", "off_save_graphs", "off_cm_graphs_pgle",
-              "off_save_fgraphs", "off_cm_graphs_fgraphs"):
+              "off_save_fgraphs", "off_cm_graphs_fgraphs", "off_push", "off_save_cm_push",
+              "off_cm_save_push"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

@@ -324,13 +324,14 @@ def _lowers_for_hopper(f, *args) -> str:
 
 
 def test_the_layers_pull_where_a_cluster_covers_the_row():
-  """The plain all-gather kernel pulls where one cluster of 4 covers an output row (the 1.3B
-  out-projection's backward at TP=2: 1024 columns in tiles of 256), and keeps the ring
-  elsewhere (wider rows, one rank, widths not measured); a grid of clusters of 4 holds
-  only as many as the GPU runs at once."""
+  """The plain all-gather kernel pulls where one cluster of 2 or 4 covers an output row (the
+  1.3B out-projection's backward: 1024 columns in tiles of 256 at TP=2, 512 at TP=4), and
+  keeps the ring elsewhere (wider rows, one rank, widths not measured); a grid of clusters
+  of 4 holds only as many as the GPU runs at once."""
   x = (8, 1024, 2048)
   assert ag_matmul.plain_tiling(x, (2048, 1024), 2).cluster_n == 4
-  for w, n in (((2048, 3072), 2), ((2048, 1024), 1), ((2048, 512), 4)):
+  assert ag_matmul.plain_tiling(x, (2048, 512), 4).cluster_n == 2
+  for w, n in (((2048, 3072), 2), ((2048, 1024), 1), ((2048, 768), 2)):
     assert ag_matmul.plain_tiling(x, w, n) == gemm.Tiling()
   assert gemm.clusters(132, 4) == gemm.RESIDENT_CLUSTERS[4] < 33
   assert (gemm.clusters(132, 2), gemm.clusters(8, 4), gemm.clusters(132, 1)) == (66, 2, 132)
