@@ -784,6 +784,16 @@ def collective_matmul_section() -> str:
       "`[relay_sm=1]` (the `nvlink_relay` run): the reduce-scatter kernel with its last SM "
       "computing no tile and only relaying the phases' signals, beside `fused` relaying from "
       "SM 0's first compute warpgroup (a change reverted after this run). "
+      "`[cluster_n=C]` (the runs of 2026-11-27): the plain all-gather kernel in clusters "
+      "of C CTAs sharing each A block, which pull the peers' rows (`ag_matmul`'s pulled "
+      "schedule); `+sms=N`: on N SMs. In `nvlink_pulled` (2 GPUs) and `nvlink_clusters` a "
+      "grid of clusters of 4 had one per 4 SMs (33), more than an H200 runs at once; since "
+      "then it has at most 30 (`gemm.RESIDENT_CLUSTERS`). `fused` is the ring in those runs "
+      "and in `nvlink_turns`; from `nvlink_layers` on it is the layers' choice "
+      "(`ag_matmul.plain_tiling`: pulled where one cluster covers the output row), "
+      "`[cluster_n=1]` the ring; the 4-GPU `nvlink_pulled` run's `fused` is the ring, its "
+      "`[cluster_n=2]` what the layers now take. The FP8 kernel does not pull: its "
+      "`[cluster_n=C]` variants did not run. "
       "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 

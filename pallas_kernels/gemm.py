@@ -42,10 +42,10 @@ CLUSTER = "cluster"  # a cluster's CTAs (Tiling.cluster_n), side by side along N
 COMPUTE_WGS = 2
 SMEM_BYTES = 227 * 1024  # shared memory per block on sm_90
 # The clusters of CTAs an H200 (132 SMs) runs at once, where fewer than one per
-# ``cluster_n`` SMs: of 4 CTAs, 30. At the 1.3B shapes the GEMM core in 26 to 30 clusters
+# ``cluster_n`` SMs: of 4 CTAs, 30. At the 1.3B shapes the GEMM core in 28 to 31 clusters
 # of 4 (5 of the 128 row tiles each) takes 0.107-0.110 ms; in 32 or 33 (4 each) 0.150-0.170,
 # some of them waiting for a place (bench_collective_matmul_nvlink_clusters_2gpu_20261127,
-# _turns_). Pairs: all 66 fit.
+# _turns_, _layers_). Pairs: all 66 fit.
 RESIDENT_CLUSTERS = {4: 30}
 
 

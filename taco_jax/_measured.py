@@ -21,7 +21,12 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_pull_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_push_2gpu_20261126.json',
  'bench_collective_matmul_nvlink_sems_2gpu_20261126.json',
- 'bench_collective_matmul_nvlink_relay_2gpu_20261127.json']
+ 'bench_collective_matmul_nvlink_clusters_2gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_layers_2gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_pulled_2gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_pulled_4gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_relay_2gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_turns_2gpu_20261127.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
