@@ -12,21 +12,27 @@
 #   bash benchmarks/gpu_suite.sh accuracy_seed2 collectives_2gpu  # (~6 min on 4xH200)
 #   bash benchmarks/gpu_suite.sh interleave          # bench_train, parallel.interleave=2 (~9 min)
 #   bash benchmarks/gpu_suite.sh xla_kernels         # bench_train, codec as jnp reference (~7 min)
-#   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules (~6 min)
+#   bash benchmarks/gpu_suite.sh pgle                # bench_train, profile-guided schedules
+#                                                    # (~6 min)
 #   bash benchmarks/gpu_suite.sh xla_kernels pp2     # + TP=2 x PP=2 on / off (~9 min)
-#   bash benchmarks/gpu_suite.sh save                # parallel.save_tp_outputs beside GSPMD (~9 min)
-#   bash benchmarks/gpu_suite.sh save_il2            # ... with interleave=2, NVLink + P2P off (~8 min)
+#   bash benchmarks/gpu_suite.sh save                # parallel.save_tp_outputs beside GSPMD
+#                                                    # (~9 min)
+#   bash benchmarks/gpu_suite.sh save_il2            # ... with interleave=2, NVLink + P2P off
+#                                                    # (~8 min)
 #   bash benchmarks/gpu_suite.sh save_2.7b save_dp2  # _save: 2.7B, and DP=2 x TP=2 (~9 min)
-#   bash benchmarks/gpu_suite.sh transport           # bare transports by dtype, NCCL settings (~4 min)
+#   bash benchmarks/gpu_suite.sh transport           # bare transports by dtype, NCCL settings
+#                                                    # (~4 min)
 #   bash benchmarks/gpu_suite.sh fused_decode        # one GPU: decode folded into matmuls? (~3 min)
 #   bash benchmarks/gpu_suite.sh e2e_8gpu            # issue 7, 8xH200: TP=8 and 2x2x2 (~9 min)
 #   SIZES=1,4,16,64 bash benchmarks/gpu_suite.sh collectives  # on 8xH200: issue 7's 8 ranks
 #   bash benchmarks/gpu_suite.sh baseline            # issue 19, 2xH200, TP=2: cuDNN attention,
 #                                                    # remat policies and no remat (<= 9 min)
 #   bash benchmarks/gpu_suite.sh baseline_dp2        # ... DP=2, TP=1 (<= 6 min)
-#   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per model)
+#   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per
+#                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
-#                                                    # CORE_TILINGS e.g. default,cluster_n=2,cluster_n=4; LABEL)
+#                                                    # CORE_TILINGS e.g.
+#                                                    # default,cluster_n=2,cluster_n=4; LABEL)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -36,34 +42,53 @@
 #   bash benchmarks/gpu_suite.sh trainer_remat_1gpu  # ... as configured, save_dots, + unrolled
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
-#   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel layers (<= 10 min)
-#   bash benchmarks/gpu_suite.sh cm_dots_pipelined # ... its first three, timed back to back (<= 7 min)
-#   bash benchmarks/gpu_suite.sh baseline_nop2p    # issue 19, TP=2, P2P off: strong step vs compressed (<= 7 min)
-#   bash benchmarks/gpu_suite.sh pp_sched          # issue 17, PP=2: GPipe, 1F1B, interleaved (<= 7.5 min)
-#   bash benchmarks/gpu_suite.sh pp_memory         # issue 17, PP=2: schedules' memory vs m, compiled only (<= 8 min)
-#   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed (<= 9.5 min)
-#   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8 (<= 9.5 min)
-#   bash benchmarks/gpu_suite.sh accuracy_cm       # issue 15, TP=2: FP8 kernels vs FP8 collectives (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
+#                                                  # layers (<= 10 min)
+#   bash benchmarks/gpu_suite.sh cm_dots_pipelined # ... its first three, timed back to back
+#                                                  # (<= 7 min)
+#   bash benchmarks/gpu_suite.sh baseline_nop2p    # issue 19, TP=2, P2P off: strong step vs
+#                                                  # compressed (<= 7 min)
+#   bash benchmarks/gpu_suite.sh pp_sched          # issue 17, PP=2: GPipe, 1F1B, interleaved
+#                                                  # (<= 7.5 min)
+#   bash benchmarks/gpu_suite.sh pp_memory         # issue 17, PP=2: schedules' memory vs m,
+#                                                  # compiled only (<= 8 min)
+#   bash benchmarks/gpu_suite.sh dp2_zero          # issues 18 + 19, DP=2: ZeRO, compressed
+#                                                  # (<= 9.5 min)
+#   SEED=0 bash benchmarks/gpu_suite.sh accuracy_dp2  # issue 18: accuracy, DP=2 ZeRO + FP8
+#                                                     # (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh accuracy_cm       # issue 15, TP=2: FP8 kernels vs FP8 collectives
+#                                                  # (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh accuracy_cm_evals # ... both evaluated every 4 steps (<= 5.5 min)
-#   bash benchmarks/gpu_suite.sh probe_evals       # ... why the kernels' evaluations gave NaN (<= 7 min)
-#   bash benchmarks/gpu_suite.sh cm_graphs         # ... the kernel layers' step by its CUDA graphs (<= 10 min)
-#   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward (<= 9.5 min)
-#   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf (<= 7 min)
-#   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step (<= 7 min)
-#   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers' step (<= 7 min;
-#                                                  # VARIANTS=off_cm_save_dots_unroll,ideal_save_dots_unroll: beside the ideal)
-#   bash benchmarks/gpu_suite.sh profile_rs        # issue 15, TP=2: inside the reduce-scatter kernel (<= 5 min)
+#   bash benchmarks/gpu_suite.sh probe_evals       # ... why the kernels' evaluations gave NaN
+#                                                  # (<= 7 min)
+#   bash benchmarks/gpu_suite.sh cm_graphs         # ... the kernel layers' step by its CUDA graphs
+#                                                  # (<= 10 min)
+#   bash benchmarks/gpu_suite.sh dp2_ogr           # issues 19 + 18, DP=2: grads reduced in backward
+#                                                  # (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh dp2_leaves        # issue 19, DP=2: gradients reduced leaf by leaf
+#                                                  # (<= 7 min)
+#   bash benchmarks/gpu_suite.sh profile_dp2       # issue 19, DP=2: a device trace of the step
+#                                                  # (<= 7 min)
+#   bash benchmarks/gpu_suite.sh profile_cm        # issue 15, TP=2: a trace of the kernel layers'
+#                                                  # step (<= 7 min); beside the ideal with
+#                                                  # VARIANTS=off_cm_save_dots_unroll,\
+#                                                  #   ideal_save_dots_unroll
+#   bash benchmarks/gpu_suite.sh profile_rs        # issue 15, TP=2: inside the reduce-scatter
+#                                                  # kernel (<= 5 min)
 #   bash benchmarks/gpu_suite.sh cm_train_4gpu       # ... TP=4 and DP=2 x TP=2 (4xH200)
-#   bash benchmarks/gpu_suite.sh cm_dots_4gpu        # issue 15, 4xH200, TP=4: strong step (<= 5.5 min)
+#   bash benchmarks/gpu_suite.sh cm_dots_4gpu        # issue 15, 4xH200, TP=4: strong step
+#                                                    # (<= 5.5 min)
 #   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step (<= 7.5 min)
 #   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
 #   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 7 min)
-#   bash benchmarks/gpu_suite.sh trainer_cm          # issue 15, TP=2: the trainer's own step, kernels or not (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh trainer_cm          # issue 15, TP=2: the trainer's own step,
+#                                                    # kernels or not (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
 #   bash benchmarks/gpu_suite.sh slow_links          # issue 16, 2xH200, TP=2, P2P off: the
 #   bash benchmarks/gpu_suite.sh slow_links_combined # overlap levers alone, combined, and
 #   bash benchmarks/gpu_suite.sh slow_links_no_lhs   # without XLA's overlap flags (<= 9.5 min each)
-#   bash benchmarks/gpu_suite.sh slow_links_nccl     # ... NCCL on copy engines / fewer SMs (<= 9.5 min;
+#   bash benchmarks/gpu_suite.sh slow_links_nccl     # ... NCCL on copy engines / fewer SMs
+#                                                    # (<= 9.5 min;
 #                                                    # SETTINGS="default NCCL_MAX_NCHANNELS=2")
 # Runs with the image's python3 (jax 0.11.2 + CUDA); ml_collections travels as a wheel in
 # .whl/. Every job writes its results (and suite.log) to $OUT (default /tmp/taco_out); copy
