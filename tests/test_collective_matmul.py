@@ -337,6 +337,18 @@ def test_the_layers_pull_where_a_cluster_covers_the_row():
   assert (gemm.clusters(132, 2), gemm.clusters(8, 4), gemm.clusters(132, 1)) == (66, 2, 132)
 
 
+def test_benchmark_tiling_entries_name_their_sms():
+  """bench_collective_matmul's ``--tilings`` entries: Tiling fields over a base, and the
+  SMs to run on (``sms=N``), which is no Tiling field."""
+  from benchmarks import bench_collective_matmul as bench
+  base = gemm.Tiling(cluster_n=4)
+  assert bench._tiling(base, "default") is base
+  assert bench._tiling(base, "cluster_n=1+sms=112") == gemm.Tiling()
+  assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
+  assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
+      132, 132, 112]
+
+
 def test_gemm_core_in_clusters_lowers_for_hopper():
   """The GEMM core in clusters of 4 CTAs sharing each A block: the production tiles, 132
   SMs as 33 clusters, through the sm_90 lowering (the multicast loads and the cluster's
