@@ -67,7 +67,7 @@ def test_all_gather_matmul_kernel_per_rank():
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
 
 
-@pytest.mark.parametrize("n,cluster_n,sms,nout,b", [(2, 2, 2, 512, 2), (3, 4, 4, 512, 2),
+@pytest.mark.parametrize("n,cluster_n,sms,nout,b", [(2, 2, 2, 512, 2), (3, 4, 4, 512, 1),
                                                     (2, 2, 8, 256, 3)],
                          ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4",
                               "2_ranks_4_clusters_turns"])
