@@ -9,9 +9,9 @@ and the whole kernel lowers for sm_90 here and runs on the GPU (`bench_collectiv
 checks it against its reference). The custom VJPs are checked on the XLA path against the
 regions they replace.
 """
+import contextlib
 import dataclasses
 import functools
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,11 +32,17 @@ TILING = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=
 FP8 = dict(group_size=64, fmt="e4m3", dual_scale=True, lam=1e-6)
 
 
-_DETECT_RACES = False  # the interpreter's happens-before race detector (slower): one test
-
-
-def _interpret():
-  return plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=_DETECT_RACES))
+@contextlib.contextmanager
+def _interpret(detect_races: bool = False):
+  """jax's Mosaic GPU interpreter; ``detect_races``: under its happens-before race detector,
+  failing the test on any data race it finds in the kernels run inside."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
+  if detect_races:
+    interpreter.reset_gpu_interpret_mode_state()
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=detect_races)):
+    yield
+  if detect_races:
+    assert not interpreter.get_races().races_found
 
 
 def _bf16(key, shape, scale=1.0):
@@ -47,13 +53,15 @@ def test_all_gather_matmul_kernel_per_rank():
   """Each rank's output rows equal the gathered x @ w (fp32 accumulation, bf16 out), its
   own chunk lands in the gathered x, and it forwards every chunk but the one rank r - 1
   started from to rank r - 1. Two by two output tiles per chunk: the tile order
-  (``plgpu.planar_snake``) visits each once."""
+  (``plgpu.planar_snake``) visits each once. Under the race detector, which found the copy
+  to the peer of a tile's last A block (released by the pipeline as the tile ends)
+  overwritten by the next tile's first."""
   n, b, s, k, nout = 2, 2, 64, 128, 256
   kx, kw = jax.random.split(jax.random.key(1))
   x_full = _bf16(kx, (b, n * s, k))
   w = _bf16(kw, (k, nout), k ** -0.5)
   ref = jnp.einsum("btk,kn->btn", x_full, w, preferred_element_type=jnp.float32)
-  with _interpret():
+  with _interpret(detect_races=True):
     for r in range(n):
       x_r = x_full[:, r * s:(r + 1) * s]
       y, xg, sent = ag_matmul.all_gather_matmul(x_r, w, "t", tiling=TILING, num_sms=1,
@@ -67,25 +75,25 @@ def test_all_gather_matmul_kernel_per_rank():
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
 
 
-@pytest.mark.parametrize("n,cluster_n,sms,nout,b", [(2, 2, 2, 512, 2), (3, 4, 4, 512, 1),
-                                                    (2, 2, 8, 256, 3)],
-                         ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4",
-                              "2_ranks_4_clusters_turns"])
-def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b):
+@pytest.mark.parametrize("n,cluster_n,sms,nout,b,races", [
+    (2, 2, 2, 512, 2, False), (3, 4, 4, 512, 1, False), (2, 2, 8, 256, 3, True)],
+    ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4", "2_ranks_4_clusters_turns"])
+def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b, races):
   """The pulled schedule (clusters of CTAs along N sharing each A block): each rank's output
   rows equal the gathered x @ w, and its gathered x holds every chunk, its own from x and
   the peers' from where a peer's x stands in (local mode: the pre-gathered x, whose own
   chunk is garbled here, so a rank that read its own rows from there would fail). Clusters
   of 2 cover half a row (each row tile is read twice), clusters of 4 all of it. Four
   clusters, a multiple of the ranks, take turns between the chunks: 6 row tiles make one
-  whole round of the deal and a part of one."""
+  whole round of the deal and a part of one; under the race detector (the blocks, shared by
+  a cluster, are copied out as the ring's are)."""
   s, k = 64, 128
   kx, kw = jax.random.split(jax.random.key(2))
   x_full = _bf16(kx, (b, n * s, k))
   w = _bf16(kw, (k, nout), k ** -0.5)
   want = jnp.einsum("btk,kn->btn", x_full, w, preferred_element_type=jnp.float32)
   tiling = dataclasses.replace(TILING, cluster_n=cluster_n)
-  with _interpret():
+  with _interpret(detect_races=races):
     for r in range(n):
       own = slice(r * s, (r + 1) * s)
       x_r = x_full[:, own]
@@ -123,12 +131,13 @@ def _partials(n, b, s, f, d, seed):
   return ys, ws
 
 
-def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2):
+def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
+              detect_races=False):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
                           num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth)
-  with _interpret():
+  with _interpret(detect_races):
     sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
     for r in range(n):
@@ -173,27 +182,6 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
                        np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("kernel", ["all_gather", "pulled_all_gather",
-                                    "compressed_reduce_scatter"])
-def test_a_ranks_kernel_has_no_data_race(kernel, monkeypatch):
-  """The interpreter's race detector finds no data race in a rank's kernel (local mode).
-  It found two: the all-gather's copy to the peer of a tile's last A block, which the
-  pipeline releases as the tile ends, overwritten by the next tile's first (the pulled
-  schedule copies its blocks, shared by a cluster, the same way); and the FP8
-  reduce-scatter, whose tiles of one epilogue slab (these tiles) refilled a send slot
-  still being copied out."""
-  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
-  monkeypatch.setattr(sys.modules[__name__], "_DETECT_RACES", True)
-  interpreter.reset_gpu_interpret_mode_state()
-  if kernel == "all_gather":
-    test_all_gather_matmul_kernel_per_rank()
-  elif kernel == "pulled_all_gather":
-    test_pulled_all_gather_matmul_kernel_per_rank(2, 2, 8, 256, 3)
-  else:
-    test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(2, TILING, 2)
-  assert not interpreter.get_races().races_found
-
-
 @pytest.mark.parametrize("n,tiling,row_tiles", [(1, TILING, 1), (2, TILING, 1),
                                                 (3, TALL, 1), (2, TILING, 2)],
                          ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases"])
@@ -201,7 +189,9 @@ def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tilin
   """The FP8 kernel encodes each partial tile as the codec does (same codes, same
   multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
   make every partial exact, so accumulation order cannot change a code. Two phases: the
-  own tiles' prefetch into the send buffers comes after sent tiles and waits for them."""
+  own tiles' prefetch into the send buffers comes after sent tiles and waits for them;
+  under the race detector, which found a tile's one epilogue slab (these tiles) refilling
+  a send slot still being copied out."""
   b, s, f, d = 1, tiling.cta_m * row_tiles, 128, 128
   ky, kw = jax.random.split(jax.random.key(3))
   ys = [jax.random.randint(jax.random.fold_in(ky, p), (b, n * s, f), -3, 4).astype(
@@ -211,7 +201,7 @@ def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tilin
   fp8 = dict(FP8)
   slots = (jnp.zeros((n, b * s, d), jnp.float8_e4m3fn),
            jnp.zeros((n, d // fp8["group_size"], b * s), jnp.float32))
-  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling)
+  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, detect_races=row_tiles == 2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32
                       ).astype(jnp.bfloat16) for p in range(n)]
   g = fp8["group_size"]
