@@ -127,8 +127,8 @@ def _tiling(base, spec: str):
 
 
 def _sms(spec: str, default: int) -> int:
-  """The SMs a ``--tilings`` entry runs the kernel on: its ``sms=N``, else ``default`` (a
-  grid of clusters of 4 may not fit 132 SMs at once: ``cluster_n=4+sms=128``)."""
+  """The SMs a ``--tilings`` entry runs the kernel on: its ``sms=N``, else ``default`` (e.g.
+  ``cluster_n=4+sms=104``: whether the pulled kernel's time follows its SMs or the link)."""
   return _spec(spec).get("sms", default)
 
 
