@@ -113,23 +113,22 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
-  tiling = ag_matmul.plain_tiling(x_BSD.shape, w_DF.shape, n)
-  misfit = lambda k: (ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, num_sms=gemm.num_sms())
+  tiling, sms = ag_matmul.plain_tiling(x_BSD.shape, w_DF.shape, n), gemm.num_sms()
+  misfit = lambda k: (ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, num_sms=sms)
                       if k is None
                       else ag_matmul.misfit(x_BSD.shape, w_DF.shape,
                                             ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape,
                                                                  k.group_size), k.group_size))
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit)
   if problem is None and codec is None:
-    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling,
-                                       num_sms=gemm.num_sms())
+    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms)
   if problem is None:
     b, s, d = x_BSD.shape
     codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
                                  **codec.kernel_kwargs())
     y, codes_full, mult = ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
-        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=gemm.num_sms())
+        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=sms)
     return y, ag_matmul.decode_gathered(codes_full, mult, group_size=codec.group_size,
                                         dtype=x_BSD.dtype)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
