@@ -55,13 +55,19 @@ from taco_jax.pallas_kernels import gemm
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode
 
+# Each compute warpgroup a [64, 256] part of the CTA's [128, 256] tile (the rows split): one
+# wgmma of 256 columns per 16 of the contraction, where [128, 128] parts take two of 128.
+# The plain kernels, on 2 H200s at the 1.3B TP=2 shapes (one process, device time; the
+# GEMM core alone 0.4-2% faster too): QKV 0.2825 ms against 0.2841, MLP-in 0.366 against
+# 0.3675, the out-projection's backward (pulled) 0.1293 against 0.1330
+# (bench_collective_matmul_nvlink_delay_2gpu_20261127.json).
+WIDE = gemm.Tiling(tile_m=64, tile_n=256, split="m")
 # The FP8 kernel's warpgroups split the rows: each decodes its own A rows before its wgmma.
-# Tiles of 64 x 256 per warpgroup decode half as many A elements per multiply-add as
-# 128 x 128 ones: on one H200 at the 1.3B / 2.7B TP=2 shapes the kernel ran 1.06-1.12x the
-# plain kernel with them, 1.27-1.30x with 128 x 128
-# (bench_collective_matmul_fp8sweep_1gpu_20261123.json). The narrower tiles are the fallback
-# for widths that 256 does not divide.
-FP8_TILINGS = (gemm.Tiling(tile_m=64, tile_n=256, split="m"), gemm.Tiling(split="m"))
+# The wide tiles decode half as many A elements per multiply-add as [128, 128] ones: on one
+# H200 at the 1.3B / 2.7B TP=2 shapes the kernel ran 1.06-1.12x the plain kernel with them,
+# 1.27-1.30x with 128 x 128 (bench_collective_matmul_fp8sweep_1gpu_20261123.json). The
+# narrower tiles are the fallback for widths that 256 does not divide.
+FP8_TILINGS = (WIDE, gemm.Tiling(split="m"))
 FP8_TILING = FP8_TILINGS[0]
 
 
@@ -114,8 +120,8 @@ PULL_CLUSTERS = (2, 4)
 def plain_tiling(x_shape, w_shape, n: int) -> gemm.Tiling:
   """The plain kernel's tiles for x ``[B, S, K]`` and w ``[K, N]`` over n ranks: the
   pulled schedule where one cluster of ``PULL_CLUSTERS`` covers an output row (each remote
-  byte then crosses the link once), else the ring."""
-  ring = gemm.Tiling()
+  byte then crosses the link once), else the ring; both on the ``WIDE`` tiles."""
+  ring = WIDE
   width = w_shape[1] // ring.cta_n
   if n > 1 and width * ring.cta_n == w_shape[1] and width in PULL_CLUSTERS:
     return dataclasses.replace(ring, cluster_n=width)
@@ -398,7 +404,7 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
   return f(x_RK, w_KN, *(() if gathered is None else gathered))
 
 
-def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = gemm.Tiling(),
+def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
                       num_sms: int, out_dtype=None, rank=None, local_gathered=None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.

@@ -55,8 +55,10 @@ def test_all_gather_matmul_kernel_per_rank():
   started from to rank r - 1. Two by two output tiles per chunk: the tile order
   (``plgpu.planar_snake``) visits each once. Under the race detector, which found the copy
   to the peer of a tile's last A block (released by the pipeline as the tile ends)
-  overwritten by the next tile's first."""
-  n, b, s, k, nout = 2, 2, 64, 128, 256
+  overwritten by the next tile's first. The warpgroups split the rows, as the layers'
+  tiles do (``ag_matmul.WIDE``)."""
+  n, b, s, k, nout = 2, 2, 128, 128, 128
+  tiling = dataclasses.replace(TILING, split="m")
   kx, kw = jax.random.split(jax.random.key(1))
   x_full = _bf16(kx, (b, n * s, k))
   w = _bf16(kw, (k, nout), k ** -0.5)
@@ -64,7 +66,7 @@ def test_all_gather_matmul_kernel_per_rank():
   with _interpret(detect_races=True):
     for r in range(n):
       x_r = x_full[:, r * s:(r + 1) * s]
-      y, xg, sent = ag_matmul.all_gather_matmul(x_r, w, "t", tiling=TILING, num_sms=1,
+      y, xg, sent = ag_matmul.all_gather_matmul(x_r, w, "t", tiling=tiling, num_sms=1,
                                                 rank=r, local_gathered=x_full)
       np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(
           ref.astype(jnp.bfloat16), np.float32), rtol=1e-2, atol=1e-2)
@@ -322,7 +324,7 @@ def test_the_layers_pull_where_a_cluster_covers_the_row():
   assert ag_matmul.plain_tiling(x, (2048, 1024), 2).cluster_n == 4
   assert ag_matmul.plain_tiling(x, (2048, 512), 4).cluster_n == 2
   for w, n in (((2048, 3072), 2), ((2048, 1024), 1), ((2048, 768), 2)):
-    assert ag_matmul.plain_tiling(x, w, n) == gemm.Tiling()
+    assert ag_matmul.plain_tiling(x, w, n) == ag_matmul.WIDE
   assert gemm.clusters(132, 4) == gemm.RESIDENT_CLUSTERS[4] < 33
   assert (gemm.clusters(132, 2), gemm.clusters(8, 4), gemm.clusters(132, 1)) == (66, 2, 132)
 
@@ -386,7 +388,8 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                 sd((d // g, b * t), jnp.float32), sd((d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
   else:
-    for tiling in (gemm.Tiling(), gemm.Tiling(cluster_n=2)):  # the ring, and pulled
+    ring = ag_matmul.WIDE  # the layers' tiles: the ring, and pulled
+    for tiling in (ring, dataclasses.replace(ring, cluster_n=2)):
       fn = smap(lambda x, w, tiling=tiling: ag_matmul.all_gather_matmul(
           x, w, "tensor", tiling=tiling, num_sms=132)[0],
           in_specs=(P(None, "tensor"), P()), out_specs=P())
