@@ -202,36 +202,21 @@ def _block_copier(loop: gemm.TileLoop, n_tiles: int, row_of, dests):
   """The ``after_mma`` hook that copies each A block of a row tile, as it leaves the
   pipeline, to the rows ``row_of(m_idx)`` of every gmem ref in ``dests`` (the gathered x,
   a peer's). Every output tile of a row copies a share of the row's blocks (tile column j
-  the blocks k = j mod ``n_tiles``), from warpgroup 0."""
+  the blocks k = j mod ``n_tiles``), from warpgroup 0. The pipeline releases a block as its
+  step ends, so its copies are read out within the step, while its wgmma runs. (Holding
+  each block one step longer instead, the copies read out during the next step, was no
+  faster: bench_collective_matmul_nvlink_delay_2gpu_20261127.json, ``[delay=0]``; and jax
+  chains no pipelines that hold their blocks, ``Tiling.chain``.)"""
   t = loop.t
 
   def after_mma(m_idx, n_idx, k_idx, blocks):
     row = row_of(m_idx)
-    sender = lax.axis_index(gemm.WG) == 0
-    mine = lax.rem(k_idx, n_tiles) == n_idx
 
-    # A block is released one step after its own (delay_release=1): the copies of the last
-    # step must have read it by the end of this one. The tile's last block is released as
-    # its pipeline ends, and the next tile's loads may refill it at once, so its copies
-    # must have read it before (the interpreter's race detector found the next tile's
-    # first block overwriting it under the copy).
-    @pl.when(sender & mine)
+    @pl.when((lax.axis_index(gemm.WG) == 0) & (lax.rem(k_idx, n_tiles) == n_idx))
     def _send():
       for dest in dests:
         plgpu.copy_smem_to_gmem(blocks[0], dest.at[
             pl.ds(row, t.cta_m), pl.ds(k_idx * t.tile_k, t.tile_k)])
-      last = k_idx == loop.k_iters - 1
-
-      @pl.when(last)
-      def _read_out():
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      @pl.when(~last)
-      def _one_step_later():
-        plgpu.wait_smem_to_gmem(len(dests), wait_read_only=True)
-
-    @pl.when(sender & ~mine)
-    def _drain():
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   return after_mma
 
@@ -250,7 +235,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   n_tiles = n_out // t.cta_n  # output tiles per row: each forwards a share of the A blocks
   at = _Rows(s, n * s, t.cta_m)
   a_op = gemm.Operand((t.cta_m, t.tile_k), a_RK.dtype, lambda kk: (0, kk))
-  loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k, delay_release=1)
+  loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k)
   mults = _Multipliers(t, k, group_size) if fp8 else None
   n_arrays = 2 if fp8 else 1  # A rows (+ multipliers)
   # one signal per copying warpgroup per SM and step: warpgroup 0 sends the A blocks, each
@@ -339,7 +324,7 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
   t_rows, n_out = rows * n, w_KN.shape[1]
   at = _Rows(s, n * s, t.cta_m)
   loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), x_RK.dtype, lambda kk: (0, kk))],
-                       w_KN.dtype, k, delay_release=1)
+                       w_KN.dtype, k)
   done, count = range(2)  # the semaphores: the peers' reads of x landed, this GPU's CTAs'
   clusters = gemm.clusters(num_sms, t.cluster_n)
 

@@ -69,6 +69,12 @@ class Tiling:
   # CTAs per cluster, computing neighbouring column tiles of one row: each A block is loaded
   # once into all of them (TMA multicast), as jax's hopper_matmul_mgpu does for pairs
   cluster_n: int = 1
+  # One pipeline over all the tiles an SM takes in a loop (``plgpu.PipelinePipeline``): a
+  # tile's first blocks load as the last tile's are consumed, while its epilogue runs,
+  # instead of after it. On one H200 at the 1.3B TP=2 shapes the GEMM core alone took
+  # 0.8-3% less time with it (bench_collective_matmul_chain_1gpu_20261127.json). Loops
+  # where jax's pipelines cannot chain run a pipeline per tile (``TileLoop.chains``).
+  chain: bool = True
 
   def __post_init__(self):
     for field in ("split", "grid_minor"):
@@ -132,11 +138,11 @@ class Operand:
   index: Callable
   swizzle: bool = True
 
-  def spec(self, delay_release: int, multicast: bool = False) -> plgpu.BlockSpec:
+  def spec(self, multicast: bool = False) -> plgpu.BlockSpec:
     """``multicast``: one load into every CTA of the cluster (they share the block)."""
     return plgpu.BlockSpec(self.block, self.index,
                            transforms=swizzled(self.block[1], self.dtype) if self.swizzle else (),
-                           memory_space=plgpu.SMEM, delay_release=delay_release,
+                           memory_space=plgpu.SMEM,
                            collective_axes=(CLUSTER,) if multicast else None)
 
 
@@ -152,23 +158,27 @@ class TileLoop:
   """The pipeline of one kernel, allocated once and run once per chunk (``run``).
 
   ``a_ops``: the A-side operands (the bf16 A block, or FP8 codes and multipliers); B is a
-  ``[tile_k, cta_n]`` block of the weight. ``delay_release=1`` keeps each A block in shared
-  memory one step longer, for ``after_mma`` to copy it out asynchronously.
+  ``[tile_k, cta_n]`` block of the weight. A step's blocks are released as it ends:
+  ``after_mma``'s copies out of them must have read them by then.
   """
 
-  def __init__(self, tiling: Tiling, a_ops: list[Operand], w_dtype, k: int, *,
-               delay_release: int = 0):
+  def __init__(self, tiling: Tiling, a_ops: list[Operand], w_dtype, k: int):
     self.t, self.k_iters = tiling, k // tiling.tile_k
-    self.delay_release = delay_release
     b = Operand((tiling.tile_k, tiling.cta_n), w_dtype, lambda kk: (kk, 0))
     shared = tiling.cluster_n > 1  # the A blocks go to the cluster's CTAs at once
-    self.specs = [s.spec(delay_release, shared) for s in a_ops] + [b.spec(delay_release)]
+    self.specs = [s.spec(shared) for s in a_ops] + [b.spec()]
 
-  def _pipeline(self, body, context):
+  def _pipeline(self, body, context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(self.k_iters,), memory_registers=40, in_specs=self.specs, wg_axis=WG,
         num_compute_wgs=COMPUTE_WGS, max_concurrent_steps=self.t.stages,
-        compute_context=context)
+        compute_context=context, pipeline_state=state)
+
+  def chains(self, tiles: int, sms: int) -> bool:
+    """Whether a loop of ``tiles`` tiles dealt over ``sms`` SMs (or clusters) runs as one
+    pipeline per SM (``Tiling.chain``): jax chains pipelines of whole rounds of the stages
+    only, and a chain needs a first and a last tile on every SM."""
+    return self.t.chain and self.k_iters % self.t.stages == 0 and tiles >= 2 * sms
 
   def allocations(self, *gmem_refs):
     ignore = lambda *_, **__: None  # noqa: E731 (the bodies do not change the allocations)
@@ -185,9 +195,11 @@ class TileLoop:
     neighbouring tiles to the clusters, whose CTAs take one tile each."""
     t = self.t
     grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
+    tiles = grid[0] * grid[1]
+    chained = self.chains(tiles, lax.axis_size(SM))
 
-    @dealt(grid[0] * grid[1], first_sm)
-    def _tile(idx):
+    @dealt(tiles, first_sm)
+    def _tile(idx, i, count):
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
       if t.cluster_n > 1:
         n_idx = n_idx * t.cluster_n + lax.axis_index(CLUSTER)
@@ -212,28 +224,32 @@ class TileLoop:
           a_block = a_blocks[0]
           plgpu.wgmma(acc, a_block.at[pl.ds(row0, t.tile_m)] if t.split == "m" else a_block,
                       b_wg)
-          pending = self.delay_release
         else:
           plgpu.wgmma(acc, decode(a_blocks, wg, idxs[0]), b_wg)
-          pending = 0  # the registers of the decoded operand are rewritten next step
         if after_mma is not None:
           after_mma(m_idx, n_idx, idxs[0], a_blocks)
-        plgpu.wgmma_wait(pending)
+        plgpu.wgmma_wait(0)
         return acc
 
+      state = None  # a pipeline of its own
+      if chained:
+        state = jnp.where(i == 0, int(plgpu.PipelinePipeline.START), jnp.where(
+            i == count - 1, int(plgpu.PipelinePipeline.STOP),
+            int(plgpu.PipelinePipeline.STEADY)))
+      pipeline = self._pipeline(mma, context, state)
       w_block = w_ref.at[:, pl.ds(n_idx * t.cta_n, t.cta_n)]
       sources = a_refs(m_idx)
       if not isinstance(sources, Sources):
-        self._pipeline(mma, context)(*sources, w_block, allocations=allocs)
+        pipeline(*sources, w_block, allocations=allocs)
         return
       for when, refs in sources.options:
-        pl.when(when)(functools.partial(self._pipeline(mma, context), *refs, w_block,
-                                        allocations=allocs))
+        pl.when(when)(functools.partial(pipeline, *refs, w_block, allocations=allocs))
 
 
 def dealt(tiles: int, first_sm: int = 0):
   """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
-  SM ``first_sm`` on: the body gets each tile's index. A kernel that runs several loops
+  SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
+  the share's size. A kernel that runs several loops
   one after the other (the reduce-scatter's phases) starts each where the last one's deal
   ended, so that no SM takes the remainder of every loop: at a tile count just above a
   multiple of the SMs, that remainder would make every loop take one more wave."""
@@ -241,7 +257,7 @@ def dealt(tiles: int, first_sm: int = 0):
     sms, sm = lax.axis_size(SM), lax.axis_index(SM)
     place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
     count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
-    lax.fori_loop(0, count, lambda i, _: body(i * sms + place), None)
+    lax.fori_loop(0, count, lambda i, _: body(i * sms + place, i, count), None)
   return loop
 
 

@@ -107,16 +107,22 @@ def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b, ra
       np.testing.assert_array_equal(xg, x_full)
 
 
-@pytest.mark.parametrize("split,sms,cluster_n,n", [("n", 1, 1, 256), ("m", 3, 1, 256),
-                                                  ("n", 4, 2, 512), ("m", 4, 4, 512)])
-def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n):
+@pytest.mark.parametrize("split,sms,cluster_n,n,k,chain", [
+    ("n", 1, 1, 256, 192, True), ("m", 3, 1, 256, 128, True), ("n", 3, 1, 256, 128, False),
+    ("n", 4, 2, 512, 128, True), ("m", 4, 4, 512, 128, True)])
+def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain):
   """``gemm.matmul``, the yardstick of the kernels' GEMM core: fp32-accumulated a @ w in
   bf16, over tiles dealt to 1 or 3 SMs (3 leaves one SM a tile fewer), or in clusters of 2
-  or 4 CTAs along N that share each A block (multicast)."""
-  m, k = 256, 192
+  or 4 CTAs along N that share each A block (multicast); each SM's tiles in one chained
+  pipeline (two steps of two stages each), or a pipeline per tile (three steps, which
+  do not chain, or ``chain=False``)."""
+  m = 256
   ka, kw = jax.random.split(jax.random.key(7))
   a, w = _bf16(ka, (m, k)), _bf16(kw, (k, n), k ** -0.5)
-  tiling = dataclasses.replace(TILING, split=split, cluster_n=cluster_n)
+  tiling = dataclasses.replace(TILING, split=split, cluster_n=cluster_n, chain=chain)
+  loop = gemm.TileLoop(tiling, [], jnp.bfloat16, k)
+  tiles = m // tiling.cta_m * n // (tiling.cta_n * cluster_n)
+  assert loop.chains(tiles, gemm.clusters(sms, cluster_n)) == (chain and k == 128)
   with _interpret():
     y = gemm.matmul(a, w, tiling=tiling, num_sms=sms)
   want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
