@@ -794,6 +794,17 @@ def collective_matmul_section() -> str:
       "`[cluster_n=1]` the ring; the 4-GPU `nvlink_pulled` run's `fused` is the ring, its "
       "`[cluster_n=2]` what the layers now take. The FP8 kernel does not pull: its "
       "`[cluster_n=C]` variants did not run. "
+      "In `nvlink_epi_*`, `nvlink_delay`, `nvlink_wide*` and `nvlink_chain` (later on "
+      "2026-11-27) the bracketed variants override the kernels' tiles (`gemm.Tiling` "
+      "fields): `tile_m=64+tile_n=256+split=m` the wide tiles the all-gather kernels take "
+      "since (`ag_matmul.WIDE`; `fused` in `nvlink_wide*` and `nvlink_chain`, whose "
+      "`[tile_m=128+tile_n=128+split=n]` is the old default), `stages=S+epi_n=E` the "
+      "pipeline's depth and the epilogue's sub-tile width, `chain=0` a pipeline per tile "
+      "instead of one chained over each SM's tiles (`Tiling.chain`, the default since "
+      "`nvlink_chain`); `[delay=0]` (`nvlink_delay`) the all-gather kernels reading their "
+      "copies out within each step, as they do since, instead of holding each block one "
+      "step longer. The FP8 kernels take no tiles that split the columns: those variants "
+      "did not run. "
       "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 

@@ -71,9 +71,10 @@ class Tiling:
   cluster_n: int = 1
   # One pipeline over all the tiles an SM takes in a loop (``plgpu.PipelinePipeline``): a
   # tile's first blocks load as the last tile's are consumed, while its epilogue runs,
-  # instead of after it. On one H200 at the 1.3B TP=2 shapes the GEMM core alone took
-  # 0.8-3% less time with it (bench_collective_matmul_chain_1gpu_20261127.json). Loops
-  # where jax's pipelines cannot chain run a pipeline per tile (``TileLoop.chains``).
+  # instead of after it. At the 1.3B TP=2 shapes the GEMM core alone took 0.7-3% less time
+  # with it (one H200: bench_collective_matmul_chain_1gpu_20261127.json; 2 H200s, 1.1-2.8%:
+  # _nvlink_chain_2gpu_). Loops where jax's pipelines cannot chain run a pipeline per tile
+  # (``TileLoop.chains``).
   chain: bool = True
 
   def __post_init__(self):
