@@ -657,10 +657,10 @@ def _cm_message_bytes(case: dict) -> int:
 def _cm_cases() -> tuple[dict, list[str]]:
   """The multi-GPU kernel benchmark runs' cases as ``{link label: {tp: cases}}``, and the
   files they came from. A run may time some layers only (``--layers``): a later run's case
-  replaces an earlier one of the same model and layer (by the date in the file name), the
-  other cases stay."""
+  replaces an earlier one of the same model and layer (by the time the run wrote, so that
+  runs of one day come in the order they ran), the other cases stay."""
   merged, names = {}, []
-  runs = sorted(_load("bench_collective_matmul_*.json"), key=lambda r: r[0].rsplit("_", 1)[-1])
+  runs = sorted(_load("bench_collective_matmul_*.json"), key=lambda r: r[1]["date"])
   for name, d in runs:
     if d.get("gpus", d["tp"]) >= 2 and d["tp"] >= 2 and "cases" in d:
       by_case = merged.setdefault(name.split("_")[3], {}).setdefault(d["tp"], {})
@@ -803,8 +803,9 @@ def collective_matmul_section() -> str:
       "instead of one chained over each SM's tiles (`Tiling.chain`, the default since "
       "`nvlink_chain`); `[delay=0]` (`nvlink_delay`) the all-gather kernels reading their "
       "copies out within each step, as they do since, instead of holding each block one "
-      "step longer. The FP8 kernels take no tiles that split the columns: those variants "
-      "did not run. "
+      "step longer. The FP8 kernels refused some of these tiles (the all-gather's takes no "
+      "columns split between its warpgroups, the reduce-scatter's encodes groups of 128 "
+      "columns, one warpgroup's): those variants did not run. "
       "Every kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
