@@ -654,13 +654,22 @@ def _cm_message_bytes(case: dict) -> int:
   return b * t * case["w_shape"][1] * 2
 
 
+def _ran_at(name: str, d: dict) -> str:
+  """When a run wrote its results, as ISO text: its ``date`` (with the time, in the runs of
+  2026-11-23 on), else the date in its file name."""
+  if "date" in d:
+    return d["date"]
+  day = name.rsplit("_", 1)[-1].split(".")[0]
+  return f"{day[:4]}-{day[4:6]}-{day[6:]}"
+
+
 def _cm_cases() -> tuple[dict, list[str]]:
   """The multi-GPU kernel benchmark runs' cases as ``{link label: {tp: cases}}``, and the
   files they came from. A run may time some layers only (``--layers``): a later run's case
   replaces an earlier one of the same model and layer (by the time the run wrote, so that
   runs of one day come in the order they ran), the other cases stay."""
   merged, names = {}, []
-  runs = sorted(_load("bench_collective_matmul_*.json"), key=lambda r: r[1]["date"])
+  runs = sorted(_load("bench_collective_matmul_*.json"), key=lambda r: _ran_at(*r))
   for name, d in runs:
     if d.get("gpus", d["tp"]) >= 2 and d["tp"] >= 2 and "cases" in d:
       by_case = merged.setdefault(name.split("_")[3], {}).setdefault(d["tp"], {})

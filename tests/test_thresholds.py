@@ -101,19 +101,21 @@ def test_readme_and_thresholds_are_generated_from_the_results():
 
 def test_kernel_runs_of_one_link_and_tp_merge_case_by_case(tmp_path, monkeypatch):
   """A later run that timed some layers replaces those layers' cases, not the whole run:
-  the earlier run's other layers still set the thresholds."""
+  the earlier run's other layers still set the thresholds. Runs of one day come in the
+  order they ran (the time each wrote), whatever their names."""
   import json
 
   def case(layer, kind, plain_ms, fp8_ms):
     return dict(model="1.3b", layer=layer, kind=kind, tp=4, a_shape=[8, 2048, 2048],
                 w_shape=[2048, 2048], variants=dict(fused=dict(ms=plain_ms),
                                                      fused_fp8=dict(ms=fp8_ms)))
-  runs = {"nvlink_4gpu_20261126": [case("proj", "rs", 2.0, 1.0), case("qkv", "ag", 1.0, 2.0)],
-          "nvlink_dx_4gpu_20261126": [case("qkv", "ag", 2.0, 1.0)],
-          "nvlink_4gpu_20261120": [case("down", "rs", 1.0, 2.0)]}  # the oldest, sorted first
-  for name, cases in runs.items():
-    (tmp_path / f"bench_collective_matmul_{name}.json").write_text(
-        json.dumps(dict(tp=4, gpus=4, cases=cases)))
+  runs = {"nvlink_4gpu_20261126": ("2026-11-26T09:00:00", [case("proj", "rs", 2.0, 1.0),
+                                                          case("qkv", "ag", 1.0, 2.0)]),
+          "nvlink_0_4gpu_20261126": ("2026-11-26T10:00:00", [case("qkv", "ag", 2.0, 1.0)]),
+          "nvlink_4gpu_20261120": (None, [case("down", "rs", 1.0, 2.0)])}  # the oldest
+  for name, (date, cases) in runs.items():
+    run = dict(tp=4, gpus=4, cases=cases, **({"date": date} if date else {}))
+    (tmp_path / f"bench_collective_matmul_{name}.json").write_text(json.dumps(run))
   monkeypatch.setattr(report, "RESULTS", tmp_path)
   cases, names = report._cm_cases()
   assert names[0] == "bench_collective_matmul_nvlink_4gpu_20261120.json"  # by date
