@@ -803,7 +803,7 @@ def collective_matmul_section() -> str:
       "`[cluster_n=1]` the ring; the 4-GPU `nvlink_pulled` run's `fused` is the ring, its "
       "`[cluster_n=2]` what the layers now take. The FP8 kernel does not pull: its "
       "`[cluster_n=C]` variants did not run. "
-      "In `nvlink_epi_*`, `nvlink_delay`, `nvlink_wide*` and `nvlink_chain` (later on "
+      "In `nvlink_epi_*`, `nvlink_delay`, `nvlink_wide*` and `nvlink_chain*` (later on "
       "2026-11-27) the bracketed variants override the kernels' tiles (`gemm.Tiling` "
       "fields): `tile_m=64+tile_n=256+split=m` the wide tiles the all-gather kernels take "
       "since (`ag_matmul.WIDE`; `fused` in `nvlink_wide*` and `nvlink_chain`, whose "
