@@ -1,10 +1,11 @@
 """The GEMM core of the collective-matmul kernels (Pallas Mosaic GPU, Hopper).
 
-A persistent, warp-specialized matmul: one CTA per SM walks the output tiles of a chunk
-(``plgpu.nd_loop``). Per tile, a memory warpgroup streams ``[cta_m, tile_k]`` A blocks and
-``[tile_k, cta_n]`` B blocks into shared memory (TMA, ``stages`` deep;
-``plgpu.emit_pipeline_warp_specialized``) and two compute warpgroups each accumulate a
-``[tile_m, tile_n]`` part of the CTA tile with wgmma in fp32 (split along N or M). What is
+A persistent, warp-specialized matmul: one CTA per SM walks its share of the output tiles
+of a chunk (``dealt``). Per tile, a memory warpgroup streams ``[cta_m, tile_k]`` A blocks
+and ``[tile_k, cta_n]`` B blocks into shared memory (TMA, ``stages`` deep;
+``plgpu.emit_pipeline_warp_specialized``, chained over the SM's tiles where jax allows:
+``Tiling.chain``) and two compute warpgroups each accumulate a ``[tile_m, tile_n]`` part
+of the CTA tile with wgmma in fp32 (split along N or M). What is
 specific to a collective comes in through hooks of ``TileLoop.run``:
 
 * ``a_refs(m_idx)``: the gmem refs of the chunk's row tile ``m_idx`` (the sequence chunks of
@@ -250,10 +251,10 @@ class TileLoop:
 def dealt(tiles: int, first_sm: int = 0):
   """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
   SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
-  the share's size. A kernel that runs several loops
-  one after the other (the reduce-scatter's phases) starts each where the last one's deal
-  ended, so that no SM takes the remainder of every loop: at a tile count just above a
-  multiple of the SMs, that remainder would make every loop take one more wave."""
+  the share's size. A kernel that runs several loops one after the other (the
+  reduce-scatter's phases) starts each where the last one's deal ended, so that no SM takes
+  the remainder of every loop: at a tile count just above a multiple of the SMs, that
+  remainder would make every loop take one more wave."""
   def loop(body):
     sms, sm = lax.axis_size(SM), lax.axis_index(SM)
     place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
