@@ -135,17 +135,17 @@ def train(config, workdir) -> dict:
   workdir.mkdir(parents=True, exist_ok=True)
   d, t, lead = config.data, config.train, jax.process_index() == 0
   p = config.parallel
-  mesh, spec, tx, p_abs, o_abs = run_parts(config)
-  corpus = load_data(config)
   ckpt = checkpoint.Checkpoints(workdir, keep=t.keep_checkpoints)
   start = ckpt.latest_step() or 0
   if lead:
     store_config(config, workdir, has_checkpoint=start > 0)
-  if start >= t.steps:
+  if start >= t.steps:  # nothing to build: no mesh, no state, no data
     ckpt.close()
     if lead:
       tqdm.write(f'{config.name}: {start_message(workdir, start, t.steps)}')
     return finished_summary(workdir, start)
+  mesh, spec, tx, p_abs, o_abs = run_parts(config)
+  corpus = load_data(config)
   if lead and config.compression.enabled and mesh.size == 1:
     print('note: compression.enabled has no effect on one device (nothing is sent)',
           file=sys.stderr)
