@@ -78,7 +78,7 @@ def test_all_gather_matmul_kernel_per_rank():
 
 
 @pytest.mark.parametrize("n,cluster_n,sms,nout,b,races", [
-    (2, 2, 2, 512, 2, False), (3, 4, 4, 512, 1, False), (2, 2, 8, 256, 3, True)],
+    (2, 2, 2, 512, 2, True), (3, 4, 4, 512, 1, False), (2, 2, 8, 256, 3, True)],
     ids=["2_ranks_clusters_of_2", "3_ranks_clusters_of_4", "2_ranks_4_clusters_turns"])
 def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b, races):
   """The pulled schedule (clusters of CTAs along N sharing each A block): each rank's output
@@ -87,8 +87,10 @@ def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b, ra
   chunk is garbled here, so a rank that read its own rows from there would fail). Clusters
   of 2 cover half a row (each row tile is read twice), clusters of 4 all of it. Four
   clusters, a multiple of the ranks, take turns between the chunks: 6 row tiles make one
-  whole round of the deal and a part of one; under the race detector (the blocks, shared by
-  a cluster, are copied out as the ring's are)."""
+  whole round of the deal and a part of one. Under the race detector (the blocks, shared by
+  a cluster, are copied out as the ring's are): the turns, each tile a pipeline of its own
+  (6 tiles on 4 clusters), and clusters of 2, each cluster's 8 tiles one chained pipeline
+  (``Tiling.chain``)."""
   s, k = 64, 128
   kx, kw = jax.random.split(jax.random.key(2))
   x_full = _bf16(kx, (b, n * s, k))
