@@ -42,6 +42,7 @@ a GPU to run (``tests/test_collective_matmul.py`` runs their per-device parts on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -121,9 +122,8 @@ def _spec(spec: str) -> dict:
 
 def _tiling(base, spec: str):
   """``base`` with a ``--tilings`` entry's Tiling fields (all its keys but ``sms``)."""
-  from taco_jax.pallas_kernels import gemm
   kw = {k: v for k, v in _spec(spec).items() if k != "sms"}
-  return gemm.Tiling(**{**base.__dict__, **kw}) if kw else base
+  return dataclasses.replace(base, **kw) if kw else base
 
 
 def _sms(spec: str, default: int) -> int:

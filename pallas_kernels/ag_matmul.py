@@ -198,7 +198,7 @@ def decode_tile(codes_MK, mult_M, dtype):
   return (q * mult_M[:, None]).astype(dtype)
 
 
-def _block_copier(loop: gemm.TileLoop, n_tiles: int, row_of, dests):
+def _block_copier(t: gemm.Tiling, n_tiles: int, row_of, dests):
   """The ``after_mma`` hook that copies each A block of a row tile, as it leaves the
   pipeline, to the rows ``row_of(m_idx)`` of every gmem ref in ``dests`` (the gathered x,
   a peer's). Every output tile of a row copies a share of the row's blocks (tile column j
@@ -207,8 +207,6 @@ def _block_copier(loop: gemm.TileLoop, n_tiles: int, row_of, dests):
   each block one step longer instead, the copies read out during the next step, was no
   faster: bench_collective_matmul_nvlink_delay_2gpu_20261127.json, ``[delay=0]``; and jax
   chains no pipelines that hold their blocks, ``Tiling.chain``.)"""
-  t = loop.t
-
   def after_mma(m_idx, n_idx, k_idx, blocks):
     row = row_of(m_idx)
 
@@ -272,7 +270,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             for dest in dests:
               mults.send(dest[1], at.gathered(c, m_idx), wg, scratch)
 
-        after_mma = _block_copier(loop, n_tiles, functools.partial(at.gathered, c),
+        after_mma = _block_copier(t, n_tiles, functools.partial(at.gathered, c),
                                   [dest[0] for dest in dests])
 
         def epilogue(m_idx, n_idx, wg, acc, c=c):
@@ -365,7 +363,7 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
                        collective_axes=gemm.WG)
     def _scope(allocs):
       loop.run(allocs, m=t_rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
-               after_mma=_block_copier(loop, n_out // t.cta_n, row_of, [xg_ref]))
+               after_mma=_block_copier(t, n_out // t.cta_n, row_of, [xg_ref]))
 
     if sems is not None:  # this CTA's reads have landed; no rank leaves while a peer reads it
       @pl.when(lax.axis_index(gemm.WG) == 0)
