@@ -92,9 +92,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-gate", default="",
-                 help="comma-separated gate settings (0 or 1) to time the plain "
-                      "reduce-scatter kernel with besides its default: fused[gate=G]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -197,8 +194,7 @@ def run(args) -> dict:
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
-          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x] + [
-          ("gate", bool(int(x))) for x in args.rs_gate.split(",") if x]
+          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x]
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode, rs_options)
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
@@ -445,7 +441,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
       for keyword, value in rs_options:
-        label = f"{RS_OPTION_NAMES.get(keyword, keyword)}={int(value)}"
+        label = f"{RS_OPTION_NAMES.get(keyword, keyword)}={value}"
         name = f"fused[{'' if spec == 'default' else spec + '+'}{label}]"
         out[name] = (smap(functools.partial(plain, **{keyword: value}), mesh=mesh,
                           in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)

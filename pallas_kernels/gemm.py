@@ -313,22 +313,6 @@ def rank_and_semaphores(axis_name, rank, n: int, local: bool, count: int):
   return r, pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
 
 
-def wait_for_peers(signalled, value: int, num_sms: int, gate=None):
-  """Every warpgroup waits until the peers' signals on ``signalled`` reach ``value``. With
-  ``gate`` (a semaphore of this GPU), one warpgroup (compute warpgroup 0 of the last SM)
-  polls ``signalled`` at system scope and opens the gate, which the others poll at GPU
-  scope: the peers' signals then land on a line one warpgroup polls, not hundreds."""
-  if gate is None:
-    pl.semaphore_wait(signalled, value=value, decrement=False)
-    return
-
-  @pl.when((lax.axis_index(SM) == num_sms - 1) & (lax.axis_index(WG) == 0))
-  def _watch():
-    pl.semaphore_wait(signalled, value=value, decrement=False)
-    plgpu.semaphore_signal(gate, memory_scope="gpu")
-  plgpu.semaphore_wait(gate, value=1, decrement=False, memory_scope="gpu")
-
-
 _profile_dir: list[tuple[str, int]] = []  # set by ``profiling``
 
 

@@ -276,8 +276,7 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, gate: bool, fp8=None,
-          received=None):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -298,9 +297,9 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   def body(*refs, **scratch):
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
         refs, 2, n_slots if local else 0, 1, n_slots)
-    # per phase and for the release at the end: the peers' relayed signals, the counts of
-    # this rank's own warpgroups (``relay``) and the gates (``wait_peers``)
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 3 * (phases + 1))
+    # per phase and for the release at the end: the peers' relayed signals, then the counts
+    # of this rank's own warpgroups (``relay``)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
 
     def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
@@ -331,10 +330,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         for owner in owners:
           pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
 
-    def wait_peers(slot: int):  # until every peer has signalled ``slot``
-      gemm.wait_for_peers(sems.at[slot], n - 1, num_sms,
-                          gate=sems.at[2 * (phases + 1) + slot] if gate else None)
-
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
@@ -343,7 +338,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       for q, p in schedule(n, phases):
         if q == n and sems is not None:  # every peer's partials of phase p are written
           with jax.named_scope("wait_peers"):
-            wait_peers(p)
+            pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
 
         def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
@@ -379,7 +374,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         def _release():
           with jax.named_scope("release"):
             relay(phases, 1, [lax.rem(r + q, n) for q in range(1, n)])
-            wait_peers(phases)
+            pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
@@ -402,16 +397,13 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, gate: bool = True, rank=None, n=None,
-                          received=None):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``gate``: one warpgroup
-  per GPU waits for the peers' signals and lets the others go (``gemm.wait_for_peers``).
-  Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``."""
   if rank is None:
@@ -429,7 +421,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              gate=gate, fp8=fp8, received=received)
+              fp8=fp8, received=received)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result
