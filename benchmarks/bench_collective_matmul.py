@@ -69,7 +69,8 @@ def _ag_fp8() -> dict:
   import jax
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
-RS_OPTION_NAMES = {"pull_depth": "pull"}  # a keyword's name in a variant's brackets
+OPTION_NAMES = {"pull_depth": "pull", "_skip": "skip"}  # a keyword's name in brackets
+DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 
 
 def parse_args(argv=None):
@@ -92,6 +93,16 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
+  p.add_argument("--rs-mix", action="store_true",
+                 help="also time the plain reduce-scatter kernel with the mixed schedule "
+                      "(matmul_rs.schedule): fused[mix=1]")
+  p.add_argument("--rs-skip", default="",
+                 help="comma-separated parts of the plain reduce-scatter kernel to leave out "
+                      "('waits', 'release', 'remote', or several joined by '+'), each timed "
+                      "unchecked, as fused[skip=...]: what each costs (the result is wrong)")
+  p.add_argument("--ag-skip", default="",
+                 help="the same for the plain all-gather kernel, fused and alone ('copy': "
+                      "the own chunk's copy into the gathered x): fused[skip=copy]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -194,9 +205,12 @@ def run(args) -> dict:
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
-          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x]
+          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x] + [
+          ("_skip", tuple(x.split("+"))) for x in args.rs_skip.split(",") if x] + [
+          ("mix", True)] * args.rs_mix
+      ag_options = [("_skip", tuple(x.split("+"))) for x in args.ag_skip.split(",") if x]
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
-                           args.tilings, ag_matmul, matmul_rs, encode, rs_options)
+                           args.tilings, ag_matmul, matmul_rs, encode, rs_options, ag_options)
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
                   tp=tp, variants={})
       results["cases"].append(case)
@@ -260,7 +274,9 @@ def run(args) -> dict:
           check["ok"] = check["rel_err"] < TOL and check.get("gathered_equal", True)
         except Exception as e:  # noqa: BLE001 (reported, not timed)
           check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-        if check["ok"]:
+        if DIAGNOSTIC in name and "rel_err" in check:
+          check["diagnostic"] = "timed though its result is wrong by design"
+        if check["ok"] or "diagnostic" in check:
           timed[name] = (fn, (full_a, full_w) if alone else (a_s, w_s))
         _write(args, results)
       for name, (fn, fargs) in timed.items():
@@ -382,10 +398,11 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
 
 
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
-              encode, rs_options=()):
-  """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options``: (keyword,
-  value) pairs, each timed as one more plain reduce-scatter kernel, ``fused[keyword=value]``
-  (``phases=P``; ``pull_depth`` is named ``pull``: ``RS_OPTION_NAMES``)."""
+              encode, rs_options=(), ag_options=()):
+  """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options`` and
+  ``ag_options``: (keyword, value) pairs, each timed as one more plain kernel of its kind,
+  ``fused[keyword=value]`` (and the all-gather's ``gemm[keyword=value]``, alone; ``phases=P``;
+  ``pull_depth`` is named ``pull``: ``OPTION_NAMES``)."""
   from jax import lax
   from jax.sharding import PartitionSpec as P
   t = "tensor"
@@ -400,9 +417,9 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       sfx = "" if spec == "default" else f"[{spec}]"
       tl8 = _tiling(ag.FP8_TILING, spec)
 
-      def plain(x, w, spec=spec, sms=_sms(spec, sms)):  # on the layers' tiles, overridden
+      def plain(x, w, spec=spec, sms=_sms(spec, sms), **options):  # the layers' tiles
         tl = _tiling(ag.plain_tiling(x.shape, w.shape, lax.axis_size(t)), spec)
-        return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms)
+        return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms, **options)
 
       def fp8(x, w, tl=tl8, sms=_sms(spec, sms)):
         b, s, k = x.shape
@@ -420,6 +437,12 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                 out_specs=(P(), gathered)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()),
                                     out_specs=(P(), gathered)), True)
+      for keyword, value, name in _options(ag_options, spec):
+        fn = functools.partial(plain, **{keyword: value})
+        out[f"fused[{name}]"] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec),
+                                      out_specs=(out_spec, P())), False)
+        out[f"gemm[{name}]"] = (smap(fn, mesh=one, in_specs=(P(), P()),
+                                     out_specs=(P(), gathered)), True)
   else:
     out["xla"] = smap(lambda y, w: (rs.matmul_reduce_scatter_reference(y, w, t),), mesh=mesh,
                       in_specs=(a_spec, w_spec), out_specs=(out_spec,))
@@ -440,15 +463,23 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                  out_specs=(out_spec,)), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
-      for keyword, value in rs_options:
-        label = f"{RS_OPTION_NAMES.get(keyword, keyword)}={value}"
-        name = f"fused[{'' if spec == 'default' else spec + '+'}{label}]"
-        out[name] = (smap(functools.partial(plain, **{keyword: value}), mesh=mesh,
-                          in_specs=(a_spec, w_spec), out_specs=(out_spec,)), False)
+      for keyword, value, name in _options(rs_options, spec):
+        out[f"fused[{name}]"] = (smap(functools.partial(plain, **{keyword: value}),
+                                      mesh=mesh, in_specs=(a_spec, w_spec),
+                                      out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)
   return out
+
+
+def _options(options, spec: str):
+  """(keyword, value, the variant's bracketed name) of each kernel option to time beside a
+  ``--tilings`` entry, e.g. ``("pull_depth", 3, "pull=3")``."""
+  for keyword, value in options:
+    shown = "+".join(value) if isinstance(value, tuple) else int(value)
+    label = f"{OPTION_NAMES.get(keyword, keyword)}={shown}"
+    yield keyword, value, ("" if spec == "default" else spec + "+") + label
 
 
 def _ratios(case):

@@ -220,7 +220,8 @@ def _block_copier(t: gemm.Tiling, n_tiles: int, row_of, dests):
 
 
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, dtype, mult_GR=None, group_size=None, gathered=None):
+          num_sms: int, out_dtype, dtype, mult_GR=None, group_size=None, gathered=None,
+          skip=()):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
   multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (and
@@ -257,7 +258,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         forward = step < n - 1
         arrays = mine if step == 0 else src
         row_of = at.local if step == 0 else functools.partial(at.gathered, c)
-        dests = ([xg] if step == 0 else []) + ([peer] if forward else [])
+        dests = ([xg] if step == 0 and "copy" not in skip else []) + ([peer] if forward else [])
 
         def a_view(m_idx, arrays=arrays, row_of=row_of):
           return [arrays[0].at[pl.ds(row_of(m_idx), t.cta_m)]]
@@ -388,12 +389,15 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
 
 
 def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
-                      num_sms: int, out_dtype=None, rank=None, local_gathered=None):
+                      num_sms: int, out_dtype=None, rank=None, local_gathered=None,
+                      _skip: tuple[str, ...] = ()):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
   ``num_sms``: the GPU's multiprocessor count. ``tiling.cluster_n > 1``: the pulled
   schedule. ``rank`` and ``local_gathered`` (the gathered x): local mode, which with the
-  ring also returns what this rank sent to rank r - 1."""
+  ring also returns what this rank sent to rank r - 1. ``_skip``, for timing experiments
+  only: ``("copy",)`` leaves this rank's own chunk out of the gathered x (the ring's copy
+  that the matmul alone does not make), so the gathered x is wrong."""
   reason = misfit(x_BSK.shape, w_KN.shape, tiling, num_sms=num_sms)
   if reason:
     raise ValueError(f"all_gather_matmul: {reason}")
@@ -403,9 +407,11 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   args = dict(s=s, n=n, rank=rank, axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or x_BSK.dtype, gathered=gathered)
   if tiling.cluster_n > 1:
+    if _skip:
+      raise ValueError("all_gather_matmul: _skip is for the ring schedule (cluster_n = 1)")
     y, *rest = _call_pulled(x_BSK.reshape(b * s, k), w_KN, **args)
   else:
-    y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, **args)
+    y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip, **args)
   return (y.reshape(b, n * s, -1), *(a.reshape(b, n * s, k) for a in rest))
 
 
