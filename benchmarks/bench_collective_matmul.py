@@ -93,9 +93,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-mix", action="store_true",
-                 help="also time the plain reduce-scatter kernel with the mixed schedule "
-                      "(matmul_rs.schedule): fused[mix=1]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
                       "('waits', 'release', 'remote', or several joined by '+'), each timed "
@@ -206,8 +203,7 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
           ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x] + [
-          ("_skip", tuple(x.split("+"))) for x in args.rs_skip.split(",") if x] + [
-          ("mix", True)] * args.rs_mix
+          ("_skip", tuple(x.split("+"))) for x in args.rs_skip.split(",") if x]
       ag_options = [("_skip", tuple(x.split("+"))) for x in args.ag_skip.split(",") if x]
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode, rs_options, ag_options)
@@ -477,7 +473,7 @@ def _options(options, spec: str):
   """(keyword, value, the variant's bracketed name) of each kernel option to time beside a
   ``--tilings`` entry, e.g. ``("pull_depth", 3, "pull=3")``."""
   for keyword, value in options:
-    shown = "+".join(value) if isinstance(value, tuple) else int(value)
+    shown = "+".join(value) if isinstance(value, tuple) else value
     label = f"{OPTION_NAMES.get(keyword, keyword)}={shown}"
     yield keyword, value, ("" if spec == "default" else spec + "+") + label
 

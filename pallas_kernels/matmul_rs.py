@@ -114,20 +114,18 @@ def default_phases(row_tiles: int) -> int:
   return max(p for p in range(1, MAX_PHASES + 1) if row_tiles % p == 0)
 
 
-def schedule(n: int, phases: int, mix: bool = False) -> list[tuple[tuple[int, int], ...]]:
-  """A rank's tile loops, one after the other, each a tuple of ``(q, p)`` entries: phase p
-  of chunk ``r + q`` (q = n: its own). Phase p of every peer's chunk comes one loop or more
-  before phase p of the own chunk, which waits for the peers' partials of that phase: every
-  rank sends what the others wait for before it waits itself, and the own phase p - 1
-  computes while phase p's partials are on the link. Unmixed, each entry is a loop of its
-  own; ``mix`` puts the peers' phase p and the own phase p - 1 in one loop, the peers'
-  tiles dealt first, so that the own tiles' reads of the peers' partials, which use the
-  link, run beside the sent tiles, which do not."""
-  rounds = [tuple((q, p) for q in range(1, n) if p < phases) + (((n, p - 1),) if p else ())
-            for p in range(phases + 1)]
-  if mix:
-    return rounds
-  return [(entry,) for entries in rounds for entry in entries]
+def schedule(n: int, phases: int) -> list[tuple[int, int]]:
+  """The order of a rank's tile loops, one after the other: ``(q, p)``, phase p of chunk
+  ``r + q`` (q = n: its own). Phase p of every peer's chunk comes one loop or more before
+  phase p of the own chunk, which waits for the peers' partials of that phase: every rank
+  sends what the others wait for before it waits itself, and the own phase p - 1 computes
+  while phase p's partials are on the link. (One loop that mixed the peers' phase p with
+  the own phase p - 1 measured slower on 2xH200, when the senders pushed and again when
+  the owners pulled: docs/parallel.md.)"""
+  order = []
+  for p in range(phases + 1):
+    order += [(q, p) for q in range(1, n) if p < phases] + ([(n, p - 1)] if p > 0 else [])
+  return order
 
 
 class _Epilogues:
@@ -279,8 +277,8 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, mix: bool, fp8=None,
-          received=None, skip=()):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
+          skip=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -341,70 +339,39 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     def _scope(allocs):
       computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
-      for entries in schedule(n, phases, mix):
-        # entry e of the loop: its row tiles are the loop's e * phase_tiles and on
-        own = [e for e, (q, _) in enumerate(entries) if q == n]
-        mixed = bool(own) and len(entries) > 1
-        if own and not mixed and sems is not None and "waits" not in skip:
-          with jax.named_scope("wait_peers"):  # every peer's partials of the phase are written
-            pl.semaphore_wait(sems.at[entries[0][1]], value=n - 1, decrement=False)
+      for q, p in schedule(n, phases):
+        if q == n and sems is not None and "waits" not in skip:  # the peers' phase p is written
+          with jax.named_scope("wait_peers"):
+            pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
 
-        def entry(m_idx, entries=entries):
-          """(q, p, row tile in the chunk) of the loop's row tile m_idx, traced."""
-          e, m_local = m_idx // phase_tiles, m_idx % phase_tiles
-          q, p = (_pick(e, [x[i] for x in entries]) for i in range(2))
-          return q, p, p * phase_tiles + m_local
-
-        def at(m_idx, n_idx, wg, entry=entry):  # a warpgroup tile's (row, column) in its chunk
+        def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
-          return entry(m_idx)[2] * t.cta_m + row0, n_idx * t.cta_n + col0
+          return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
 
-        def when_own(m_idx, own_fn, sent_fn=None, own=own, mixed=mixed):
-          """Runs ``own_fn`` on an own tile, ``sent_fn`` on a peer's: decided per tile only
-          in a mixed loop."""
-          if not mixed:
-            fn = own_fn if own else sent_fn
-            if fn is not None:
-              fn()
-            return
-          mine = m_idx // phase_tiles == own[0]
-          pl.when(mine)(own_fn)
-          if sent_fn is not None:
-            pl.when(jnp.logical_not(mine))(sent_fn)
-
-        def epilogue(m_idx, n_idx, wg, acc, entry=entry, at=at, when_own=when_own):
+        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at):
           row, col = at(m_idx, n_idx, wg)
+          if q == n:
+            epi.finish(acc, wg, r, row, col, peer, out_ref)
+            return
+          dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
+          epi.send(acc, wg, row, col, [dest])
 
-          def send():
-            dest = tuple(a.at[lax.rem(r + entry(m_idx)[0], n)] for a in outbox)
-            epi.send(acc, wg, row, col, [dest + ((None,) * (fp8 is None))])
-          when_own(m_idx, lambda: epi.finish(acc, wg, r, row, col, peer, out_ref), send)
+        def prefetch(m_idx, n_idx, wg, at=at):  # the own tile's first reads of the peers'
+          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
 
-        def prefetch(m_idx, n_idx, wg, at=at, when_own=when_own, mixed=mixed,
-                     p=entries[own[0]][1] if own else 0):
-          def own_tile():  # its first reads of the peers' partials
-            if mixed and sems is not None and "waits" not in skip:
-              with jax.named_scope("wait_peers"):
-                pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
-            epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
-          when_own(m_idx, own_tile)
-
-        def a_rows(m_idx, entry=entry):
-          q, _, m_chunk = entry(m_idx)
-          return [y_ref.at[pl.ds(y_row(lax.rem(r + q, n), m_chunk), t.cta_m)]]
-
-        loop.run(allocs, m=len(entries) * phase_tiles * t.cta_m, n=d, a_refs=a_rows,
-                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own else None,
+        c = lax.rem(r + q, n)
+        loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
+                 a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
+                     y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
+                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
                  first_sm=dealt % num_sms)
-        dealt += len(entries) * phase_tiles * cols
-        sent = [(q, p) for q, p in entries if q < n]
-        if sent and sems is not None and "signals" not in skip:
+        dealt += phase_tiles * cols
+        if q < n and sems is not None and "signals" not in skip:
           @pl.when(computes)
-          def _signal(sent=sent):
+          def _signal(q=q, p=p):
             with jax.named_scope("signal"):
               plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-              for q, p in sent:
-                relay(p, q, [lax.rem(r + q, n)])
+              relay(p, q, [lax.rem(r + q, n)])
 
       if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
@@ -421,14 +388,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   return kernel(y_RF, w_FD, *(received if local else ()))
 
 
-def _pick(i, values):
-  """``values[i]`` for a traced index i into a static list of ints."""
-  out = jnp.int32(values[-1])
-  for j, v in enumerate(values[:-1]):
-    out = jnp.where(i == j, v, out)
-  return out
-
-
 def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDtypeStruct]:
   """The outbox's arrays of a kernel whose chunk has ``rows`` rows of width ``d`` (the
   partials for rank c in slot c): ``[n, rows, D]`` values in the transfer dtype, or with
@@ -442,15 +401,14 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, mix: bool = False, rank=None,
-                          n=None, received=None, _skip: tuple[str, ...] = ()):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
+                          _skip: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``mix``: the peers'
-  phase p and the own phase p - 1 in one tile loop (``schedule``). Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -475,7 +433,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              mix=mix, fp8=fp8, received=received, skip=_skip)
+              fp8=fp8, received=received, skip=_skip)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

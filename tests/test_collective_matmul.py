@@ -142,11 +142,11 @@ def _partials(n, b, s, f, d, seed):
 
 
 def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
-              detect_races=False, mix=False):
+              detect_races=False):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
-                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth, mix=mix)
+                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth)
   with _interpret(detect_races):
     sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
@@ -161,27 +161,24 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s,depth,mix", [
-    (2, TILING, 2, 64, 2, False), (3, TALL, 1, 128, 2, False), (3, TALL, 1, 128, 3, False),
-    (2, TILING, 2, 64, 2, True), (3, TALL, 2, 128, 2, True)],
-    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "2_ranks_mixed",
-         "3_ranks_mixed"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, mix):
+@pytest.mark.parametrize("n,tiling,b,s,depth", [(2, TILING, 2, 64, 2), (3, TALL, 1, 128, 2),
+                                               (3, TALL, 1, 128, 3)],
+                         ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
   chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
-  ``depth`` receive slots, each refilled as soon as it is read. Mixed (``schedule``): a
-  loop of the peers' phase 1 and the own phase 0, each tile sent or finished by its row."""
+  ``depth`` receive slots, each refilled as soon as it is read."""
   f, d = 128, 128
-  if n == 2 or mix:
+  if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
-                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth, mix=mix)
+                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -195,12 +192,10 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, mix):
                        np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("n,tiling,row_tiles,mix", [
-    (1, TILING, 1, False), (2, TILING, 1, False), (3, TALL, 1, False), (2, TILING, 2, False),
-    (2, TILING, 2, True)],
-    ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases", "2_ranks_mixed"])
-def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles,
-                                                                         mix):
+@pytest.mark.parametrize("n,tiling,row_tiles", [(1, TILING, 1), (2, TILING, 1),
+                                                (3, TALL, 1), (2, TILING, 2)],
+                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases"])
+def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles):
   """The FP8 kernel encodes each partial tile as the codec does (same codes, same
   multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
   make every partial exact, so accumulation order cannot change a code. Two phases: the
@@ -216,7 +211,7 @@ def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tilin
   fp8 = dict(FP8)
   slots = (jnp.zeros((n, b * s, d), jnp.float8_e4m3fn),
            jnp.zeros((n, d // fp8["group_size"], b * s), jnp.float32))
-  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, detect_races=row_tiles == 2, mix=mix)
+  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, detect_races=row_tiles == 2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32
                       ).astype(jnp.bfloat16) for p in range(n)]
   g = fp8["group_size"]
@@ -266,11 +261,8 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
   peers' partials of phase p) comes in a later loop than its own partials of phase p for
   every peer, and the peers' phase p + 1 comes before it, so the link has work while the
   own phase computes."""
-  loops = [e for entries in matmul_rs.schedule(n, phases) for e in entries]
+  loops = matmul_rs.schedule(n, phases)
   assert sorted(loops) == sorted((q, p) for q in range(1, n + 1) for p in range(phases))
-  mixed = matmul_rs.schedule(n, phases, mix=True)
-  assert [e for entries in mixed for e in entries] == loops
-  assert all((n, p - 1) in mixed[p] and (n, p) not in mixed[p] for p in range(1, phases))
   for p in range(phases):
     own = loops.index((n, p))
     assert all(loops.index((q, p)) < own for q in range(1, n))
@@ -309,6 +301,18 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), pull_depth=4),
      "pull_depth=4 is not between 1 and 3"),
+    # the timing experiments' parts left out (``_skip``): only where they cannot hang
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=2,
+                                             received=(), _skip=("signals",)),
+     "'signals' needs 'waits' and 'release'"),
+    (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 128), jnp.bfloat16),
+                                         jnp.zeros((128, 256), jnp.bfloat16), "t",
+                                         tiling=dataclasses.replace(TILING, cluster_n=2),
+                                         num_sms=2, rank=0, local_gathered=jnp.zeros(
+                                             (1, 128, 128), jnp.bfloat16), _skip=("copy",)),
+     "_skip is for the ring schedule"),
 ])
 def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
