@@ -713,8 +713,9 @@ def measured_module() -> str:
 
 
 # the collective-matmul tables' columns, in order; a run's variants of the fused kernels
-# (`fused[phases=2]`, `fused_fp8[push=0]`, ...) come after them, as the run wrote them (the
-# tiling sweeps of `gemm` / `core` stay out: their runs' JSON has them)
+# (`fused[phases=2]`, `fused_fp8[push=0]`, ...) and the diagnostics (`gemm[skip=copy]`)
+# come after them, as the run wrote them (the tiling sweeps of `gemm` / `core` stay out:
+# their runs' JSON has them)
 CM_FUSED = ("xla", "fused", "fused_fp8")
 CM_REFERENCES = ("rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
                  "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
@@ -724,7 +725,8 @@ def _cm_columns(cases: list) -> list:
   """The variants that ran in any case of a collective-matmul run, as its table's columns."""
   ran = list(dict.fromkeys(k for c in cases for k, v in c["variants"].items() if "ms" in v))
   known = CM_FUSED + CM_REFERENCES
-  variants = [k for k in ran if k.startswith(("fused[", "fused_fp8[")) and k not in known]
+  variants = [k for k in ran if (k.startswith(("fused[", "fused_fp8[")) or "[skip=" in k)
+              and k not in known]
   return ([k for k in CM_FUSED if k in ran] + variants + [k for k in CM_REFERENCES if k in ran])
 
 
@@ -815,7 +817,14 @@ def collective_matmul_section() -> str:
       "step longer. The FP8 kernels refused some of these tiles (the all-gather's takes no "
       "columns split between its warpgroups, the reduce-scatter's encodes groups of 128 "
       "columns, one warpgroup's): those variants did not run. "
-      "Every kernel was checked against its reference before it was timed; "
+      "In `nvlink_skip*` (later on 2026-11-27) each `[skip=...]` variant leaves parts of a "
+      "kernel out, to price them, and was timed although its result is wrong by design "
+      "(`_skip` of `matmul_reduce_scatter` and `all_gather_matmul`): `waits` the own "
+      "phases' waits for the peers' signals, `release` the release at the end, `signals` "
+      "the sent loops' signals, `remote` the peers' partials (the owner reads its own "
+      "outbox: no link traffic), `copy` the all-gather's copy of its own chunk into the "
+      "gathered x (`gemm[skip=copy]`: the same on one GPU). "
+      "Every other kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
 

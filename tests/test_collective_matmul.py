@@ -349,9 +349,10 @@ def test_the_layers_pull_where_a_cluster_covers_the_row():
   assert (gemm.clusters(132, 2), gemm.clusters(8, 4), gemm.clusters(132, 1)) == (66, 2, 132)
 
 
-def test_benchmark_tiling_entries_name_their_sms():
+def test_benchmark_entries_name_their_tiles_sms_and_options():
   """bench_collective_matmul's ``--tilings`` entries: Tiling fields over a base, and the
-  SMs to run on (``sms=N``), which is no Tiling field."""
+  SMs to run on (``sms=N``), which is no Tiling field; the kernel options timed beside an
+  entry are named after both."""
   from benchmarks import bench_collective_matmul as bench
   base = gemm.Tiling(cluster_n=4)
   assert bench._tiling(base, "default") is base
@@ -359,6 +360,11 @@ def test_benchmark_tiling_entries_name_their_sms():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
+  skip = ("waits", "release")  # a diagnostic, timed unchecked
+  assert [name for *_, name in bench._options([("pull_depth", 3), ("_skip", skip)],
+                                              "stages=3")] == [
+      "stages=3+pull=3", "stages=3+skip=waits+release"]
+  assert bench.DIAGNOSTIC in "fused[skip=waits+release]"
 
 
 def test_gemm_core_in_clusters_lowers_for_hopper():
