@@ -69,7 +69,7 @@ def _ag_fp8() -> dict:
   import jax
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
-OPTION_NAMES = {"pull_depth": "pull", "_skip": "skip", "prefetch_lead": "lead"}  # a keyword's name in brackets
+OPTION_NAMES = {"pull_depth": "pull", "_skip": "skip"}  # a keyword's name in brackets
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 
 
@@ -93,10 +93,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-prefetch-lead", default="",
-                 help="comma-separated steps before a tile's matmul ends at which the plain "
-                      "reduce-scatter kernel's own tiles start reading the peers' partials "
-                      "(default: before it starts): fused[lead=L]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
                       "('waits', 'release', 'remote', or several joined by '+'), each timed "
@@ -207,8 +203,7 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
       rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
           ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x] + [
-          ("_skip", tuple(x.split("+"))) for x in args.rs_skip.split(",") if x] + [
-          ("prefetch_lead", int(x)) for x in args.rs_prefetch_lead.split(",") if x]
+          ("_skip", tuple(x.split("+"))) for x in args.rs_skip.split(",") if x]
       ag_options = [("_skip", tuple(x.split("+"))) for x in args.ag_skip.split(",") if x]
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode, rs_options, ag_options)

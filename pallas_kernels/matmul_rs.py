@@ -278,7 +278,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
-          skip=(), prefetch_lead=None):
+          skip=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -359,20 +359,12 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         def prefetch(m_idx, n_idx, wg, at=at):  # the own tile's first reads of the peers'
           epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
 
-        def prefetch_late(m_idx, n_idx, k_idx, _, prefetch=prefetch):  # ``prefetch_lead``
-          pl.when(k_idx == loop.k_iters - prefetch_lead)(
-              lambda: prefetch(m_idx, n_idx, lax.axis_index(gemm.WG)))
-
-        own = q == n
-        late = own and prefetch_lead is not None
-
         c = lax.rem(r + q, n)
         loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
                  a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
                      y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
-                 w_ref=w_ref, epilogue=epilogue,
-                 before_tile=prefetch if own and not late else None,
-                 after_mma=prefetch_late if late else None, first_sm=dealt % num_sms)
+                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
+                 first_sm=dealt % num_sms)
         dealt += phase_tiles * cols
         if q < n and sems is not None and "signals" not in skip:
           @pl.when(computes)
@@ -409,16 +401,14 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, prefetch_lead: int | None = None,
-                          rank=None, n=None, received=None, _skip: tuple[str, ...] = ()):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
+                          _skip: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``prefetch_lead``: the
-  own tile's first reads start that many contraction steps before its matmul ends
-  (default: before it starts). Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -435,10 +425,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
   phases = phases or default_phases(b * t_len // n // tiling.cta_m)
-  steps = y_BTF.shape[-1] // tiling.tile_k
-  if prefetch_lead is not None and not 1 <= prefetch_lead <= steps:
-    raise ValueError(f"matmul_reduce_scatter: prefetch_lead={prefetch_lead} is not between 1 "
-                     f"and the contraction's {steps} steps")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -447,7 +433,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              fp8=fp8, received=received, skip=_skip, prefetch_lead=prefetch_lead)
+              fp8=fp8, received=received, skip=_skip)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

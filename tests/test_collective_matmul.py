@@ -142,12 +142,11 @@ def _partials(n, b, s, f, d, seed):
 
 
 def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
-              detect_races=False, prefetch_lead=None):
+              detect_races=False):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
-                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth,
-                          prefetch_lead=prefetch_lead)
+                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth)
   with _interpret(detect_races):
     sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
@@ -162,18 +161,16 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s,depth,lead", [
-    (2, TILING, 2, 64, 2, None), (3, TALL, 1, 128, 2, None), (3, TALL, 1, 128, 3, None),
-    (2, TILING, 2, 64, 2, 1)],
-    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "2_ranks_late_reads"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, lead):
+@pytest.mark.parametrize("n,tiling,b,s,depth", [(2, TILING, 2, 64, 2), (3, TALL, 1, 128, 2),
+                                               (3, TALL, 1, 128, 3)],
+                         ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
   chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
-  ``depth`` receive slots, each refilled as soon as it is read. Late reads: an own tile's
-  first reads start in its matmul's last step (``prefetch_lead``) instead of before it."""
+  ``depth`` receive slots, each refilled as soon as it is read."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -181,8 +178,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, lead):
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
-                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth,
-                         prefetch_lead=lead)
+                         tiling, num_sms=3 if n == 2 else 2, pull_depth=depth)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -305,11 +301,6 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), pull_depth=4),
      "pull_depth=4 is not between 1 and 3"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), prefetch_lead=3),
-     "prefetch_lead=3 is not between 1 and the contraction's 2 steps"),
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
     (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
                                              jnp.zeros((128, 128), jnp.bfloat16), "t",
