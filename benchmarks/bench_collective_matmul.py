@@ -69,7 +69,6 @@ def _ag_fp8() -> dict:
   import jax
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
-OPTION_NAMES = {"pull_depth": "pull", "_skip": "skip"}  # a keyword's name in brackets
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 
 
@@ -93,6 +92,9 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
+  p.add_argument("--rs-shared-slots", default="",
+                 help="comma-separated receive slot counts to time the plain reduce-scatter "
+                      "kernel with, its stores staged in them (shared_slots): fused[shared=D]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
                       "('waits', 'release', 'remote', or several joined by '+'), each timed "
@@ -201,10 +203,7 @@ def run(args) -> dict:
         a_spec, w_spec, out_spec = P(None, "tensor"), P(None, "tensor"), P(None, None, "tensor")
       else:
         a_spec, w_spec, out_spec = P(None, None, "tensor"), P("tensor"), P(None, "tensor")
-      rs_options = [("phases", int(x)) for x in args.rs_phases.split(",") if x] + [
-          ("pull_depth", int(x)) for x in args.rs_pull_depth.split(",") if x] + [
-          ("_skip", tuple(x.split("+"))) for x in args.rs_skip.split(",") if x]
-      ag_options = [("_skip", tuple(x.split("+"))) for x in args.ag_skip.split(",") if x]
+      rs_options, ag_options = kernel_options(args)
       variants = _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms,
                            args.tilings, ag_matmul, matmul_rs, encode, rs_options, ag_options)
       case = dict(model=model, layer=layer, kind=kind, a_shape=a_shape, w_shape=w_shape,
@@ -396,9 +395,9 @@ def _rank0(kind, a, w, tp: int, sms: int, ag, rs, encode) -> dict:
 def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag, rs,
               encode, rs_options=(), ag_options=()):
   """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options`` and
-  ``ag_options``: (keyword, value) pairs, each timed as one more plain kernel of its kind,
-  ``fused[keyword=value]`` (and the all-gather's ``gemm[keyword=value]``, alone; ``phases=P``;
-  ``pull_depth`` is named ``pull``: ``OPTION_NAMES``)."""
+  ``ag_options``: (label, keyword arguments) pairs (``kernel_options``), each timed as one
+  more plain kernel of its kind, ``fused[label]`` (and the all-gather's ``gemm[label]``,
+  alone)."""
   from jax import lax
   from jax.sharding import PartitionSpec as P
   t = "tensor"
@@ -433,8 +432,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                 out_specs=(P(), gathered)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()),
                                     out_specs=(P(), gathered)), True)
-      for keyword, value, name in _options(ag_options, spec):
-        fn = functools.partial(plain, **{keyword: value})
+      for kwargs, name in _options(ag_options, spec):
+        fn = functools.partial(plain, **kwargs)
         out[f"fused[{name}]"] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec),
                                       out_specs=(out_spec, P())), False)
         out[f"gemm[{name}]"] = (smap(fn, mesh=one, in_specs=(P(), P()),
@@ -459,8 +458,8 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                  out_specs=(out_spec,)), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
-      for keyword, value, name in _options(rs_options, spec):
-        out[f"fused[{name}]"] = (smap(functools.partial(plain, **{keyword: value}),
+      for kwargs, name in _options(rs_options, spec):
+        out[f"fused[{name}]"] = (smap(functools.partial(plain, **kwargs),
                                       mesh=mesh, in_specs=(a_spec, w_spec),
                                       out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
@@ -469,13 +468,25 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
   return out
 
 
+def kernel_options(args) -> tuple[list, list]:
+  """The reduce-scatter's and the all-gather's options to time beside each ``--tilings``
+  entry: ``(label, keyword arguments)`` pairs, e.g. ``("pull=3", {"pull_depth": 3})``."""
+  def listed(flag):
+    return [x for x in getattr(args, flag).split(",") if x]
+  rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
+        + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
+        + [(f"shared={x}", dict(shared_slots=True, pull_depth=int(x)))
+           for x in listed("rs_shared_slots")]
+        + [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed("rs_skip")])
+  ag = [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed("ag_skip")]
+  return rs, ag
+
+
 def _options(options, spec: str):
-  """(keyword, value, the variant's bracketed name) of each kernel option to time beside a
-  ``--tilings`` entry, e.g. ``("pull_depth", 3, "pull=3")``."""
-  for keyword, value in options:
-    shown = "+".join(value) if isinstance(value, tuple) else value
-    label = f"{OPTION_NAMES.get(keyword, keyword)}={shown}"
-    yield keyword, value, ("" if spec == "default" else spec + "+") + label
+  """(keyword arguments, the variant's bracketed name) of each kernel option to time
+  beside a ``--tilings`` entry: the option's label after the entry's."""
+  for label, kwargs in options:
+    yield kwargs, ("" if spec == "default" else spec + "+") + label
 
 
 def _ratios(case):

@@ -31,7 +31,8 @@
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per
 #                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
-#                                                    # RS_SKIP, AG_SKIP, CORE_TILINGS e.g.
+#                                                    # RS_SKIP, AG_SKIP, RS_SHARED,
+#                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
@@ -145,7 +146,8 @@ for job in "$@"; do
         --tp 2 --layers proj,down --label rank0_rs --out-dir "$out" > "$out/rs_1gpu.log" 2>&1
       grep -iv "ptxas\|spill\|registers\|^$" "$out/rs_1gpu.log" | tail -30
       grep -i "ptxas\|spill\|registers\|stack frame" "$out/rs_1gpu.log" > "$out/rs_1gpu_ptxas.txt"
-      rm -f "$out/rs_1gpu.log"; grep -i "entry\|spill\|registers" "$out/rs_1gpu_ptxas.txt" | head -40
+      rm -f "$out/rs_1gpu.log"
+      grep -i "entry\|spill\|registers" "$out/rs_1gpu_ptxas.txt" | head -40
       timeout 240 python3 -m benchmarks.probe_rs_epilogue --label parts --out-dir "$out" ;;
     profile_rs)  # issue 15 on 2xH200: the reduce-scatter kernels' regions per warpgroup
       # (Mosaic GPU's on-device profiler), 1.3B proj and down, plain and FP8
@@ -246,9 +248,10 @@ for job in "$@"; do
       # matmul outputs kept, layers unrolled: gpt_1_3b's setting), its free-comm ideal, the
       # compressed step, the kernel layers and GSPMD; in that order, as many as the
       # deadline lets compile (2026-11-23: ~40 s each unrolled, 62-93 s the kernels scanned)
+      v=off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll
       timeout 585 python3 benchmarks/bench_train.py --label nvlink_cm_dots --layouts 1,1,2 \
-        --attention cudnn --deadline-s 520 --out-dir "$out" --variants \
-        off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll,gspmd ;;
+        --attention cudnn --deadline-s 520 --out-dir "$out" \
+        --variants "$v,off_cm_save_dots_unroll,gspmd" ;;
     cm_graphs)  # issue 15 on 2xH200 (TP=2): the kernel layers' step with no CUDA graph, with
       # graphs for all but the kernels (_fgraphs: the trainer's, step.KERNEL_XLA_OPTIONS) and
       # for the kernels too (_graphs, timing only), beside the strong step and its free-comm
@@ -309,7 +312,8 @@ for job in "$@"; do
       # free-communication ideal go (the reduce-scatter kernels, XLA's cross-GPU barrier
       # before each Mosaic GPU kernel, the collectives left to XLA), beside the plain step
       timeout 420 python3 benchmarks/profile_step.py --label nvlink_cm_dots --layouts 1,1,2 \
-        --attention cudnn --variants "${VARIANTS:-off_cm_save_dots_unroll,off_save_dots_unroll}" --steps 2 \
+        --attention cudnn --steps 2 \
+        --variants "${VARIANTS:-off_cm_save_dots_unroll,off_save_dots_unroll}" \
         --warmup 2 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
       timeout 560 python3 benchmarks/bench_train.py --label nvlink_cm --layouts "1,1,4;2,1,2" \
@@ -326,19 +330,22 @@ for job in "$@"; do
       BENCH_WATCHDOG_S=${LIMIT:-420} timeout $(( ${LIMIT:-420} + 10 )) \
         python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_dots}" --layouts 1,1,4 \
         --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 20 ))" --build-timeout-s 300 \
-        --out-dir "$out" --variants off_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll ;;
+        --out-dir "$out" \
+        --variants off_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll ;;
     cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers and GSPMD
       BENCH_WATCHDOG_S=$(( ${LIMIT:-420} - 10 )) \
-        timeout "${LIMIT:-420}" python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_dp2}" \
+        timeout "${LIMIT:-420}" python3 benchmarks/bench_train.py \
+        --label "${LABEL:-nvlink_cm_dp2}" \
         --layouts 2,1,2 --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 40 ))" \
         --build-timeout-s 240 --out-dir "$out" \
         --variants off_save_dots_unroll,gspmd,off_cm_save_dots_unroll ;;
     collective_matmul)
-      BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) python3 -m benchmarks.bench_collective_matmul \
+      BENCH_WATCHDOG_S=${CM_LIMIT:-420} timeout $(( ${CM_LIMIT:-420} + 30 )) \
+        python3 -m benchmarks.bench_collective_matmul \
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" \
         --layers "${LAYERS:-qkv,up,proj,down,qkv_dx,proj_dx}" \
         --rs-phases "${RS_PHASES:-}" --rs-pull-depth "${RS_PULL:-}" \
-        --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" \
+        --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-shared-slots "${RS_SHARED:-}" \
         --core-tilings "${CORE_TILINGS:-default}" \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
@@ -456,7 +463,8 @@ for job in "$@"; do
       # without kernels; 50 evaluations, 25 of each behind the step; LABEL names the results;
       # STEP_CHECK=N first compares N training steps fed three ways, twice each; GRAPHS
       # fusions | none | all: the kernel layers' CUDA graphs (default: the probe's, the trainer's)
-      BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals --label "${LABEL:-nvlink}" \
+      BENCH_WATCHDOG_S=410 timeout 420 python3 -m benchmarks.probe_kernel_evals \
+        --label "${LABEL:-nvlink}" \
         --steps "${STEPS:-200}" --step-check "${STEP_CHECK:-0}" ${GRAPHS:+--graphs "$GRAPHS"} \
         ${WAYS:+--ways "$WAYS"} --deadline-s "${DEADLINE:-360}" --out-dir "$out" ;;
     accuracy_dp2)  # issue 18 on 2xH200: the accuracy benchmark at DP=2, optimizer sharded,
