@@ -185,7 +185,8 @@ class _Epilogues:
         plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
                                 dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
 
-  def _reads(self):
+  @functools.cached_property
+  def _reads(self) -> list[tuple[int, int, int]]:
     """The order in which ``finish`` reads the peers' partials: ``(slab, block, j)``, the
     peers in rank order (rank ``j + (j >= r)``, this rank skipped) per ``[epi_m, epi_n]``
     block of each slab; the FP8 kernel reads a slab's codes whole (one block)."""
@@ -198,7 +199,7 @@ class _Epilogues:
   def _fetch(self, k: int, wg, r, row, col, peer):
     """Starts the TMA loads of read ``k`` (``_reads``) from the peer's partials (``peer(a,
     p)``: array a of what rank p sent this rank) into receive slot ``k % depth``."""
-    t, (i, c, j), slot = self.t, self._reads()[k], k % self.depth
+    t, (i, c, j), slot = self.t, self._reads[k], k % self.depth
     p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
     if not self.fp8:
       plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
@@ -215,7 +216,7 @@ class _Epilogues:
     tile sends nothing), once the last sent tile has been read out of them."""
     if self.fp8 or self.shared:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for k in range(min(self.depth, len(self._reads()))):
+    for k in range(min(self.depth, len(self._reads))):
       self._fetch(k, wg, r, row, col, peer)
 
   def _take(self, k: int, wg, r, row, col, peer, refill: bool = True):
@@ -231,7 +232,7 @@ class _Epilogues:
                         jnp.float32)
     else:
       got = self.s["in_values"][wg, slot].astype(jnp.float32)
-    if refill and k + self.depth < len(self._reads()):
+    if refill and k + self.depth < len(self._reads):
       plgpu.commit_smem()  # every warp has read the slot before the TMA refills it
       self._fetch(k + self.depth, wg, r, row, col, peer)
     return got
@@ -245,7 +246,7 @@ class _Epilogues:
     slots[wg, slot] = value
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(slots.at[wg, slot], dest)
-    if k + self.depth < len(self._reads()):
+    if k + self.depth < len(self._reads):
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       self._fetch(k + self.depth, wg, r, row, col, peer)
 
@@ -282,11 +283,8 @@ class _Epilogues:
         if not self.fp8:
           for k in range(block * (n - 1), last + 1):  # the peers' partials, in rank order
             v = v + self._take(k, wg, r, row, col, peer, refill=not self.shared or k < last)
-        if self.shared and n > 1:
+        if self.shared:
           self._stage_in_slot(v.astype(self.out_dtype), last, wg, r, row, col, peer, dest)
-        elif self.shared:  # no peers, no reads: the slots in turn
-          gemm.stage_out(v.astype(self.out_dtype), self.s["in_values"], wg,
-                         block % self.depth, dest, self.depth)
         else:
           gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, block % 2, dest)
 
@@ -326,7 +324,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
-                                depth=pull_depth, shared=shared_slots)
+                                depth=pull_depth, shared=shared_slots and n > 1)
 
   def body(*refs, **scratch):
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
@@ -442,7 +440,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
   blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``shared_slots`` (plain
   kernel, out_dtype y's): the epilogue stages its stores in the receive slots, which leaves
-  room for up to ``MAX_SHARED_PULL_DEPTH``. Local mode: ``rank``,
+  room for up to ``MAX_SHARED_PULL_DEPTH`` (one rank has none: it stages as without).
+  Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'

@@ -114,11 +114,13 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   runs, else the XLA collective (the module docstring)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
   tiling, sms = ag_matmul.plain_tiling(x_BSD.shape, w_DF.shape, n), gemm.num_sms()
-  misfit = lambda k: (ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, num_sms=sms)
-                      if k is None
-                      else ag_matmul.misfit(x_BSD.shape, w_DF.shape,
-                                            ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape,
-                                                                 k.group_size), k.group_size))
+
+  def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
+    if kcodec is None:
+      return ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, num_sms=sms)
+    g = kcodec.group_size
+    return ag_matmul.misfit(x_BSD.shape, w_DF.shape,
+                            ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, g), g)
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit)
   if problem is None and codec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms)
@@ -146,9 +148,13 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
                      f"is not divisible by the size {n} of axis {axis_name!r}")
   partial = jax.ShapeDtypeStruct((*y_BTF.shape[:-1], w_FD.shape[1]),
                                  jnp.result_type(y_BTF, w_FD))  # y @ w, the message
-  tiling = lambda k: matmul_rs.TILING if k is None else matmul_rs.FP8_TILING
-  misfit = lambda k: matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling(k),
-                                      k and k.group_size)
+
+  def tiling(kcodec):
+    return matmul_rs.TILING if kcodec is None else matmul_rs.FP8_TILING
+
+  def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
+    return matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling(kcodec),
+                            kcodec and kcodec.group_size)
   codec, problem = _kernel_or_xla("reduce_scatter", partial, codec, n, misfit)
   if problem is None:
     return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling(codec),
