@@ -97,8 +97,9 @@ def parse_args(argv=None):
                       "kernel with, its stores staged in them (shared_slots): fused[shared=D]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
-                      "('waits', 'release', 'remote', or several joined by '+'), each timed "
-                      "unchecked, as fused[skip=...]: what each costs (the result is wrong)")
+                      "('waits', 'release', 'signals', 'remote', or several joined by '+': "
+                      "matmul_rs's _skip), each timed unchecked, as fused[skip=...]: what "
+                      "each costs (the result is wrong)")
   p.add_argument("--ag-skip", default="",
                  help="the same for the plain all-gather kernel, fused and alone ('copy': "
                       "the own chunk's copy into the gathered x): fused[skip=copy]")
