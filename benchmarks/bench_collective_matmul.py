@@ -474,13 +474,15 @@ def kernel_options(args) -> tuple[list, list]:
   entry: ``(label, keyword arguments)`` pairs, e.g. ``("pull=3", {"pull_depth": 3})``."""
   def listed(flag):
     return [x for x in getattr(args, flag).split(",") if x]
+
+  def skips(flag):  # parts left out, joined by '+'
+    return [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed(flag)]
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"shared={x}", dict(shared_slots=True, pull_depth=int(x)))
            for x in listed("rs_shared_slots")]
-        + [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed("rs_skip")])
-  ag = [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed("ag_skip")]
-  return rs, ag
+        + skips("rs_skip"))
+  return rs, skips("ag_skip")
 
 
 def _options(options, spec: str):

@@ -713,8 +713,8 @@ def measured_module() -> str:
 
 
 # the collective-matmul tables' columns, in order; a run's variants of the fused kernels
-# (`fused[phases=2]`, `fused_fp8[push=0]`, ...) and the diagnostics (`gemm[skip=copy]`)
-# come after them, as the run wrote them (the tiling sweeps of `gemm` / `core` stay out:
+# (`fused[phases=2]`, `fused_fp8[push=0]`, ...) and the diagnostics of any kernel (marked
+# `diagnostic` by the bench, e.g. `gemm[skip=copy]`) come after them, as the run wrote them (the tiling sweeps of `gemm` / `core` stay out:
 # their runs' JSON has them)
 CM_FUSED = ("xla", "fused", "fused_fp8")
 CM_REFERENCES = ("rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
@@ -725,7 +725,8 @@ def _cm_columns(cases: list) -> list:
   """The variants that ran in any case of a collective-matmul run, as its table's columns."""
   ran = list(dict.fromkeys(k for c in cases for k, v in c["variants"].items() if "ms" in v))
   known = CM_FUSED + CM_REFERENCES
-  variants = [k for k in ran if (k.startswith(("fused[", "fused_fp8[")) or "[skip=" in k)
+  diagnostics = {k for c in cases for k, v in c["variants"].items() if "diagnostic" in v}
+  variants = [k for k in ran if (k.startswith(("fused[", "fused_fp8[")) or k in diagnostics)
               and k not in known]
   return ([k for k in CM_FUSED if k in ran] + variants + [k for k in CM_REFERENCES if k in ran])
 

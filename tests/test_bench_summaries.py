@@ -393,13 +393,13 @@ def test_profile_rs_kernel_returns_the_last_calls_traces_only(tmp_path):
 
 def test_report_collective_matmul_columns_follow_what_ran():
   """A run's variants of the fused kernels get columns after them, in the run's order;
-  the references keep their order; the diagnostics of any kernel (`[skip=...]`) too; a
+  the references keep their order; the diagnostics of any kernel (marked so) too; a
   tiling sweep of the GEMM core or of `gemm` and what did not run (no `ms`) get none."""
   from benchmarks.report import _cm_columns
   ms = {"ms": 1.0}
   cases = [dict(variants={"cublas": ms, "fused": ms, "fused[pull=3]": ms, "xla": ms,
                           "core[stages=4]": ms, "gemm": ms, "gemm[chain=0]": ms}),
            dict(variants={"fused[pull=1]": ms, "fused_fp8": {"error": "failed its check"},
-                          "gemm[skip=copy]": ms})]
+                          "gemm[skip=copy]": dict(ms, diagnostic="wrong by design")})]
   assert _cm_columns(cases) == ["xla", "fused", "fused[pull=3]", "fused[pull=1]",
                                 "gemm[skip=copy]", "gemm", "cublas"]
