@@ -263,27 +263,26 @@ def dealt(tiles: int, first_sm: int = 0):
   return loop
 
 
-def stage_out(value, out_smem, wg, slot: int, dest, slots: int = 2) -> None:
+def stage_out(value, out_smem, wg, slot: int, dest) -> None:
   """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
-  warpgroup ``wg`` (of ``slots``, used in turn: ``out_smem_type``'s two); the slot's
-  previous store must have read it."""
-  plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
+  plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   out_smem[wg, slot] = value
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
 
 
-def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling, slots: int = 2):
-  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its ``slots``
-  staging slots (``out_smem_type``'s two) to gmem ``out_ref`` from (``row``, ``col``) on,
-  one ``[epi_m, epi_n]`` sub-tile at a time: one sub-tile's TMA store overlaps the staging
-  of the next."""
+def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
+  """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
+  slots (``out_smem_type``) to gmem ``out_ref`` from (``row``, ``col``) on, one
+  ``[epi_m, epi_n]`` sub-tile at a time: one sub-tile's TMA store overlaps the staging of
+  the next."""
   t = tiling
   parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
   for k, (i, j) in enumerate(parts):
     stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
-              wg, k % slots, out_ref.at[pl.ds(row + i * t.epi_m, t.epi_m),
-                                        pl.ds(col + j * t.epi_n, t.epi_n)], slots)
+              wg, k % 2, out_ref.at[pl.ds(row + i * t.epi_m, t.epi_m),
+                                    pl.ds(col + j * t.epi_n, t.epi_n)])
 
 
 def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:

@@ -84,19 +84,13 @@ PULL_DEPTH = 2  # receive slots per warpgroup: the peers' partial blocks in flig
 # what shared memory holds beside the pipeline's three stages at the default tiles: with
 # 4 slots the kernels need 240 KB (plain) and 228 KB (FP8) of the 227 KB a block may have
 MAX_PULL_DEPTH = 3
-# with ``shared_slots`` the plain kernel's stores are staged in its receive slots: four
-# take the 208 KB that two staging and two receive slots take and hold a whole warpgroup
-# tile's partial at TP=2, all read before the matmul; five take 224 KB
-MAX_SHARED_PULL_DEPTH = 5
 
 
 def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None = None,
-           phases: int | None = None, pull_depth: int = PULL_DEPTH,
-           shared_slots: bool = False):
+           phases: int | None = None, pull_depth: int = PULL_DEPTH):
   """Why the kernel cannot take y ``[B, T, F]`` and w ``[F, D]`` over n ranks with these
   tiles (and, for the FP8 kernel, groups of ``group_size``; ``phases`` row-tile groups;
-  ``pull_depth`` receive slots, ``shared_slots``: staging in them too), or None when it
-  can."""
+  ``pull_depth`` receive slots), or None when it can."""
   b, t, f = y_shape
   if w_shape[0] != f:
     return f"y {tuple(y_shape)} and w {tuple(w_shape)} do not contract"
@@ -110,11 +104,8 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, group_size: int | None
   row_tiles = b * t // n // tiling.cta_m
   if reason is None and phases is not None and (phases < 1 or row_tiles % phases):
     return f"{phases} phases do not divide the chunk's {row_tiles} row tiles"
-  if reason is None and shared_slots and group_size is not None:
-    return "shared_slots is for the plain kernel"
-  deepest = MAX_SHARED_PULL_DEPTH if shared_slots else MAX_PULL_DEPTH
-  if reason is None and not 1 <= pull_depth <= deepest:
-    return f"pull_depth={pull_depth} is not between 1 and {deepest}"
+  if reason is None and not 1 <= pull_depth <= MAX_PULL_DEPTH:
+    return f"pull_depth={pull_depth} is not between 1 and {MAX_PULL_DEPTH}"
   return reason
 
 
@@ -142,9 +133,9 @@ class _Epilogues:
   ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
   ``finish`` this rank's tile by adding the received partials and storing the result."""
 
-  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, depth, shared, scratch):
+  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, depth, scratch):
     self.t, self.n, self.dtype, self.out_dtype = tiling, n, dtype, out_dtype
-    self.fp8, self.depth, self.shared, self.s = fp8, depth, shared, scratch
+    self.fp8, self.depth, self.s = fp8, depth, scratch
 
   def _slabs(self):
     return range(self.t.tile_m // self.t.epi_m)
@@ -162,10 +153,8 @@ class _Epilogues:
     ``[D / G, rows]``) into which this tile's partials go at (row, col)."""
     t = self.t
     if not self.fp8:
-      staging, slots = ((self.s["in_values"], self.depth) if self.shared
-                        else (self.s["out_smem"], 2))
       for values, _ in dests:
-        gemm.store_tiles(acc.astype(self.dtype), staging, values, row, col, wg, t, slots)
+        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], values, row, col, wg, t)
       return
     codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
     slabs = len(self._slabs())
@@ -214,14 +203,14 @@ class _Epilogues:
     """Before this rank's own tile is computed: the loads of its first ``depth`` reads, so
     that they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own
     tile sends nothing), once the last sent tile has been read out of them."""
-    if self.fp8 or self.shared:
+    if self.fp8:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for k in range(min(self.depth, len(self._reads))):
       self._fetch(k, wg, r, row, col, peer)
 
-  def _take(self, k: int, wg, r, row, col, peer, refill: bool = True):
+  def _take(self, k: int, wg, r, row, col, peer):
     """Read ``k``'s partial in fp32, once its loads have landed; its slot is refilled with
-    read k + depth (``refill``; else by ``_stage_in_slot``)."""
+    read k + depth."""
     slot = k % self.depth
     with jax.named_scope("wait_read"):
       plgpu.barrier_wait(self._barrier(wg, slot, 0))
@@ -232,23 +221,10 @@ class _Epilogues:
                         jnp.float32)
     else:
       got = self.s["in_values"][wg, slot].astype(jnp.float32)
-    if refill and k + self.depth < len(self._reads):
+    if k + self.depth < len(self._reads):
       plgpu.commit_smem()  # every warp has read the slot before the TMA refills it
       self._fetch(k + self.depth, wg, r, row, col, peer)
     return got
-
-  def _stage_in_slot(self, value, k: int, wg, r, row, col, peer, dest):
-    """Stores ``value`` to ``dest`` through the receive slot read ``k`` came in (``shared``),
-    once every warp has read that partial; the slot takes read k + depth once the store has
-    read it out."""
-    slot, slots = k % self.depth, self.s["in_values"]
-    plgpu.commit_smem()  # every warp has read the slot's partial
-    slots[wg, slot] = value
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(slots.at[wg, slot], dest)
-    if k + self.depth < len(self._reads):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      self._fetch(k + self.depth, wg, r, row, col, peer)
 
   def _fp8_sums(self, acc, wg, r, row, col, peer):
     """Per slab, the n decoded partials (this rank's own, encoded and decoded as sent)
@@ -278,22 +254,17 @@ class _Epilogues:
       rows = pl.ds(row + i * t.epi_m, t.epi_m)
       for c in range(cols):
         v, block = slab[:, c * t.epi_n:(c + 1) * t.epi_n], i * cols + c
-        dest = out_ref.at[rows, pl.ds(col + c * t.epi_n, t.epi_n)]
-        last = block * (n - 1) + n - 2  # the block's last read
         if not self.fp8:
-          for k in range(block * (n - 1), last + 1):  # the peers' partials, in rank order
-            v = v + self._take(k, wg, r, row, col, peer, refill=not self.shared or k < last)
-        if self.shared:
-          self._stage_in_slot(v.astype(self.out_dtype), last, wg, r, row, col, peer, dest)
-        else:
-          gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, block % 2, dest)
+          for j in range(n - 1):  # the peers' partials, in rank order
+            v = v + self._take(block * (n - 1) + j, wg, r, row, col, peer)
+        gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, block % 2,
+                       out_ref.at[rows, pl.ds(col + c * t.epi_n, t.epi_n)])
 
   def scratch_types(self) -> dict:
     t, wgs, depth = self.t, gemm.COMPUTE_WGS, self.depth
-    # per warpgroup and receive slot: values or codes, and multipliers
-    out = dict(in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
-    if not self.shared:
-      out.update(out_smem=gemm.out_smem_type(t, self.out_dtype))
+    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
+               # per warpgroup and receive slot: values or codes, and multipliers
+               in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
     if self.fp8:  # the send slots (two) are receive slots too
       codes_dtype, slots = jnp.dtype(self.fp8["codes_dtype"]), max(2, depth)
       out.update(
@@ -307,8 +278,8 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, shared_slots: bool,
-          fp8=None, received=None, skip=()):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
+          skip=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -324,7 +295,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
-                                depth=pull_depth, shared=shared_slots and n > 1)
+                                depth=pull_depth)
 
   def body(*refs, **scratch):
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
@@ -431,17 +402,14 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, shared_slots: bool = False,
-                          rank=None, n=None, received=None, _skip: tuple[str, ...] = ()):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
+                          _skip: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``shared_slots`` (plain
-  kernel, out_dtype y's): the epilogue stages its stores in the receive slots, which leaves
-  room for up to ``MAX_SHARED_PULL_DEPTH`` (one rank has none: it stages as without).
-  Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -453,9 +421,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
   reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases,
-                  pull_depth, shared_slots)
-  if reason is None and shared_slots and jnp.dtype(out_dtype or y_BTF.dtype) != y_BTF.dtype:
-    reason = "shared_slots stages the output in the receive slots: out_dtype must be y's"
+                  pull_depth)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
@@ -468,7 +434,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              shared_slots=shared_slots, fp8=fp8, received=received, skip=_skip)
+              fp8=fp8, received=received, skip=_skip)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result
