@@ -12,7 +12,6 @@ count), the same random inputs go through:
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
   ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
   peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
-  ``fused[defer]`` (``--rs-defer``): each sent loop signalled after the next loop;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -93,9 +92,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-defer", action="store_true",
-                 help="time the plain reduce-scatter kernel with each sent loop's signal "
-                      "given after the next loop too (defer_signals): fused[defer]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
                       "('waits', 'release', 'signals', 'remote', or several joined by '+': "
@@ -480,7 +476,6 @@ def kernel_options(args) -> tuple[list, list]:
     return [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed(flag)]
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
-        + [("defer", dict(defer_signals=True))] * args.rs_defer
         + skips("rs_skip"))
   return rs, skips("ag_skip")
 

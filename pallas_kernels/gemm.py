@@ -256,21 +256,11 @@ def dealt(tiles: int, first_sm: int = 0):
   the remainder of every loop: at a tile count just above a multiple of the SMs, that
   remainder would make every loop take one more wave."""
   def loop(body):
-    sms, place, count = _deal(tiles, first_sm)
+    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+    place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
+    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
     lax.fori_loop(0, count, lambda i, _: body(i * sms + place, i, count), None)
   return loop
-
-
-def share(tiles: int, first_sm: int = 0):
-  """How many of ``tiles`` tiles, dealt as ``dealt`` deals them, this SM takes."""
-  return _deal(tiles, first_sm)[2]
-
-
-def _deal(tiles: int, first_sm: int):
-  """The SM count, this SM's place in the deal and its share of the tiles."""
-  sms, sm = lax.axis_size(SM), lax.axis_index(SM)
-  place = lax.rem(sm + (sms - first_sm % sms), sms)
-  return sms, place, tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
 
 
 def stage_out(value, out_smem, wg, slot: int, dest) -> None:

@@ -128,19 +128,6 @@ def schedule(n: int, phases: int) -> list[tuple[int, int]]:
   return order
 
 
-def signal_points(n: int, order: list[tuple[int, int]], defer: bool) -> list[list]:
-  """After each loop of ``order`` (``schedule``, over n ranks), the sent loops ``(q, p)``
-  whose signals go then: each right after itself, or with ``defer`` after the next loop,
-  when its stores have long landed, unless that next loop is the own phase p, which waits
-  for them."""
-  after = [[] for _ in order]
-  for i, (q, p) in enumerate(order):
-    if q < n:
-      waited_next = i + 1 == len(order) or order[i + 1] == (n, p)
-      after[i if not defer or waited_next else i + 1].append((q, p))
-  return after
-
-
 class _Epilogues:
   """What each compute warpgroup does with its fp32 ``[tile_m, tile_n]`` accumulator:
   ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
@@ -152,14 +139,6 @@ class _Epilogues:
 
   def _slabs(self):
     return range(self.t.tile_m // self.t.epi_m)
-
-  def stores(self, own: bool) -> int:
-    """The TMA stores (bulk groups) a tile's epilogue issues: ``finish`` (own) or ``send``
-    to one destination."""
-    t = self.t
-    if self.fp8 and not own:
-      return 2 * len(self._slabs())  # codes and multipliers per slab
-    return len(self._slabs()) * (t.tile_n // t.epi_n)
 
   def _encode(self, x):
     """A slab's partials as the reference sends them: in the transfer dtype, encoded."""
@@ -299,8 +278,8 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, defer_signals: bool,
-          fp8=None, received=None, skip=()):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
+          skip=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -361,9 +340,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     def _scope(allocs):
       computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
-      order = schedule(n, phases)
-      points = signal_points(n, order, defer_signals)
-      for i, (q, p) in enumerate(order):
+      for q, p in schedule(n, phases):
         if q == n and sems is not None and "waits" not in skip:  # the peers' phase p is written
           with jax.named_scope("wait_peers"):
             pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
@@ -389,22 +366,13 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                      y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                  w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
                  first_sm=dealt % num_sms)
-        took = gemm.share(phase_tiles * cols, dealt % num_sms) > 0  # a tile of this loop
         dealt += phase_tiles * cols
-        if points[i] and sems is not None and "signals" not in skip:
+        if q < n and sems is not None and "signals" not in skip:
           @pl.when(computes)
-          def _signal(sent=points[i], deferred=(q, p) not in points[i], took=took,
-                      newer=epi.stores(q == n)):
+          def _signal(q=q, p=p):
             with jax.named_scope("signal"):
-              # the stores are local: they land at once. Those of a loop signalled one loop
-              # late are older than this loop's last tile's, which need not have landed
-              if deferred:
-                pl.when(took)(lambda: plgpu.wait_smem_to_gmem(newer))
-                pl.when(~took)(lambda: plgpu.wait_smem_to_gmem(0))
-              else:
-                plgpu.wait_smem_to_gmem(0)
-              for q_sent, p_sent in sent:
-                relay(p_sent, q_sent, [lax.rem(r + q_sent, n)])
+              plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
+              relay(p, q, [lax.rem(r + q, n)])
 
       if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
@@ -434,15 +402,14 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, defer_signals: bool = False,
-                          rank=None, n=None, received=None, _skip: tuple[str, ...] = ()):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
+                          _skip: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``defer_signals``: a sent
-  loop's signal goes after the next loop (``signal_points``). Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -467,7 +434,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              defer_signals=defer_signals, fp8=fp8, received=received, skip=_skip)
+              fp8=fp8, received=received, skip=_skip)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -272,21 +272,6 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
       assert all(loops.index((q, p + 1)) < own for q in range(1, n))
 
 
-@pytest.mark.parametrize("n,phases", [(2, 1), (2, 4), (3, 2), (4, 3)])
-@pytest.mark.parametrize("defer", [False, True])
-def test_reduce_scatter_signals_each_sent_loop_once_before_it_is_waited_for(n, phases, defer):
-  """Every sent loop is signalled once, after itself or (``defer``) after the loop that
-  follows it, and always before the own loop of its phase, which waits for it."""
-  order = matmul_rs.schedule(n, phases)
-  points = matmul_rs.signal_points(n, order, defer)
-  given = {sent: i for i, after in enumerate(points) for sent in after}
-  assert sorted(given) == sorted(loop for loop in order if loop[0] < n)
-  assert sum(map(len, points)) == len(given)  # none twice
-  for sent, i in given.items():
-    assert i == order.index(sent) + (defer and order[order.index(sent) + 1] != (n, sent[1]))
-    assert i < order.index((n, sent[1]))
-
-
 @pytest.mark.parametrize("call, match", [
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 100), jnp.bfloat16),
                                          jnp.zeros((100, 128), jnp.bfloat16), "t",
@@ -377,11 +362,11 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
-  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-defer", "--rs-skip",
-                           "waits+release", "--ag-skip", "copy"])
+  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-skip", "waits+release",
+                           "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
-      ({"pull_depth": 3}, "stages=3+pull=3"), ({"defer_signals": True}, "stages=3+defer"),
+      ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
