@@ -92,10 +92,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-movers", default="",
-                 help="comma-separated mover SM counts to time the plain reduce-scatter "
-                      "kernel with (movers: SMs that copy the peers' partials into a local "
-                      "inbox instead of computing): fused[movers=M]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
                       "('waits', 'release', 'signals', 'remote', or several joined by '+': "
@@ -480,7 +476,6 @@ def kernel_options(args) -> tuple[list, list]:
     return [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed(flag)]
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
-        + [(f"movers={x}", dict(movers=int(x))) for x in listed("rs_movers")]
         + skips("rs_skip"))
   return rs, skips("ag_skip")
 

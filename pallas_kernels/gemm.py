@@ -188,20 +188,19 @@ class TileLoop:
 
   def run(self, allocs, *, m: int, n: int, a_refs: Callable, w_ref, epilogue: Callable,
           decode: Callable | None = None, after_mma: Callable | None = None,
-          before_tile: Callable | None = None, acc_dtype=jnp.float32, first_sm: int = 0,
-          sms: int | None = None):
+          before_tile: Callable | None = None, acc_dtype=jnp.float32, first_sm: int = 0):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
     compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator. The tiles are dealt to the
-    first ``sms`` SMs (default all) from ``first_sm`` on (``dealt``); with clusters, the rows of ``cluster_n``
+    SMs from ``first_sm`` on (``dealt``); with clusters, the rows of ``cluster_n``
     neighbouring tiles to the clusters, whose CTAs take one tile each."""
     t = self.t
     grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
     tiles = grid[0] * grid[1]
-    chained = self.chains(tiles, sms or lax.axis_size(SM))
+    chained = self.chains(tiles, lax.axis_size(SM))
 
-    @dealt(tiles, first_sm, sms)
+    @dealt(tiles, first_sm)
     def _tile(idx, i, count):
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
       if t.cluster_n > 1:
@@ -249,20 +248,18 @@ class TileLoop:
         pl.when(when)(functools.partial(pipeline, *refs, w_block, allocations=allocs))
 
 
-def dealt(tiles: int, first_sm: int = 0, sms: int | None = None):
-  """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the first
-  ``sms`` SMs (default all; the others take none) from SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
+def dealt(tiles: int, first_sm: int = 0):
+  """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
+  SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
   the share's size. A kernel that runs several loops one after the other (the
   reduce-scatter's phases) starts each where the last one's deal ended, so that no SM takes
   the remainder of every loop: at a tile count just above a multiple of the SMs, that
   remainder would make every loop take one more wave."""
   def loop(body):
-    width, sm = sms or lax.axis_size(SM), lax.axis_index(SM)
-    place = lax.rem(sm + (width - first_sm % width), width)  # this SM's place in the deal
-    count = tiles // width + lax.convert_element_type(place < tiles % width, place.dtype)
-    if sms is not None:
-      count = jnp.where(sm < width, count, 0)
-    lax.fori_loop(0, count, lambda i, _: body(i * width + place, i, count), None)
+    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+    place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
+    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
+    lax.fori_loop(0, count, lambda i, _: body(i * sms + place, i, count), None)
   return loop
 
 

@@ -278,8 +278,8 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, movers: int = 0, fp8=None,
-          received=None, skip=()):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
+          skip=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -293,31 +293,23 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                        w_FD.dtype, f)
   slot_types = slot_shapes(n, out_rows, d, dtype, fp8 and dict(fp8, group_size=t.tile_n))
   n_slots = len(slot_types)
-  computing = num_sms - movers  # the SMs that compute tiles; the others move partials
-  signals = computing * gemm.COMPUTE_WGS  # every compute warpgroup of every such SM sends
+  signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
                                 depth=pull_depth)
 
   def body(*refs, **scratch):
-    (y_ref, w_ref), received_refs, (out_ref,), outbox, inbox = gemm.split_refs(
-        refs, 2, n_slots if local else 0, 1, n_slots, 1 if movers else 0)
+    (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
+        refs, 2, n_slots if local else 0, 1, n_slots)
     # per phase and for the release at the end: the peers' relayed signals, then the counts
-    # of this rank's own warpgroups (``relay``); with movers, per phase their counts
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local,
-                                       2 * (phases + 1) + phases * bool(movers))
-    moved = 2 * (phases + 1)  # the movers' count of phase p: sems.at[moved + p]
+    # of this rank's own warpgroups (``relay``)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
 
-    def sent_to_me(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
-      return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
-
-    def peer(a, p):  # where this rank's epilogue reads what rank p sent it
+    def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
         return received_refs[a].at[p]
       if "remote" in skip:
         return outbox[a].at[r]
-      if movers:
-        return inbox[0].at[p]
-      return sent_to_me(a, p)
+      return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
     epi = epilogues(scratch=scratch)
     phase_tiles = out_rows // t.cta_m // phases
     cols = d // t.cta_n
@@ -343,17 +335,15 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         for owner in owners:
           pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
 
-    def _loops(allocs):
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
+                       collective_axes=gemm.WG)
+    def _scope(allocs):
       computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
       dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
       for q, p in schedule(n, phases):
         if q == n and sems is not None and "waits" not in skip:  # the peers' phase p is written
           with jax.named_scope("wait_peers"):
-            if movers:  # ... and moved into the inbox
-              plgpu.semaphore_wait(sems.at[moved + p], value=movers, decrement=False,
-                                   memory_scope="gpu")
-            else:
-              pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
+            pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
 
         def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
           row0, col0 = t.wg_offsets(wg)
@@ -375,7 +365,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
                      y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                  w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
-                 first_sm=dealt % computing, sms=computing if movers else None)
+                 first_sm=dealt % num_sms)
         dealt += phase_tiles * cols
         if q < n and sems is not None and "signals" not in skip:
           @pl.when(computes)
@@ -390,79 +380,13 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           with jax.named_scope("release"):
             relay(phases, 1, [lax.rem(r + q, n) for q in range(1, n)])
             pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
-
-    allocs = loop.allocations(y_ref, w_ref)
-    if not movers:
-      pl.run_scoped(_loops, allocs=allocs, collective_axes=gemm.WG)
-    else:
-      sm = lax.axis_index(gemm.SM)
-      pl.when(sm < computing)(
-          lambda: pl.run_scoped(_loops, allocs=allocs, collective_axes=gemm.WG))
-      pl.when(sm >= computing)(lambda: _move_partials(
-          n=n, r=r, phases=phases, rows=out_rows // phases, d=d, dtype=dtype, movers=movers,
-          mover=sm - computing, sems=sems, moved=moved, src=sent_to_me, dst=inbox[0]))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
-  if movers:
-    out_type.append(jax.ShapeDtypeStruct((n, out_rows, d), dtype))  # the inbox
   kernel = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms,
                        scratch_types=epilogues(scratch=None).scratch_types(),
                        name=f"taco_matmul_reduce_scatter{'_fp8' if fp8 else ''}_{n}")
   return kernel(y_RF, w_FD, *(received if local else ()))
-
-
-MOVE_BLOCK = (128, 128)  # the rows and columns of a partial a mover copies at once
-MOVE_SLOTS = 4  # a mover's blocks in flight (shared memory: 128 KB, below the pipeline's)
-
-
-def _move_partials(*, n: int, r, phases: int, rows: int, d: int, dtype, movers: int, mover,
-                   sems, moved: int, src, dst):
-  """A mover SM's part of the exchange (``movers``): for each phase (``rows`` rows of the
-  chunk), once the peers' partials are written (their relayed signal), it copies its share
-  of each peer's ``MOVE_BLOCK`` blocks (block ``mover``, ``mover + movers``, ...) from the
-  peer's outbox (``src(0, p)``) into this rank's inbox (``dst[p]``), ``MOVE_SLOTS`` in
-  flight, and counts on ``sems[moved + p]`` once they have landed."""
-  bm, bn = MOVE_BLOCK
-  per_peer = (rows // bm) * (d // bn)
-  count = per_peer // movers + lax.convert_element_type(mover < per_peer % movers, jnp.int32)
-
-  @functools.partial(pl.run_scoped, slots=plgpu.SMEM((MOVE_SLOTS, bm, bn), dtype),
-                     landed=plgpu.Barrier(num_barriers=MOVE_SLOTS), collective_axes=gemm.WG)
-  def _scoped(slots, landed):
-    @pl.when(lax.axis_index(gemm.WG) == 0)
-    def _issue():
-      for ph in range(phases):
-        with jax.named_scope("wait_peers"):
-          pl.semaphore_wait(sems.at[ph], value=n - 1, decrement=False)
-        for j in range(n - 1):  # the peers in rank order; the peer id must be static per copy
-          p = j + (r <= j)
-
-          def part(ref, i, ph=ph):  # this mover's i-th block of the phase in ``ref``
-            b = mover + i * movers
-            return ref.at[pl.ds(ph * rows + (b // (d // bn)) * bm, bm),
-                          pl.ds(lax.rem(b, d // bn) * bn, bn)]
-
-          def load(i, p=p, part=part):
-            slot = lax.rem(i, MOVE_SLOTS)
-            plgpu.copy_gmem_to_smem(part(src(0, p), i), slots.at[slot], landed.at[slot])
-
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last peer's stores read out
-          for i in range(MOVE_SLOTS):
-            pl.when(i < count)(functools.partial(load, i))
-
-          def step(i, _, p=p, part=part, load=load):
-            slot = lax.rem(i, MOVE_SLOTS)
-            plgpu.barrier_wait(landed.at[slot])
-            plgpu.copy_smem_to_gmem(slots.at[slot], part(dst.at[p], i))
-
-            @pl.when(i + MOVE_SLOTS < count)
-            def _refill():
-              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              load(i + MOVE_SLOTS)
-          lax.fori_loop(0, count, step, None)
-        plgpu.wait_smem_to_gmem(0)  # landed, before the count publishes them
-        plgpu.semaphore_signal(sems.at[moved + ph], memory_scope="gpu")
 
 
 def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDtypeStruct]:
@@ -478,17 +402,14 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, movers: int = 0, rank=None, n=None,
-                          received=None, _skip: tuple[str, ...] = ()):
+                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
+                          _skip: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``movers`` (plain kernel,
-  an experiment): that many SMs compute no tile and copy the peers' partials into a local
-  inbox as each phase is written, from which the owners read them (``_move_partials``).
-  Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -505,10 +426,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
   phases = phases or default_phases(b * t_len // n // tiling.cta_m)
-  if movers and (fp8 is not None or received is not None or n < 2
-                 or not 0 < movers < num_sms or (b * t_len // n // phases) % MOVE_BLOCK[0] or w_FD.shape[1] % MOVE_BLOCK[1]):
-    raise ValueError(f"matmul_reduce_scatter: movers={movers} need the plain kernel, peers, "
-                     f"fewer than num_sms={num_sms} and phases of {MOVE_BLOCK} blocks")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -517,7 +434,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              movers=movers, fp8=fp8, received=received, skip=_skip)
+              fp8=fp8, received=received, skip=_skip)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result
