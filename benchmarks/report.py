@@ -825,6 +825,10 @@ def collective_matmul_section() -> str:
       "the sent loops' signals, `remote` the peers' partials (the owner reads its own "
       "outbox: no link traffic), `copy` the all-gather's copy of its own chunk into the "
       "gathered x (`gemm[skip=copy]`: the same on one GPU). "
+      "In `nvlink_probe*` each `[probe=...]` variant (`_probe` of `matmul_reduce_scatter`, "
+      "results right) makes every sent tile read and drop partials as an own tile reads "
+      "them: `sent_reads` its first two blocks from the peer, `sent_local_reads` the same "
+      "from its own GPU, `sent_all_reads` all four, the slots refilled as they empty. "
       "Every other kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 

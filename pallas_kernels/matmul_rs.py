@@ -208,6 +208,16 @@ class _Epilogues:
     for k in range(min(self.depth, len(self._reads))):
       self._fetch(k, wg, r, row, col, peer)
 
+  def discard(self, wg, r, row, col, peer, every: bool):
+    """Waits for the loads a sent tile's ``prefetch`` started (``_probe``), unread; with
+    ``every``, for all of an own tile's reads, each slot refilled as ``finish`` does."""
+    if every:
+      for k in range(len(self._reads)):
+        self._take(k, wg, r, row, col, peer)
+      return
+    for k in range(min(self.depth, len(self._reads))):
+      plgpu.barrier_wait(self._barrier(wg, k % self.depth, 0))
+
   def _take(self, k: int, wg, r, row, col, peer):
     """Read ``k``'s partial in fp32, once its loads have landed; its slot is refilled with
     read k + depth."""
@@ -279,7 +289,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
-          skip=()):
+          skip=(), probe=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -310,6 +320,9 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       if "remote" in skip:
         return outbox[a].at[r]
       return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
+
+    def probed(a, p):  # where a sent tile's probe reads (``_probe``)
+      return outbox[a].at[r] if "sent_local_reads" in probe else peer(a, p)
     epi = epilogues(scratch=scratch)
     phase_tiles = out_rows // t.cta_m // phases
     cols = d // t.cta_n
@@ -356,15 +369,18 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             return
           dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
           epi.send(acc, wg, row, col, [dest])
+          if probe:
+            epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
 
-        def prefetch(m_idx, n_idx, wg, at=at):  # the own tile's first reads of the peers'
-          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
+        def prefetch(m_idx, n_idx, wg, at=at, q=q):  # the own tile's first reads of the peers'
+          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if q == n else probed)
 
         c = lax.rem(r + q, n)
         loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
                  a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
                      y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
-                 w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if q == n else None,
+                 w_ref=w_ref, epilogue=epilogue,
+                 before_tile=prefetch if q == n or probe else None,
                  first_sm=dealt % num_sms)
         dealt += phase_tiles * cols
         if q < n and sems is not None and "signals" not in skip:
@@ -403,7 +419,7 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
-                          _skip: tuple[str, ...] = ()):
+                          _skip: tuple[str, ...] = (), _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -416,7 +432,11 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   signals, ``"release"`` the release at the end, ``"signals"`` the sent loops' signals (with
   ``"waits"`` and ``"release"`` only: else the peers wait for them forever), ``"remote"``
   reads this GPU's own outbox instead of the peers' (what the link and the synchronization
-  each cost)."""
+  each cost). ``_probe`` (plain kernel; the result stays right): ``"sent_reads"`` makes
+  each sent tile read its first partial blocks from the peers as an own tile does, and wait
+  for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
+  ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
+  remote reads cost the tiles beside them)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -426,6 +446,10 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
   phases = phases or default_phases(b * t_len // n // tiling.cta_m)
+  if _probe and (fp8 is not None or n < 2
+                 or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
+    raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
+                     f"peers")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -434,7 +458,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              fp8=fp8, received=received, skip=_skip)
+              fp8=fp8, received=received, skip=_skip, probe=_probe)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -142,11 +142,11 @@ def _partials(n, b, s, f, d, seed):
 
 
 def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
-              detect_races=False):
+              detect_races=False, probe=()):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
-                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth)
+                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth, _probe=probe)
   with _interpret(detect_races):
     sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
@@ -161,17 +161,19 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s,depth", [(2, TILING, 2, 64, 2), (3, TALL, 1, 128, 2),
-                                               (3, TALL, 1, 128, 3)],
-                         ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
+@pytest.mark.parametrize("n,tiling,b,s,depth,probe", [
+    (2, TILING, 2, 64, 2, ()), (3, TALL, 1, 128, 2, ()), (3, TALL, 1, 128, 3, ()),
+    (3, TALL, 1, 128, 2, ("sent_all_reads",))],
+    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, probe):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
   chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
-  detector)."""
+  detector). Probed (``_probe``, a timing tool), every sent tile reads and drops what an own
+  tile reads, through the same slots: the results do not change."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -180,7 +182,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth):
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
                          tiling, num_sms=3 if n == 2 else 2, pull_depth=depth,
-                         detect_races=depth == 3)
+                         detect_races=depth == 3, probe=probe)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -303,6 +305,11 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), pull_depth=4),
      "pull_depth=4 is not between 1 and 3"),
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=2,
+                                             received=(), _probe=("sent_writes",)),
+     "_probe .* is for the plain kernel with peers"),
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
     (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
                                              jnp.zeros((128, 128), jnp.bfloat16), "t",
@@ -362,11 +369,12 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
-  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-skip", "waits+release",
-                           "--ag-skip", "copy"])
+  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-skip",
+                           "waits+release", "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
       ({"pull_depth": 3}, "stages=3+pull=3"),
+      ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
