@@ -97,8 +97,8 @@ def parse_args(argv=None):
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
-                      "_probe), timed and "
-                      "checked as fused[probe=...]: what remote reads cost the tiles beside them")
+                      "_probe), each timed and checked as fused[probe=...]: what remote "
+                      "reads cost the tiles beside them")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the plain reduce-scatter kernel to leave out "
                       "('waits', 'release', 'signals', 'remote', or several joined by '+': "

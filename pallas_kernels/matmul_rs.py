@@ -372,7 +372,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           if probe:
             epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
 
-        def prefetch(m_idx, n_idx, wg, at=at, q=q):  # the own tile's first reads of the peers'
+        def prefetch(m_idx, n_idx, wg, at=at, q=q):  # an own (or probed) tile's first reads
           epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if q == n else probed)
 
         c = lax.rem(r + q, n)
