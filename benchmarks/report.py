@@ -714,8 +714,8 @@ def measured_module() -> str:
 
 # the collective-matmul tables' columns, in order; a run's variants of the fused kernels
 # (`fused[phases=2]`, `fused_fp8[push=0]`, ...) and the diagnostics of any kernel (marked
-# `diagnostic` by the bench, e.g. `gemm[skip=copy]`) come after them, as the run wrote them (the tiling sweeps of `gemm` / `core` stay out:
-# their runs' JSON has them)
+# `diagnostic` by the bench, e.g. `gemm[skip=copy]`) come after them, as the run wrote
+# them (the tiling sweeps of `gemm` / `core` stay out: their runs' JSON has them)
 CM_FUSED = ("xla", "fused", "fused_fp8")
 CM_REFERENCES = ("rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
                  "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
