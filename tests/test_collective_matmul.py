@@ -142,11 +142,11 @@ def _partials(n, b, s, f, d, seed):
 
 
 def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
-              detect_races=False, probe=()):
+              detect_races=False, **options):
   """Runs every rank twice in local mode: first to collect what each sends to whom, then
   with the partials its peers sent it. Returns each rank's output and what it sent."""
   run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=tiling,
-                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth, _probe=probe)
+                          num_sms=num_sms, n=n, fp8=fp8, pull_depth=pull_depth, **options)
   with _interpret(detect_races):
     sent = [run(ys[p], ws[p], rank=p, received=slots)[1] for p in range(n)]
     outs = []
@@ -161,11 +161,13 @@ def _exchange(n, fp8, ys, ws, slots, tiling=TILING, num_sms=1, pull_depth=2,
 TALL = dataclasses.replace(TILING, tile_m=128)
 
 
-@pytest.mark.parametrize("n,tiling,b,s,depth,probe", [
-    (2, TILING, 2, 64, 2, ()), (3, TALL, 1, 128, 2, ()), (3, TALL, 1, 128, 3, ()),
-    (3, TALL, 1, 128, 2, ("sent_all_reads",))],
-    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
-def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, probe):
+@pytest.mark.parametrize("n,tiling,b,s,depth,options", [
+    (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 2, {}), (3, TALL, 1, 128, 3, {}),
+    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",))),
+    (2, TALL, 1, 256, 2, dict(register_reads=True))],
+    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed",
+         "2_ranks_tall_register_reads"])
+def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
   chunk, which the schedule runs as two phases of one tile each, dealt by three SMs
@@ -173,7 +175,8 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, probe):
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
   detector). Probed (``_probe``, a timing tool), every sent tile reads and drops what an own
-  tile reads, through the same slots: the results do not change."""
+  tile reads, through the same slots: the results do not change. ``register_reads``: an own
+  tile's four partial sub-tiles loaded into registers before its matmul."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -182,7 +185,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, probe):
            for p in range(n)]
   outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
                          tiling, num_sms=3 if n == 2 else 2, pull_depth=depth,
-                         detect_races=depth == 3, probe=probe)
+                         detect_races=depth == 3, **options)
   for r in range(n):
     chunk = slice(r * s, (r + 1) * s)
     want = sum(p[:, chunk].astype(jnp.bfloat16).astype(jnp.float32) for p in parts)
@@ -310,6 +313,11 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                              tiling=TILING, num_sms=1, rank=0, n=2,
                                              received=(), _probe=("sent_writes",)),
      "_probe .* is for the plain kernel with peers"),
+    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 384, 128), jnp.bfloat16),
+                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
+                                             tiling=TILING, num_sms=1, rank=0, n=3,
+                                             received=(), register_reads=True),
+     "register_reads is for the plain kernel at two ranks"),
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
     (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
                                              jnp.zeros((128, 128), jnp.bfloat16), "t",
@@ -369,11 +377,11 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
-  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-skip",
-                           "waits+release", "--ag-skip", "copy"])
+  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-register-reads", "--rs-probe",
+                           "sent_reads", "--rs-skip", "waits+release", "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
-      ({"pull_depth": 3}, "stages=3+pull=3"),
+      ({"pull_depth": 3}, "stages=3+pull=3"), ({"register_reads": True}, "stages=3+registers"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
