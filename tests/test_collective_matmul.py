@@ -163,9 +163,9 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 2, {}), (3, TALL, 1, 128, 3, {}),
-    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",))),
+    (2, TALL, 1, 256, 2, dict(_probe=("sent_all_reads",))),
     (2, TALL, 1, 256, 2, dict(register_reads=True))],
-    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed",
+    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "2_ranks_tall_probed",
          "2_ranks_tall_register_reads"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
