@@ -162,10 +162,10 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
-    (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 2, {}), (3, TALL, 1, 128, 3, {}),
-    (2, TALL, 1, 256, 2, dict(_probe=("sent_all_reads",))),
+    (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 3, {}),
+    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",))),
     (2, TALL, 1, 256, 2, dict(register_reads=True))],
-    ids=["2_ranks", "3_ranks_tall", "3_ranks_tall_pull_depth_3", "2_ranks_tall_probed",
+    ids=["2_ranks", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed",
          "2_ranks_tall_register_reads"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
@@ -174,8 +174,9 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
-  detector). Probed (``_probe``, a timing tool), every sent tile reads and drops what an own
-  tile reads, through the same slots: the results do not change. ``register_reads``: an own
+  detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
+  also reads and drops what an own tile reads, through the same slots: the results do not
+  change. ``register_reads``: an own
   tile's four partial sub-tiles loaded into registers before its matmul."""
   f, d = 128, 128
   if n == 2:
