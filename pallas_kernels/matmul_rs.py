@@ -224,10 +224,9 @@ class _Epilogues:
                             optimized=False))
     return out
 
-  def _from_registers(self, value, k: int, wg):
-    """Read ``k``'s partial, loaded ahead, in fp32 in the accumulator's layout: through a
-    receive slot (the warpgroup's previous read of it is done: ``commit_smem`` syncs)."""
-    del k
+  def _from_registers(self, value, wg):
+    """A partial loaded ahead (``_load_ahead``), in fp32 in the accumulator's layout: through
+    the warpgroup's ``ahead`` buffer, written in the loads' layout and read in the other."""
     self.s["ahead"][wg] = value
     plgpu.commit_smem()
     got = plgpu.load(self.s["ahead"].at[wg], layout=plgpu.Layout.WGMMA,
@@ -295,7 +294,7 @@ class _Epilogues:
           for j in range(n - 1):  # the peers' partials, in rank order
             k = block * (n - 1) + j
             v = v + (self._take(k, wg, r, row, col, peer) if ahead is None
-                     else self._from_registers(ahead[k], k, wg))
+                     else self._from_registers(ahead[k], wg))
         gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, block % 2,
                        out_ref.at[rows, pl.ds(col + c * t.epi_n, t.epi_n)])
 
