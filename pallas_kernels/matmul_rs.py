@@ -186,13 +186,18 @@ class _Epilogues:
   def _barrier(self, wg, slot: int, which: int):
     return self.s["in_barrier"].at[(wg * self.depth + slot) * 2 + which]
 
+  def _source(self, k: int, r, row):
+    """Read ``k``'s (``_reads``) sender, its rows and its block's column offset in the tile."""
+    t, (i, c, j) = self.t, self._reads[k]
+    return j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m), c * t.epi_n
+
   def _fetch(self, k: int, wg, r, row, col, peer):
     """Starts the TMA loads of read ``k`` (``_reads``) from the peer's partials (``peer(a,
     p)``: array a of what rank p sent this rank) into receive slot ``k % depth``."""
-    t, (i, c, j), slot = self.t, self._reads[k], k % self.depth
-    p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
+    t, slot = self.t, k % self.depth
+    p, rows, offset = self._source(k, r, row)
     if not self.fp8:
-      plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
+      plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + offset, t.epi_n)],
                               self.s["in_values"].at[wg, slot], self._barrier(wg, slot, 0))
       return
     plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col, t.tile_n)],
@@ -217,9 +222,9 @@ class _Epilogues:
     """``in_registers``: every read of an own tile as plain loads into registers, issued
     before its matmul, not TMA loads into the receive slots; they land while it runs."""
     t, out = self.t, []
-    for i, c, j in self._reads:
-      part = peer(0, j + (r <= j)).at[pl.ds(row + i * t.epi_m, t.epi_m),
-                                      pl.ds(col + c * t.epi_n, t.epi_n)]
+    for k in range(len(self._reads)):
+      p, rows, offset = self._source(k, r, row)
+      part = peer(0, p).at[rows, pl.ds(col + offset, t.epi_n)]
       out.append(plgpu.load(part, layout=plgpu.Layout.WG_STRIDED((t.epi_m, t.epi_n), vec_size=8),
                             optimized=False))
     return out
@@ -300,11 +305,12 @@ class _Epilogues:
 
   def scratch_types(self) -> dict:
     t, wgs, depth = self.t, gemm.COMPUTE_WGS, self.depth
-    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
-               # per warpgroup and receive slot: values or codes, and multipliers
-               in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
-    if self.in_registers:  # each read, loaded ahead, on its way to the accumulator's layout
-      out.update(ahead=plgpu.SMEM((wgs, t.epi_m, t.epi_n), self.dtype))
+    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype))
+    if self.in_registers:  # no receive slots: each read, loaded ahead, on its way to the
+      # accumulator's layout
+      return dict(out, ahead=plgpu.SMEM((wgs, t.epi_m, t.epi_n), self.dtype))
+    # per warpgroup and receive slot: values or codes, and multipliers
+    out.update(in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
     if self.fp8:  # the send slots (two) are receive slots too
       codes_dtype, slots = jnp.dtype(self.fp8["codes_dtype"]), max(2, depth)
       out.update(
