@@ -278,6 +278,13 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
       assert all(loops.index((q, p + 1)) < own for q in range(1, n))
 
 
+def _reduce_scatter_call(y_shape, n=2, **options):
+  """The reduce-scatter kernel in local mode on zeros: y of ``y_shape``, w ``[128, 128]``."""
+  return lambda: matmul_rs.matmul_reduce_scatter(
+      jnp.zeros(y_shape, jnp.bfloat16), jnp.zeros((128, 128), jnp.bfloat16), "t",
+      tiling=TILING, num_sms=1, rank=0, n=n, received=(), **options)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 100), jnp.bfloat16),
                                          jnp.zeros((100, 128), jnp.bfloat16), "t",
@@ -289,41 +296,18 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
                                          tiling=TILING, num_sms=1, rank=0,
                                          local_gathered=jnp.zeros((1, 128, 128))),
      "do not contract"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 96, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=()),
-     "sequence shard 48 is not a multiple of the tile 64"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), fp8=dict(FP8, group_size=128)),
+    (_reduce_scatter_call((1, 96, 128)), "sequence shard 48 is not a multiple of the tile 64"),
+    (_reduce_scatter_call((1, 128, 128), fp8=dict(FP8, group_size=128)),
      "encodes groups of its tile_n"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), phases=3),
+    (_reduce_scatter_call((2, 128, 128), phases=3),
      "3 phases do not divide the chunk's 2 row tiles"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), pull_depth=4),
-     "pull_depth=4 is not between 1 and 3"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), _probe=("sent_writes",)),
+    (_reduce_scatter_call((2, 128, 128), pull_depth=4), "pull_depth=4 is not between 1 and 3"),
+    (_reduce_scatter_call((2, 128, 128), _probe=("sent_writes",)),
      "_probe .* is for the plain kernel with peers"),
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((1, 384, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=3,
-                                             received=(), register_reads=True),
+    (_reduce_scatter_call((1, 384, 128), n=3, register_reads=True),
      "register_reads is for the plain kernel at two ranks"),
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
-    (lambda: matmul_rs.matmul_reduce_scatter(jnp.zeros((2, 128, 128), jnp.bfloat16),
-                                             jnp.zeros((128, 128), jnp.bfloat16), "t",
-                                             tiling=TILING, num_sms=1, rank=0, n=2,
-                                             received=(), _skip=("signals",)),
+    (_reduce_scatter_call((2, 128, 128), _skip=("signals",)),
      "'signals' needs 'waits' and 'release'"),
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 128), jnp.bfloat16),
                                          jnp.zeros((128, 256), jnp.bfloat16), "t",
