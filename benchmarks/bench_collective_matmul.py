@@ -13,8 +13,7 @@ count), the same random inputs go through:
   ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
   peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``); ``fused[registers]`` (``--rs-register-reads``):
-  an own tile's partials loaded into registers before its matmul;
+  does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -95,10 +94,6 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
-  p.add_argument("--rs-register-reads", action="store_true",
-                 help="also time the plain reduce-scatter kernel with an own tile's partials "
-                      "loaded into registers before its matmul (register_reads; two ranks): "
-                      "fused[registers]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -488,7 +483,6 @@ def kernel_options(args) -> tuple[list, list]:
     return [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed(flag)]
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
-        + [("registers", dict(register_reads=True))] * args.rs_register_reads
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + skips("rs_skip"))
   return rs, skips("ag_skip")

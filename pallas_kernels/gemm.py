@@ -12,12 +12,11 @@ specific to a collective comes in through hooks of ``TileLoop.run``:
   a ``[B, T, D]`` activation are not contiguous rows for B > 1), or ``Sources`` to choose
   them per tile among refs of several arrays (this GPU's and a peer's);
 * ``before_tile(m_idx, n_idx, wg)``: per-tile work before the pipeline, e.g. loading the
-  tile's FP8 group multipliers; what it returns, unless None, reaches the epilogue as
-  ``ahead`` (values loaded into registers while the matmul runs);
+  tile's FP8 group multipliers;
 * ``decode(blocks, wg, k_idx)``: for A operands that are not plain bf16 (FP8 codes), the
   warpgroup's A tile as a value;
 * ``after_mma(m_idx, n_idx, k_idx, blocks)``: e.g. forwarding the A block to a peer;
-* ``epilogue(m_idx, n_idx, wg, acc[, ahead])``: what happens to the fp32 accumulator.
+* ``epilogue(m_idx, n_idx, wg, acc)``: what happens to the fp32 accumulator.
 
 A decoded A operand goes to the wgmma from registers (the dequantize-before-wgmma pattern).
 jax's GPU interpret mode takes wgmma operands from shared memory only, so kernels with a
@@ -210,17 +209,15 @@ class TileLoop:
       row0, col0 = t.wg_offsets(wg)
 
       def context(run_pipeline):
-        ahead = None if before_tile is None else before_tile(m_idx, n_idx, wg)
+        if before_tile is not None:
+          before_tile(m_idx, n_idx, wg)
 
         @functools.partial(pl.run_scoped, acc=plgpu.ACC((t.tile_m, t.tile_n), acc_dtype))
         def _acc(acc):
           with jax.named_scope("mma"):
             run_pipeline(acc)
           with jax.named_scope("epilogue"):
-            if ahead is None:
-              epilogue(m_idx, n_idx, wg, acc[...])
-            else:
-              epilogue(m_idx, n_idx, wg, acc[...], ahead=ahead)
+            epilogue(m_idx, n_idx, wg, acc[...])
 
       def mma(idxs, *refs):
         *a_blocks, b_block, acc = refs

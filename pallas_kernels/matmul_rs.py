@@ -133,10 +133,9 @@ class _Epilogues:
   ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
   ``finish`` this rank's tile by adding the received partials and storing the result."""
 
-  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, depth, scratch,
-               in_registers: bool = False):
+  def __init__(self, tiling, *, n, dtype, out_dtype, fp8, depth, scratch):
     self.t, self.n, self.dtype, self.out_dtype = tiling, n, dtype, out_dtype
-    self.fp8, self.depth, self.s, self.in_registers = fp8, depth, scratch, in_registers
+    self.fp8, self.depth, self.s = fp8, depth, scratch
 
   def _slabs(self):
     return range(self.t.tile_m // self.t.epi_m)
@@ -186,18 +185,13 @@ class _Epilogues:
   def _barrier(self, wg, slot: int, which: int):
     return self.s["in_barrier"].at[(wg * self.depth + slot) * 2 + which]
 
-  def _source(self, k: int, r, row):
-    """Read ``k``'s (``_reads``) sender, its rows and its block's column offset in the tile."""
-    t, (i, c, j) = self.t, self._reads[k]
-    return j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m), c * t.epi_n
-
   def _fetch(self, k: int, wg, r, row, col, peer):
     """Starts the TMA loads of read ``k`` (``_reads``) from the peer's partials (``peer(a,
     p)``: array a of what rank p sent this rank) into receive slot ``k % depth``."""
-    t, slot = self.t, k % self.depth
-    p, rows, offset = self._source(k, r, row)
+    t, (i, c, j), slot = self.t, self._reads[k], k % self.depth
+    p, rows = j + (r <= j), pl.ds(row + i * t.epi_m, t.epi_m)
     if not self.fp8:
-      plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + offset, t.epi_n)],
+      plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col + c * t.epi_n, t.epi_n)],
                               self.s["in_values"].at[wg, slot], self._barrier(wg, slot, 0))
       return
     plgpu.copy_gmem_to_smem(peer(0, p).at[rows, pl.ds(col, t.tile_n)],
@@ -208,36 +202,11 @@ class _Epilogues:
   def prefetch(self, wg, r, row, col, peer):
     """Before this rank's own tile is computed: the loads of its first ``depth`` reads, so
     that they land while the matmul runs. The FP8 kernel's reuse the send buffers (an own
-    tile sends nothing), once the last sent tile has been read out of them. With
-    ``in_registers``, every read, into registers: the values (``finish``'s ``ahead``)."""
-    if self.in_registers:
-      return self._load_ahead(r, row, col, peer)
+    tile sends nothing), once the last sent tile has been read out of them."""
     if self.fp8:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     for k in range(min(self.depth, len(self._reads))):
       self._fetch(k, wg, r, row, col, peer)
-    return None
-
-  def _load_ahead(self, r, row, col, peer) -> list:
-    """``in_registers``: every read of an own tile as plain loads into registers, issued
-    before its matmul, not TMA loads into the receive slots; they land while it runs."""
-    t, out = self.t, []
-    for k in range(len(self._reads)):
-      p, rows, offset = self._source(k, r, row)
-      part = peer(0, p).at[rows, pl.ds(col + offset, t.epi_n)]
-      out.append(plgpu.load(part, layout=plgpu.Layout.WG_STRIDED((t.epi_m, t.epi_n), vec_size=8),
-                            optimized=False))
-    return out
-
-  def _from_registers(self, value, wg):
-    """A partial loaded ahead (``_load_ahead``), in fp32 in the accumulator's layout: through
-    the warpgroup's ``ahead`` buffer, written in the loads' layout and read in the other."""
-    self.s["ahead"][wg] = value
-    plgpu.commit_smem()
-    got = plgpu.load(self.s["ahead"].at[wg], layout=plgpu.Layout.WGMMA,
-                     optimized=False).astype(jnp.float32)
-    plgpu.commit_smem()  # every warp has read it before the next read is written
-    return got
 
   def discard(self, wg, r, row, col, peer, every: bool):
     """Waits for the loads a sent tile's ``prefetch`` started (``_probe``), unread; with
@@ -281,7 +250,7 @@ class _Epilogues:
       last = jnp.broadcast_to(r == n - 1, own.shape)
       yield i, jnp.where(last, total + own, total)
 
-  def finish(self, acc, wg, r, row, col, peer, out_ref, ahead=None):
+  def finish(self, acc, wg, r, row, col, peer, out_ref):
     """This rank's tile: its partial plus the peers' (``peer(a, p)``: array a of what rank
     p sent this rank, ``[rows, D]`` values or codes and ``[D / G, rows]`` multipliers),
     stored to ``out_ref`` at (row, col)."""
@@ -297,20 +266,15 @@ class _Epilogues:
         v, block = slab[:, c * t.epi_n:(c + 1) * t.epi_n], i * cols + c
         if not self.fp8:
           for j in range(n - 1):  # the peers' partials, in rank order
-            k = block * (n - 1) + j
-            v = v + (self._take(k, wg, r, row, col, peer) if ahead is None
-                     else self._from_registers(ahead[k], wg))
+            v = v + self._take(block * (n - 1) + j, wg, r, row, col, peer)
         gemm.stage_out(v.astype(self.out_dtype), self.s["out_smem"], wg, block % 2,
                        out_ref.at[rows, pl.ds(col + c * t.epi_n, t.epi_n)])
 
   def scratch_types(self) -> dict:
     t, wgs, depth = self.t, gemm.COMPUTE_WGS, self.depth
-    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype))
-    if self.in_registers:  # no receive slots: each read, loaded ahead, on its way to the
-      # accumulator's layout
-      return dict(out, ahead=plgpu.SMEM((wgs, t.epi_m, t.epi_n), self.dtype))
-    # per warpgroup and receive slot: values or codes, and multipliers
-    out.update(in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
+    out = dict(out_smem=gemm.out_smem_type(t, self.out_dtype),
+               # per warpgroup and receive slot: values or codes, and multipliers
+               in_barrier=plgpu.Barrier(num_barriers=wgs * depth * 2))
     if self.fp8:  # the send slots (two) are receive slots too
       codes_dtype, slots = jnp.dtype(self.fp8["codes_dtype"]), max(2, depth)
       out.update(
@@ -325,7 +289,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
-          skip=(), probe=(), register_reads: bool = False):
+          skip=(), probe=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -341,7 +305,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
-                                depth=pull_depth, in_registers=register_reads)
+                                depth=pull_depth)
 
   def body(*refs, **scratch):
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
@@ -398,10 +362,10 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           row0, col0 = t.wg_offsets(wg)
           return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
 
-        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at, ahead=None):
+        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at):
           row, col = at(m_idx, n_idx, wg)
           if q == n:
-            epi.finish(acc, wg, r, row, col, peer, out_ref, ahead)
+            epi.finish(acc, wg, r, row, col, peer, out_ref)
             return
           dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
           epi.send(acc, wg, row, col, [dest])
@@ -409,7 +373,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
 
         def prefetch(m_idx, n_idx, wg, at=at, q=q):  # an own (or probed) tile's first reads
-          return epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if q == n else probed)
+          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if q == n else probed)
 
         c = lax.rem(r + q, n)
         loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
@@ -455,16 +419,13 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
-                          register_reads: bool = False, _skip: tuple[str, ...] = (),
-                          _probe: tuple[str, ...] = ()):
+                          _skip: tuple[str, ...] = (), _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``register_reads``
-  (plain kernel, two ranks; an experiment): an own tile's partials are loaded into
-  registers before its matmul by plain loads, not TMA loads. Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -489,9 +450,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                  or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
     raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
                      f"peers")
-  if register_reads and (fp8 is not None or n != 2 or _probe):
-    raise ValueError("matmul_reduce_scatter: register_reads is for the plain kernel at two "
-                     "ranks (a peer's partial takes 64 registers a thread), without _probe")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -500,8 +458,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              fp8=fp8, received=received, skip=_skip, probe=_probe,
-              register_reads=register_reads)
+              fp8=fp8, received=received, skip=_skip, probe=_probe)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

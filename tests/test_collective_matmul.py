@@ -163,10 +163,8 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 3, {}),
-    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",))),
-    (2, TALL, 1, 256, 2, dict(register_reads=True))],
-    ids=["2_ranks", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed",
-         "2_ranks_tall_register_reads"])
+    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
+    ids=["2_ranks", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -176,8 +174,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
   detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
   also reads and drops what an own tile reads, through the same slots: the results do not
-  change. ``register_reads``: an own
-  tile's four partial sub-tiles loaded into registers before its matmul."""
+  change."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -304,8 +301,6 @@ def _reduce_scatter_call(y_shape, n=2, **options):
     (_reduce_scatter_call((2, 128, 128), pull_depth=4), "pull_depth=4 is not between 1 and 3"),
     (_reduce_scatter_call((2, 128, 128), _probe=("sent_writes",)),
      "_probe .* is for the plain kernel with peers"),
-    (_reduce_scatter_call((1, 384, 128), n=3, register_reads=True),
-     "register_reads is for the plain kernel at two ranks"),
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
     (_reduce_scatter_call((2, 128, 128), _skip=("signals",)),
      "'signals' needs 'waits' and 'release'"),
@@ -362,11 +357,11 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
-  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-register-reads", "--rs-probe",
-                           "sent_reads", "--rs-skip", "waits+release", "--ag-skip", "copy"])
+  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-skip",
+                           "waits+release", "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
-      ({"pull_depth": 3}, "stages=3+pull=3"), ({"register_reads": True}, "stages=3+registers"),
+      ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
