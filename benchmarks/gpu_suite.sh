@@ -325,13 +325,15 @@ for job in "$@"; do
         --attention cudnn --deadline-s 315 --out-dir "$out" \
         --variants off_save_dots_unroll,ideal_save_dots_unroll,on_save_dots_unroll,gspmd ;;
     cm_step_4gpu)  # issue 15 on 4 GPUs, TP=4: the kernel layers' strong step beside the
-      # collectives', plain and compressed. It compiles in ~2.5 min (cm_hang_4gpu's stacks,
-      # 2026-11-26: the Mosaic kernels' LLVM passes, not a deadlock).
+      # collectives', plain and compressed (VARIANTS: others on that step). It compiles in
+      # ~2.5 min (cm_hang_4gpu's stacks, 2026-11-26: the Mosaic kernels' LLVM passes, not a
+      # deadlock).
       BENCH_WATCHDOG_S=${LIMIT:-420} timeout $(( ${LIMIT:-420} + 10 )) \
         python3 benchmarks/bench_train.py --label "${LABEL:-nvlink_cm_dots}" --layouts 1,1,4 \
         --attention cudnn --deadline-s "$(( ${LIMIT:-420} - 20 ))" --build-timeout-s 300 \
         --out-dir "$out" \
-        --variants off_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll ;;
+        --variants \
+        "${VARIANTS:-off_save_dots_unroll,on_save_dots_unroll,off_cm_save_dots_unroll}" ;;
     cm_dp2_4gpu)  # ... DP=2 x TP=2 on 4xH200: the strong step, the kernel layers and GSPMD
       BENCH_WATCHDOG_S=$(( ${LIMIT:-420} - 10 )) \
         timeout "${LIMIT:-420}" python3 benchmarks/bench_train.py \
