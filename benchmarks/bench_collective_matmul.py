@@ -13,7 +13,8 @@ count), the same random inputs go through:
   ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
   peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``);
+  does, unread (``matmul_rs``'s ``_probe``); ``fused[unrolled]`` and
+  ``fused_fp8[unrolled]`` (``--rs-unrolled``): the schedule's loops unrolled;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -94,6 +95,10 @@ def parse_args(argv=None):
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
+  p.add_argument("--rs-unrolled", action="store_true",
+                 help="also time the reduce-scatter kernels, plain and FP8, with the "
+                      "schedule's loops unrolled (matmul_rs's _unrolled): fused[unrolled], "
+                      "fused_fp8[unrolled]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -456,8 +461,9 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       def plain(y, w, tl=tl, sms=_sms(spec, sms), **options):
         return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, **options),)
 
-      def fp8(y, w, tl=tl8, sms=_sms(spec, sms)):
-        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8),)
+      def fp8(y, w, tl=tl8, sms=_sms(spec, sms), **options):
+        return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8,
+                                         **options),)
 
       out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
                                  out_specs=(out_spec,)), False)
@@ -467,6 +473,10 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
         out[f"fused[{name}]"] = (smap(functools.partial(plain, **kwargs),
                                       mesh=mesh, in_specs=(a_spec, w_spec),
                                       out_specs=(out_spec,)), False)
+        if "_unrolled" in kwargs:  # the FP8 kernel's loops too
+          out[f"fused_fp8[{name}]"] = (smap(functools.partial(fp8, **kwargs), mesh=mesh,
+                                            in_specs=(a_spec, w_spec),
+                                            out_specs=(out_spec,)), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()), out_specs=(P(),)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)
@@ -484,6 +494,7 @@ def kernel_options(args) -> tuple[list, list]:
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
+        + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
         + skips("rs_skip"))
   return rs, skips("ag_skip")
 

@@ -31,7 +31,7 @@
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per
 #                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
-#                                                    # RS_SKIP, AG_SKIP, RS_PROBE,
+#                                                    # RS_SKIP, AG_SKIP, RS_PROBE, RS_UNROLLED=1,
 #                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
@@ -348,7 +348,7 @@ for job in "$@"; do
         --layers "${LAYERS:-qkv,up,proj,down,qkv_dx,proj_dx}" \
         --rs-phases "${RS_PHASES:-}" --rs-pull-depth "${RS_PULL:-}" \
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
-        --core-tilings "${CORE_TILINGS:-default}" \
+        --core-tilings "${CORE_TILINGS:-default}" ${RS_UNROLLED:+--rs-unrolled} \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;

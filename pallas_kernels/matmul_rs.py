@@ -128,6 +128,15 @@ def schedule(n: int, phases: int) -> list[tuple[int, int]]:
   return order
 
 
+def loop_index(q, p, n: int, phases: int):
+  """Loop (q, p)'s place in ``schedule(n, phases)``, q and p maybe traced: the loops before
+  a sent loop are the sent loops of the earlier phases and the own loops of all but the
+  last of them; before the own loop of phase p come the sent loops of phases up to p + 1."""
+  sent = (n - 1) * p + q - 1 + jnp.maximum(p - 1, 0)
+  own = (n - 1) * jnp.minimum(p + 2, phases) + p
+  return jnp.where(q == n, own, sent)
+
+
 class _Epilogues:
   """What each compute warpgroup does with its fp32 ``[tile_m, tile_n]`` accumulator:
   ``send`` a peer's partial tile (as the transfer dtype, or encoded) to ``dest`` arrays,
@@ -289,7 +298,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
-          skip=(), probe=()):
+          skip=(), probe=(), unrolled: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -348,47 +357,67 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         for owner in owners:
           pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
 
+    computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
+
+    def tile_loop(allocs, q, p, own: bool):
+      """Loop (q, p) of the schedule: phase p of chunk r + q, sent (q < n) or this rank's
+      own (q = n). Its tiles are dealt on from where the loops before it ended
+      (``gemm.dealt``)."""
+      if own and sems is not None and "waits" not in skip:  # the peers' phase p is written
+        with jax.named_scope("wait_peers"):
+          pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
+
+      def at(m_idx, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
+        row0, col0 = t.wg_offsets(wg)
+        return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
+
+      def epilogue(m_idx, n_idx, wg, acc):
+        row, col = at(m_idx, n_idx, wg)
+        if own:
+          epi.finish(acc, wg, r, row, col, peer, out_ref)
+          return
+        dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
+        epi.send(acc, wg, row, col, [dest])
+        if probe:
+          epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
+
+      def prefetch(m_idx, n_idx, wg):  # an own (or probed) tile's first reads
+        epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if own else probed)
+
+      c = lax.rem(r + q, n)
+      loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
+               a_refs=lambda m_idx: [y_ref.at[pl.ds(
+                   y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
+               w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own or probe else None,
+               first_sm=lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms))
+      if not own and sems is not None and "signals" not in skip:
+        @pl.when(computes)
+        def _signal():
+          with jax.named_scope("signal"):
+            plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
+            relay(p, q, [c])
+
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
-      computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
-      dealt = 0  # tiles dealt so far: each loop deals on from there (gemm.dealt)
-      for q, p in schedule(n, phases):
-        if q == n and sems is not None and "waits" not in skip:  # the peers' phase p is written
-          with jax.named_scope("wait_peers"):
-            pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
+      # ``schedule``'s order, as loops rather than unrolled, so that the kernel holds two
+      # tile loops (sent, own) whatever n and the phases: unrolled, the FP8 kernel at TP=4
+      # took XLA more than 300 s to compile into the training step
+      if unrolled:  # the loops one after the other, as before (``_unrolled``)
+        for q, p in schedule(n, phases):
+          tile_loop(allocs, q, p, own=q == n)
+      else:
+        @pl.loop(0, phases + 1)
+        def _phase(p):
+          @pl.when(p < phases)
+          def _sends():
+            @pl.loop(1, n)
+            def _send(q):
+              tile_loop(allocs, q, p, own=False)
 
-        def at(m_idx, n_idx, wg, p=p):  # a warpgroup tile's (row, column) in its chunk
-          row0, col0 = t.wg_offsets(wg)
-          return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
-
-        def epilogue(m_idx, n_idx, wg, acc, q=q, at=at):
-          row, col = at(m_idx, n_idx, wg)
-          if q == n:
-            epi.finish(acc, wg, r, row, col, peer, out_ref)
-            return
-          dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
-          epi.send(acc, wg, row, col, [dest])
-          if probe:
-            epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
-
-        def prefetch(m_idx, n_idx, wg, at=at, q=q):  # an own (or probed) tile's first reads
-          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if q == n else probed)
-
-        c = lax.rem(r + q, n)
-        loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
-                 a_refs=lambda m_idx, c=c, p=p: [y_ref.at[pl.ds(
-                     y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
-                 w_ref=w_ref, epilogue=epilogue,
-                 before_tile=prefetch if q == n or probe else None,
-                 first_sm=dealt % num_sms)
-        dealt += phase_tiles * cols
-        if q < n and sems is not None and "signals" not in skip:
-          @pl.when(computes)
-          def _signal(q=q, p=p):
-            with jax.named_scope("signal"):
-              plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-              relay(p, q, [lax.rem(r + q, n)])
+          @pl.when(p > 0)
+          def _own():
+            tile_loop(allocs, n, p - 1, own=True)
 
       if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
@@ -419,7 +448,8 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
-                          _skip: tuple[str, ...] = (), _probe: tuple[str, ...] = ()):
+                          _skip: tuple[str, ...] = (), _probe: tuple[str, ...] = (),
+                          _unrolled: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -436,7 +466,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   each sent tile read its first partial blocks from the peers as an own tile does, and wait
   for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
-  remote reads cost the tiles beside them)."""
+  remote reads cost the tiles beside them). ``_unrolled``: the schedule's loops unrolled
+  one after the other, as the kernel had them before 2026-11-27 (a timing comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -458,7 +489,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              fp8=fp8, received=received, skip=_skip, probe=_probe)
+              fp8=fp8, received=received, skip=_skip, probe=_probe, unrolled=_unrolled)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -265,9 +265,14 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
   """Every (chunk, phase) once; a rank's own phase p (which waits, before its loop, for the
   peers' partials of phase p) comes in a later loop than its own partials of phase p for
   every peer, and the peers' phase p + 1 comes before it, so the link has work while the
-  own phase computes."""
+  own phase computes. The kernel runs the loops as two nested ones and deals each loop's
+  tiles on from its place in this order (``loop_index``, also on traced indices)."""
   loops = matmul_rs.schedule(n, phases)
   assert sorted(loops) == sorted((q, p) for q in range(1, n + 1) for p in range(phases))
+  assert [int(matmul_rs.loop_index(q, p, n, phases)) for q, p in loops] == list(
+      range(len(loops)))
+  traced = jax.jit(lambda q, p: matmul_rs.loop_index(q, p, n, phases))
+  assert [int(traced(q, p)) for q, p in loops] == list(range(len(loops)))
   for p in range(phases):
     own = loops.index((n, p))
     assert all(loops.index((q, p)) < own for q in range(1, n))
@@ -357,12 +362,13 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
-  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-skip",
-                           "waits+release", "--ag-skip", "copy"])
+  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-unrolled",
+                           "--rs-skip", "waits+release", "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
       ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
+      ({"_unrolled": True}, "stages=3+unrolled"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
