@@ -163,8 +163,8 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 3, {}),
-    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
-    ids=["2_ranks", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
+    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",), _unrolled=True))],
+    ids=["2_ranks", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed_unrolled"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -174,7 +174,8 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
   detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
   also reads and drops what an own tile reads, through the same slots: the results do not
-  change."""
+  change; that case runs the schedule's loops unrolled (``_unrolled``, a timing
+  comparison), the others as nested loops."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
