@@ -366,6 +366,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       if own and sems is not None and "waits" not in skip:  # the peers' phase p is written
         with jax.named_scope("wait_peers"):
           pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
+      c = lax.rem(r + q, n)
 
       def at(m_idx, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
         row0, col0 = t.wg_offsets(wg)
@@ -376,7 +377,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         if own:
           epi.finish(acc, wg, r, row, col, peer, out_ref)
           return
-        dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
+        dest = tuple(a.at[c] for a in outbox) + ((None,) * (fp8 is None))
         epi.send(acc, wg, row, col, [dest])
         if probe:
           epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
@@ -384,7 +385,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       def prefetch(m_idx, n_idx, wg):  # an own (or probed) tile's first reads
         epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if own else probed)
 
-      c = lax.rem(r + q, n)
       loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
                a_refs=lambda m_idx: [y_ref.at[pl.ds(
                    y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
