@@ -829,7 +829,7 @@ def collective_matmul_section() -> str:
       "results right) makes every sent tile read and drop partials as an own tile reads "
       "them: `sent_reads` its first two blocks from the peer, `sent_local_reads` the same "
       "from its own GPU, `sent_all_reads` all four, the slots refilled as they empty. "
-      "In `nvlink_rolled` `[unrolled]` is the reduce-scatter kernel, plain and FP8, with "
+      "In `nvlink_rolled*` `[unrolled]` is the reduce-scatter kernel, plain and FP8, with "
       "its schedule's tile loops unrolled one after the other (`_unrolled`, as before "
       "2026-11-27); the unbracketed kernels run them as two nested loops. "
       "Every other kernel was checked against its reference before it was timed; "
