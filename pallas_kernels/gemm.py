@@ -188,7 +188,8 @@ class TileLoop:
 
   def run(self, allocs, *, m: int, n: int, a_refs: Callable, w_ref, epilogue: Callable,
           decode: Callable | None = None, after_mma: Callable | None = None,
-          before_tile: Callable | None = None, acc_dtype=jnp.float32, first_sm: int = 0):
+          before_tile: Callable | None = None, acc_dtype=jnp.float32,
+          first_sm: int | jax.Array = 0):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
@@ -248,7 +249,7 @@ class TileLoop:
         pl.when(when)(functools.partial(pipeline, *refs, w_block, allocations=allocs))
 
 
-def dealt(tiles: int, first_sm: int = 0):
+def dealt(tiles: int, first_sm: int | jax.Array = 0):
   """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
   SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
   the share's size. A kernel that runs several loops one after the other (the

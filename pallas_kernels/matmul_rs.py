@@ -340,7 +340,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       row = m_idx * t.cta_m
       return (row // s) * t_len + c * s + row % s
 
-    def relay(slot: int, times: int, owners):
+    def relay(slot: int | jax.Array, times: int | jax.Array, owners):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
       reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
       warpgroup 0 of SM 0) waits until every warpgroup has counted ``times`` times and
