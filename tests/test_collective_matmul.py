@@ -375,6 +375,26 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
 
 
+def test_benchmark_reports_a_failed_timing_and_goes_on(monkeypatch):
+  """A profiler error in one variant's timing is tried once more, then recorded in that
+  variant's entry (``timing_error``) instead of ending the run."""
+  from benchmarks import bench_collective_matmul as bench
+  calls = []
+
+  def flaky(fn, args, iters, n_devices):
+    calls.append(fn)
+    if fn == "bad" or len(calls) == 1:
+      raise RuntimeError("Kernel names are not consistent across iterations")
+    return {"ms": 0.25}
+  monkeypatch.setattr(bench, "device_time_ms", flaky)
+  assert bench.timed_or_error("good", (), 2, 1) == {"ms": 0.25} and len(calls) == 2
+  failed = bench.timed_or_error("bad", (), 2, 1)
+  assert failed == {"timing_error": "RuntimeError: Kernel names are not consistent across "
+                                    "iterations"} and calls[2:] == ["bad", "bad"]
+  case = {"model": "1.3b", "layer": "qkv", "kind": "ag", "variants": {"fused": failed}}
+  assert "fused NOT TIMED RuntimeError" in bench._line(case)
+
+
 def test_gemm_core_in_clusters_lowers_for_hopper():
   """The GEMM core in clusters of 4 CTAs sharing each A block: the production tiles, 132
   SMs as 33 clusters, through the sm_90 lowering (the multicast loads and the cluster's
