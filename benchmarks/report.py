@@ -832,6 +832,11 @@ def collective_matmul_section() -> str:
       "In `nvlink_rolled*` `[unrolled]` is the reduce-scatter kernel, plain and FP8, with "
       "its schedule's tile loops unrolled one after the other (`_unrolled`, as before "
       "2026-11-27); the unbracketed kernels run them as two nested loops. "
+      "In `nvlink_decode_parts` the unbracketed FP8 all-gather kernels take pipeline steps "
+      "of 64, 4 deep (the default until that run); `[tile_k=128+stages=2]` steps of 128, 2 "
+      "deep, and `[...+decode_parts=2]` each step decoded and multiplied in two halves "
+      "(`Tiling.decode_parts`), the FP8 all-gather's default since (`ag_matmul.FP8_TILINGS`). "
+      "The plain kernels ran those tiles too, for comparison. "
       "Every other kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 

@@ -65,9 +65,16 @@ WIDE = gemm.Tiling(tile_m=64, tile_n=256, split="m")
 # The FP8 kernel's warpgroups split the rows: each decodes its own A rows before its wgmma.
 # The wide tiles decode half as many A elements per multiply-add as [128, 128] ones: on one
 # H200 at the 1.3B / 2.7B TP=2 shapes the kernel ran 1.06-1.12x the plain kernel with them,
-# 1.27-1.30x with 128 x 128 (bench_collective_matmul_fp8sweep_1gpu_20261123.json). The
-# narrower tiles are the fallback for widths that 256 does not divide.
-FP8_TILINGS = (WIDE, gemm.Tiling(split="m"))
+# 1.27-1.30x with 128 x 128 (bench_collective_matmul_fp8sweep_1gpu_20261123.json). Steps of
+# 128 in a pipeline 2 deep (the same shared memory as 64 x 4), each decoded and multiplied
+# in two halves, took 2.2-4.1% less time than steps of 64 at the 1.3B TP=2 shapes on 2
+# H200s (QKV 0.357 ms against 0.369, MLP-in 0.447 against 0.466, the out-projection's
+# backward 0.178 against 0.185; the halves alone 0.3-1.1% of that), where the plain kernel
+# took 1-10% more with them (bench_collective_matmul_nvlink_decode_parts_2gpu_20261127).
+# The steps of 64 are the fallback for groups of 64, the narrower tiles for widths that 256
+# does not divide.
+FP8_TILINGS = (dataclasses.replace(WIDE, tile_k=128, stages=2, decode_parts=2), WIDE,
+               gemm.Tiling(split="m"))
 FP8_TILING = FP8_TILINGS[0]
 
 
@@ -180,13 +187,15 @@ class _Multipliers:
                             dest_ref.at[:, pl.ds(row + wg * self.t.tile_m, self.t.tile_m)])
 
   def decoder(self, dtype, scratch):
-    """The A operand of warpgroup ``wg`` at pipeline step ``k_idx``: its codes times their
-    group's multiplier, in fp32, then ``dtype`` (``decode_reference``, no transform)."""
+    """The A operand of warpgroup ``wg`` at pipeline step ``k_idx``, by parts of the step's
+    contraction: its codes times their group's multiplier, in fp32, then ``dtype``
+    (``decode_reference``, no transform)."""
     t = self.t
 
     def decode(blocks, wg, k_idx):
-      return decode_tile(blocks[0][pl.ds(wg * t.tile_m, t.tile_m)],
-                         scratch["mult_smem"][wg, k_idx // self.per], dtype)
+      codes = blocks[0][pl.ds(wg * t.tile_m, t.tile_m)]
+      mult = scratch["mult_smem"][wg, k_idx // self.per]
+      return lambda cols: decode_tile(codes[:, cols], mult, dtype)
     return decode
 
 

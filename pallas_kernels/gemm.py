@@ -13,8 +13,9 @@ specific to a collective comes in through hooks of ``TileLoop.run``:
   them per tile among refs of several arrays (this GPU's and a peer's);
 * ``before_tile(m_idx, n_idx, wg)``: per-tile work before the pipeline, e.g. loading the
   tile's FP8 group multipliers;
-* ``decode(blocks, wg, k_idx)``: for A operands that are not plain bf16 (FP8 codes), the
-  warpgroup's A tile as a value;
+* ``decode(blocks, wg, k_idx)``: for A operands that are not plain bf16 (FP8 codes), a
+  function of a static slice of the step's contraction that returns that part of the
+  warpgroup's A tile, decoded, as a value (``Tiling.decode_parts`` parts a step);
 * ``after_mma(m_idx, n_idx, k_idx, blocks)``: e.g. forwarding the A block to a peer;
 * ``epilogue(m_idx, n_idx, wg, acc)``: what happens to the fp32 accumulator.
 
@@ -77,12 +78,16 @@ class Tiling:
   # _nvlink_chain_2gpu_). Loops where jax's pipelines cannot chain run a pipeline per tile
   # (``TileLoop.chains``).
   chain: bool = True
+  # A decoded A operand (``TileLoop.run``'s ``decode``) goes to the wgmma in this many parts
+  # along the contraction, each part's wgmma issued before the next part is decoded, so a
+  # warpgroup decodes while its own last wgmma runs, not only while its neighbour's does.
+  decode_parts: int = 1
 
   def __post_init__(self):
     for field in ("split", "grid_minor"):
       if getattr(self, field) not in ("n", "m"):
         raise ValueError(f"Tiling.{field} must be 'n' or 'm', got {getattr(self, field)!r}")
-    for field in ("grid_width", "cluster_n"):
+    for field in ("grid_width", "cluster_n", "decode_parts"):
       if getattr(self, field) < 1:
         raise ValueError(f"Tiling.{field} must be >= 1, got {getattr(self, field)}")
 
@@ -115,6 +120,10 @@ class Tiling:
                              ("contraction", k, self.tile_k)):
       if size % tile:
         return f"{what} {size} is not a multiple of the tile {tile}"
+    if self.decode_parts > 1 and self.tile_k % (64 * self.decode_parts):
+      # a wgmma reads a B block swizzled by 128 bytes in whole swizzles: 64 bf16 rows
+      return (f"{self.decode_parts} decode parts of the pipeline step {self.tile_k} are not "
+              f"multiples of 64")
     if k < 2 * self.tile_k:
       return f"contraction {k} is shorter than two pipeline steps of {self.tile_k}"
     if self.epi_m % 64:  # a warpgroup's accumulator rows come in blocks of 64
@@ -228,7 +237,11 @@ class TileLoop:
           plgpu.wgmma(acc, a_block.at[pl.ds(row0, t.tile_m)] if t.split == "m" else a_block,
                       b_wg)
         else:
-          plgpu.wgmma(acc, decode(a_blocks, wg, idxs[0]), b_wg)
+          part = decode(a_blocks, wg, idxs[0])
+          kp = t.tile_k // t.decode_parts
+          for p in range(t.decode_parts):
+            cols = slice(p * kp, (p + 1) * kp)
+            plgpu.wgmma(acc, part(cols), b_wg.at[cols] if t.decode_parts > 1 else b_wg)
         if after_mma is not None:
           after_mma(m_idx, n_idx, idxs[0], a_blocks)
         plgpu.wgmma_wait(0)

@@ -322,12 +322,17 @@ def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
     call()
 
 
-def test_fp8_all_gather_takes_the_wide_tiles_where_they_divide():
-  wide, narrow = ag_matmul.FP8_TILINGS
-  assert ag_matmul.fp8_tiling((2, 256, 256), (256, 512), 128) == wide
+def test_fp8_all_gather_takes_the_widest_tiles_that_divide():
+  halves, wide, narrow = ag_matmul.FP8_TILINGS
+  assert (halves.tile_k, halves.decode_parts) == (128, 2) and halves.cta_n == wide.cta_n
+  assert ag_matmul.fp8_tiling((2, 256, 256), (256, 512), 128) == halves
+  assert ag_matmul.fp8_tiling((2, 256, 256), (256, 512), 64) == wide  # groups of 64
+  assert ag_matmul.fp8_tiling((2, 256, 128), (128, 512), 128) == wide  # one step of 128
   assert ag_matmul.fp8_tiling((2, 256, 256), (256, 384), 128) == narrow
   assert ag_matmul.misfit((2, 256, 256), (256, 384), wide, 128) is not None
   assert ag_matmul.misfit((2, 256, 256), (256, 384), narrow, 128) is None
+  assert "2 decode parts of the pipeline step 64 are not multiples of 64" in ag_matmul.misfit(
+      (2, 256, 256), (256, 512), dataclasses.replace(wide, decode_parts=2), 128)
 
 
 def _lowers_for_hopper(f, *args) -> str:
@@ -430,14 +435,13 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
   b, t, d, f = 2, 512, 256, 512
   smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
   if compressed:
-    g = 128
-
-    def ag(codes, mult, w):
-      return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
-                                             num_sms=132)[0]
-    fn = smap(ag, in_specs=(P(None, "tensor"), P(None, "tensor"), P()),
-              out_specs=P())
-    for width in (f, 3 * 128):  # the wide tiles, and the narrow ones 256 does not divide
+    # every FP8_TILINGS entry: steps of 128 decoded in halves, steps of 64 (groups of 64),
+    # and the narrow tiles (a width that 256 does not divide)
+    for width, g in ((f, 128), (f, 64), (3 * 128, 128)):
+      def ag(codes, mult, w, g=g):
+        return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
+                                               num_sms=132)[0]
+      fn = smap(ag, in_specs=(P(None, "tensor"), P(None, "tensor"), P()), out_specs=P())
       text = _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
                                 sd((d // g, b * t), jnp.float32), sd((d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
