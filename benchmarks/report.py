@@ -836,7 +836,10 @@ def collective_matmul_section() -> str:
       "of 64, 4 deep (the default until that run); `[tile_k=128+stages=2]` steps of 128, 2 "
       "deep, and `[...+decode_parts=2]` each step decoded and multiplied in two halves "
       "(`Tiling.decode_parts`), the FP8 all-gather's default since (`ag_matmul.FP8_TILINGS`). "
-      "The plain kernels ran those tiles too, for comparison. "
+      "The plain kernels ran those tiles too, for comparison. In `nvlink_rolled_4gpu` "
+      "(after that change) `[tile_k=64+stages=4+decode_parts=1]` is the FP8 all-gather's "
+      "tiling before it (the plain all-gather's own); the reduce-scatter kernels' pipelines "
+      "do not fit those tiles in shared memory, so they did not run. "
       "Every other kernel was checked against its reference before it was timed; "
       "– where it did not run.", parts)
 
