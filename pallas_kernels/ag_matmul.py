@@ -67,10 +67,11 @@ WIDE = gemm.Tiling(tile_m=64, tile_n=256, split="m")
 # H200 at the 1.3B / 2.7B TP=2 shapes the kernel ran 1.06-1.12x the plain kernel with them,
 # 1.27-1.30x with 128 x 128 (bench_collective_matmul_fp8sweep_1gpu_20261123.json). Steps of
 # 128 in a pipeline 2 deep (the same shared memory as 64 x 4), each decoded and multiplied
-# in two halves, took 2.2-4.1% less time than steps of 64 at the 1.3B TP=2 shapes on 2
-# H200s (QKV 0.357 ms against 0.369, MLP-in 0.447 against 0.466, the out-projection's
-# backward 0.178 against 0.185; the halves alone 0.3-1.1% of that), where the plain kernel
-# took 1-10% more with them (bench_collective_matmul_nvlink_decode_parts_2gpu_20261127).
+# in two halves, took 4.6-5.1% less kernel time than steps of 64 at the 1.3B TP=2 shapes
+# on 2 H200s (QKV 0.287 ms against 0.302, MLP-in 0.381 against 0.399, the out-projection's
+# backward 0.112 against 0.118; 2.2-4.1% of the layer's encode + kernel + decode; the
+# halves alone 0.3-1.1% of that), where the plain kernel took 1-10% more with them
+# (bench_collective_matmul_nvlink_decode_parts_2gpu_20261127).
 # The steps of 64 are the fallback for groups of 64, the narrower tiles for widths that 256
 # does not divide.
 FP8_TILINGS = (dataclasses.replace(WIDE, tile_k=128, stages=2, decode_parts=2), WIDE,
