@@ -441,10 +441,9 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       def fp8(x, w, tl=tl8, sms=_sms(spec, sms)):
         b, s, k = x.shape
         codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
-        y, cg, mg = ag.all_gather_matmul_fp8(
+        return ag.all_gather_matmul_fp8(
             codes.reshape(b, s, k), ag.multipliers(alpha, scale), w, t,
             group_size=FP8["group_size"], tiling=tl, num_sms=sms)
-        return y, ag.decode_gathered(cg, mg, group_size=FP8["group_size"], dtype=x.dtype)
 
       out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
                                  out_specs=(out_spec, P())), False)

@@ -33,7 +33,13 @@ multiplier per group of G codes, ``scale / alpha`` (``decode.group_multiplier``)
 compute warpgroup decodes its A tile (``codes * multiplier`` in fp32, then the compute
 dtype: exactly ``decode_reference`` without the Hadamard transform) right before the
 wgmma. The encode is the codec's own kernel, run by the caller. Every chunk is decoded,
-this rank's too, as in the compressed all-gather (``all_gather_matmul_reference``).
+this rank's too, as in the compressed all-gather (``all_gather_matmul_reference``), and
+the gathered x the kernel returns is written from those registers (each A block by one
+tile of its row). Decoding the gathered codes in a pass of its own after the kernel took
+0.041 ms at the 1.3B TP=2 shapes; with the kernel writing the gathered x, the encode,
+kernel and all took 0.139 ms instead of 0.177 at the out-projection's backward, 0.322
+instead of 0.356 at QKV, 0.412 instead of 0.448 at MLP-in, results equal bit for bit
+(bench_collective_matmul_nvlink_decoded_2gpu_20261127).
 
 Local mode runs this rank's part without peers, for the CPU tests (jax's GPU interpret
 mode simulates no peer copies or semaphores): chunks c != r are read from a pre-gathered
@@ -229,13 +235,27 @@ def _block_copier(t: gemm.Tiling, n_tiles: int, row_of, dests):
   return after_mma
 
 
+def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
+  """The ``decoded`` hook that writes each decoded A part of a row tile to the rows
+  ``row_of(m_idx)`` of the gathered x ``xd_ref``: of each A block, the tile of the row that
+  forwards it (``_block_copier``'s share), so every block once, straight from the registers
+  the wgmma read, instead of a pass over the gathered codes after the kernel."""
+  def decoded(m_idx, n_idx, wg, k_idx, cols, value):
+    @pl.when(lax.rem(k_idx, n_tiles) == n_idx)
+    def _store():
+      gemm.store_alone(value, out_smem, xd_ref, row_of(m_idx) + t.wg_offsets(wg)[0],
+                       k_idx * t.tile_k + cols.start, wg, t)
+  return decoded
+
+
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, dtype, mult_GR=None, group_size=None, gathered=None,
           skip=()):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
-  multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (and
-  multipliers), and in local mode what was sent to rank r - 1."""
+  multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (FP8:
+  the codes and multipliers, the peers' receive buffers, then the gathered x, decoded as the
+  wgmma took it: ``_store_decoded``), and in local mode what was sent to rank r - 1."""
   t = tiling
   local = gathered is not None
   fp8 = mult_GR is not None
@@ -253,8 +273,8 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
   def body(*refs, out_smem, **scratch):
     extra = n_arrays if local else 0
-    mine, (w_ref,), src, (y_ref,), xg, sent = gemm.split_refs(
-        refs, n_arrays, 1, extra, 1, n_arrays, extra)
+    mine, (w_ref,), src, (y_ref,), xg, xd, sent = gemm.split_refs(
+        refs, n_arrays, 1, extra, 1, n_arrays, int(fp8), extra)
     src = src or xg  # the peers write the gathered arrays themselves
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, n - 1)
     prev = lax.rem(r + n - 1, n)
@@ -268,7 +288,8 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         forward = step < n - 1
         arrays = mine if step == 0 else src
         row_of = at.local if step == 0 else functools.partial(at.gathered, c)
-        dests = ([xg] if step == 0 and "copy" not in skip else []) + ([peer] if forward else [])
+        own_copy = step == 0 and "copy" not in skip and not fp8  # FP8: xd holds this chunk
+        dests = ([xg] if own_copy else []) + ([peer] if forward else [])
 
         def a_view(m_idx, arrays=arrays, row_of=row_of):
           return [arrays[0].at[pl.ds(row_of(m_idx), t.cta_m)]]
@@ -292,6 +313,8 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
         loop.run(allocs, m=rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
                  decode=mults.decoder(dtype, scratch) if fp8 else None,
+                 decoded=(_store_decoded(t, n_tiles, functools.partial(at.gathered, c),
+                                         out_smem, xd[0]) if fp8 else None),
                  before_tile=before_tile if fp8 else None,
                  after_mma=after_mma if dests else None)
         if forward and sems is not None:  # chunk c is on rank r - 1 once every SM's copies landed
@@ -312,6 +335,8 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   if local:
     operands += list(gathered)
   out_type = [jax.ShapeDtypeStruct((t_rows, n_out), out_dtype), *gathered_types]
+  if fp8:
+    out_type.append(jax.ShapeDtypeStruct((t_rows, k), dtype))
   if local:
     out_type += gathered_types  # what was sent to rank r - 1
   scratch = dict(out_smem=gemm.out_smem_type(t, out_dtype))
@@ -430,12 +455,15 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
                           out_dtype=None, rank=None, local_gathered=None):
   """The compressed kernel: ``codes_BSK`` are x's FP8 codes and ``mult_GR`` ``[K / G,
   B S]`` their groups' multipliers (``multipliers``); x is decoded to ``dtype`` tile by tile
-  before each wgmma. Returns ``y [B, T, N]`` and the gathered codes ``[B, T, K]`` and
-  multipliers ``[K / G, B T]`` (``decode_gathered`` makes the gathered x of them).
-  ``tiling``: default ``fp8_tiling``'s. ``rank`` and ``local_gathered`` (gathered codes
-  and multipliers): local mode."""
+  before each wgmma. Returns ``y [B, T, N]`` and the gathered x ``[B, T, K]``, which the
+  kernel writes as it decodes it (``out_dtype``, default ``dtype``, must be ``dtype``: the
+  two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``rank`` and
+  ``local_gathered`` (gathered codes and multipliers): local mode, which also returns what
+  was sent to rank r - 1 (codes ``[B, T, K]`` and multipliers)."""
   tiling = tiling or fp8_tiling(codes_BSK.shape, w_KN.shape, group_size)
   reason = misfit(codes_BSK.shape, w_KN.shape, tiling, group_size)
+  if jnp.dtype(out_dtype or dtype) != jnp.dtype(dtype):
+    reason = f"y in {jnp.dtype(out_dtype)} is staged where the gathered x in {dtype} is"
   if reason:
     raise ValueError(f"all_gather_matmul_fp8: {reason}")
   b, s, k = codes_BSK.shape
@@ -446,13 +474,13 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   gathered = None
   if local_gathered is not None:
     gathered = [local_gathered[0].reshape(-1, k), local_gathered[1]]
-  y, *rest = _call(codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank,
-                   axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-                   out_dtype=out_dtype or dtype, dtype=dtype, mult_GR=mult_GR,
-                   group_size=group_size, gathered=gathered)
-  out = [y.reshape(b, n * s, -1)]
-  for codes, mult in zip(rest[::2], rest[1::2]):
-    out += [codes.reshape(b, n * s, k), mult]
+  y, _, _, x_full, *sent = _call(  # _: the gathered codes, the peers' receive buffers
+      codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
+      tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
+      group_size=group_size, gathered=gathered)
+  out = [y.reshape(b, n * s, -1), x_full.reshape(b, n * s, k)]
+  if sent:
+    out += [sent[0].reshape(b, n * s, k), sent[1]]
   return tuple(out)
 
 
@@ -460,10 +488,3 @@ def multipliers(alpha_RK, scale_RK):
   """The kernel's per-group decode multipliers ``[K, R]`` from the codec's scales
   ``[R, K]`` (``group_multiplier``, transposed so a row tile's are contiguous)."""
   return group_multiplier(alpha_RK, scale_RK).T
-
-
-def decode_gathered(codes_BTK, mult_GR, *, group_size: int, dtype=jnp.bfloat16):
-  """The gathered x from ``all_gather_matmul_fp8``'s gathered codes and multipliers."""
-  b, t, k = codes_BTK.shape
-  q = codes_BTK.astype(jnp.float32).reshape(b * t, k // group_size, group_size)
-  return (q * mult_GR.T[:, :, None]).astype(dtype).reshape(b, t, k)

@@ -16,6 +16,8 @@ specific to a collective comes in through hooks of ``TileLoop.run``:
 * ``decode(blocks, wg, k_idx)``: for A operands that are not plain bf16 (FP8 codes), a
   function of a static slice of the step's contraction that returns that part of the
   warpgroup's A tile, decoded, as a value (``Tiling.decode_parts`` parts a step);
+* ``decoded(m_idx, n_idx, wg, k_idx, cols, value)``: each decoded part once its wgmma is
+  issued, e.g. to write it out (``store_alone``);
 * ``after_mma(m_idx, n_idx, k_idx, blocks)``: e.g. forwarding the A block to a peer;
 * ``epilogue(m_idx, n_idx, wg, acc)``: what happens to the fp32 accumulator.
 
@@ -196,7 +198,8 @@ class TileLoop:
     return self._pipeline(ignore, ignore).get_allocations(*gmem_refs)
 
   def run(self, allocs, *, m: int, n: int, a_refs: Callable, w_ref, epilogue: Callable,
-          decode: Callable | None = None, after_mma: Callable | None = None,
+          decode: Callable | None = None, decoded: Callable | None = None,
+          after_mma: Callable | None = None,
           before_tile: Callable | None = None, acc_dtype=jnp.float32,
           first_sm: int | jax.Array = 0):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
@@ -241,7 +244,10 @@ class TileLoop:
           kp = t.tile_k // t.decode_parts
           for p in range(t.decode_parts):
             cols = slice(p * kp, (p + 1) * kp)
-            plgpu.wgmma(acc, part(cols), b_wg.at[cols] if t.decode_parts > 1 else b_wg)
+            a = part(cols)
+            plgpu.wgmma(acc, a, b_wg.at[cols] if t.decode_parts > 1 else b_wg)
+            if decoded is not None:
+              decoded(m_idx, n_idx, wg, idxs[0], cols, a)
         if after_mma is not None:
           after_mma(m_idx, n_idx, idxs[0], a_blocks)
         plgpu.wgmma_wait(0)
@@ -297,6 +303,22 @@ def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
     stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
               wg, k % 2, out_ref.at[pl.ds(row + i * t.epi_m, t.epi_m),
                                     pl.ds(col + j * t.epi_n, t.epi_n)])
+
+
+def store_alone(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
+  """Writes a compute warpgroup's ``value`` (whole epilogue sub-tiles) to gmem ``out_ref``
+  from (``row``, ``col``) on through its second staging slot, each sub-tile once every
+  earlier store has read its slot: for stores between the epilogues (``store_tiles``, whose
+  first sub-tile takes the first slot, so they need no wait of their own for these)."""
+  t = tiling
+  rows, cols = value.shape
+  for i in range(rows // t.epi_m):
+    for j in range(cols // t.epi_n):
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      out_smem[wg, 1] = value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(out_smem.at[wg, 1], out_ref.at[
+          pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)])
 
 
 def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:

@@ -256,9 +256,6 @@ def test_decode_tile_is_the_codecs_decode():
     got = ag_matmul.decode_tile(codes[:, cols], mult[g], jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want[:, cols],
                                                                           np.float32))
-  got = ag_matmul.decode_gathered(codes.reshape(2, 32, 256), mult, group_size=128)
-  np.testing.assert_array_equal(np.asarray(got, np.float32).reshape(64, 256),
-                                np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("n, phases", [(1, 1), (2, 1), (2, 4), (4, 3)])
@@ -421,6 +418,11 @@ def test_gemm_core_in_clusters_lowers_for_hopper():
                                     jnp.zeros((1, 128), jnp.float32),
                                     jnp.zeros((128, 512), jnp.bfloat16), "t", group_size=128,
                                     tiling=clusters, num_sms=2)
+  with pytest.raises(ValueError, match="y in float32 is staged where the gathered x"):
+    ag_matmul.all_gather_matmul_fp8(jnp.zeros((1, 128, 256), jnp.float8_e4m3fn),
+                                    jnp.zeros((2, 128), jnp.float32),
+                                    jnp.zeros((256, 512), jnp.bfloat16), "t", group_size=128,
+                                    num_sms=2, out_dtype=jnp.float32)
   with pytest.raises(ValueError, match="3 SMs do not make clusters of 2"):
     ag_matmul.all_gather_matmul(jnp.zeros((1, 128, 128), jnp.bfloat16),
                                 jnp.zeros((128, 512), jnp.bfloat16), "t", tiling=clusters,

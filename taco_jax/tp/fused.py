@@ -128,11 +128,9 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
     b, s, d = x_BSD.shape
     codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
                                  **codec.kernel_kwargs())
-    y, codes_full, mult = ag_matmul.all_gather_matmul_fp8(
+    return ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
         group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=sms)
-    return y, ag_matmul.decode_gathered(codes_full, mult, group_size=codec.group_size,
-                                        dtype=x_BSD.dtype)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
   x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True,
                                   compression=Decided(codec))
