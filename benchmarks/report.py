@@ -739,6 +739,9 @@ def _kernel_ms(variant: dict) -> float | None:
   return sum(times) if times else None
 
 
+CM_OPEN = 6  # collective-matmul runs shown open in the README, newest first
+
+
 def collective_matmul_section() -> str:
   parts = []
   for name, d in _load("bench_collective_matmul_*.json"):
@@ -757,12 +760,13 @@ def collective_matmul_section() -> str:
                   + [_kernel_ms(v.get(fp8, {})), ratio("fused", "cublas"),
                      ratio(f"{plain}_fp8", plain), ratio("xla", "fused")])
     gpus = d.get("gpus", d["tp"])
-    parts.append(f"#### {gpus}x {d['device']}, shapes of TP={d['tp']}, batch {d['batch']} x seq "
-                 f"{d['seq']} (`{name}`)\n\n"
-                 + _table(["model", "layer", "collective", "MiB/device"]
-                          + [f"{k} ms" for k in cols]
-                          + [f"{fp8} kernel ms", "fused / cublas", "fp8 / plain",
-                             "xla / fused"], rows) + "\n")
+    parts.append((d.get("date", ""), name,
+                  f"#### {gpus}x {d['device']}, shapes of TP={d['tp']}, batch {d['batch']} x "
+                  f"seq {d['seq']} (`{name}`)\n\n"
+                  + _table(["model", "layer", "collective", "MiB/device"]
+                           + [f"{k} ms" for k in cols]
+                           + [f"{fp8} kernel ms", "fused / cublas", "fp8 / plain",
+                              "xla / fused"], rows) + "\n"))
   return _section(
       "Fused collective matmuls (`benchmarks/bench_collective_matmul.py`)",
       "Device time (CUPTI) per call, median of 20, per kernel the minimum over GPUs. `xla`: "
@@ -844,7 +848,19 @@ def collective_matmul_section() -> str:
       "decoded after it by an XLA fusion (the way until that run), `[decoded]` the kernel "
       "writing the gathered x decoded itself, the only way since. "
       "Every other kernel was checked against its reference before it was timed; "
-      "– where it did not run.", parts)
+      "– where it did not run. Newest run first; the runs before the newest "
+      f"{CM_OPEN} are folded below them.", _newest_open(parts, CM_OPEN))
+
+
+def _newest_open(parts: list[tuple[str, str, str]], shown: int) -> list[str]:
+  """The ``(date, name, text)`` parts newest first, all but the first ``shown`` folded in
+  one ``<details>`` block (a long history of runs, kept but out of the way)."""
+  texts = [text for *_, text in sorted(parts, reverse=True)]
+  if len(texts) <= shown:
+    return texts
+  earlier = texts[shown:]
+  return texts[:shown] + [f"<details><summary>{len(earlier)} earlier runs</summary>\n\n"
+                          + "\n".join(earlier) + "\n</details>\n"]
 
 
 def readme_text(old: str) -> str:

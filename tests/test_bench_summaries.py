@@ -403,3 +403,13 @@ def test_report_collective_matmul_columns_follow_what_ran():
                           "gemm[skip=copy]": dict(ms, diagnostic="wrong by design")})]
   assert _cm_columns(cases) == ["xla", "fused", "fused[pull=3]", "fused[pull=1]",
                                 "gemm[skip=copy]", "gemm", "cublas"]
+
+
+def test_collective_matmul_runs_newest_first_the_older_ones_folded():
+  from benchmarks import report
+  parts = [("2026-11-23T10:00", "a", "A\n"), ("2026-11-27T09:00", "c", "C\n"),
+           ("2026-11-25T08:00", "b", "B\n")]
+  assert report._newest_open(parts, 3) == ["C\n", "B\n", "A\n"]
+  shown, folded = report._newest_open(parts, 1)[0], report._newest_open(parts, 1)[1:]
+  assert shown == "C\n" and folded == [
+      "<details><summary>2 earlier runs</summary>\n\nB\n\nA\n\n</details>\n"]
