@@ -75,8 +75,9 @@ WIDE = gemm.Tiling(tile_m=64, tile_n=256, split="m")
 # 128 in a pipeline 2 deep (the same shared memory as 64 x 4), each decoded and multiplied
 # in two halves, took 4.6-5.1% less kernel time than steps of 64 at the 1.3B TP=2 shapes
 # on 2 H200s (QKV 0.287 ms against 0.302, MLP-in 0.381 against 0.399, the out-projection's
-# backward 0.112 against 0.118; 2.2-4.1% of the layer's encode + kernel + decode; the
-# halves alone 0.3-1.1% of that), where the plain kernel took 1-10% more with them
+# backward 0.112 against 0.118; 2.2-4.1% of the encode, kernel and gathered x's decode
+# together, as the layers then ran them; the halves alone 0.3-1.1% of that), where the
+# plain kernel took 1-10% more with them
 # (bench_collective_matmul_nvlink_decode_parts_2gpu_20261127).
 # The steps of 64 are the fallback for groups of 64, the narrower tiles for widths that 256
 # does not divide.
@@ -214,19 +215,25 @@ def decode_tile(codes_MK, mult_M, dtype):
   return (q * mult_M[:, None]).astype(dtype)
 
 
+def _takes_block(k_idx, n_idx, n_tiles: int):
+  """Whether output tile column ``n_idx`` (of ``n_tiles`` in a row) is the one that copies
+  out the row's A block ``k_idx``: each block by exactly one tile of its row."""
+  return lax.rem(k_idx, n_tiles) == n_idx
+
+
 def _block_copier(t: gemm.Tiling, n_tiles: int, row_of, dests):
   """The ``after_mma`` hook that copies each A block of a row tile, as it leaves the
   pipeline, to the rows ``row_of(m_idx)`` of every gmem ref in ``dests`` (the gathered x,
   a peer's). Every output tile of a row copies a share of the row's blocks (tile column j
-  the blocks k = j mod ``n_tiles``), from warpgroup 0. The pipeline releases a block as its
-  step ends, so its copies are read out within the step, while its wgmma runs. (Holding
-  each block one step longer instead, the copies read out during the next step, was no
-  faster: bench_collective_matmul_nvlink_delay_2gpu_20261127.json, ``[delay=0]``; and jax
-  chains no pipelines that hold their blocks, ``Tiling.chain``.)"""
+  the blocks k = j mod ``n_tiles``: ``_takes_block``), from warpgroup 0. The pipeline
+  releases a block as its step ends, so its copies are read out within the step, while its
+  wgmma runs. (Holding each block one step longer instead, the copies read out during the
+  next step, was no faster: bench_collective_matmul_nvlink_delay_2gpu_20261127.json,
+  ``[delay=0]``; and jax chains no pipelines that hold their blocks, ``Tiling.chain``.)"""
   def after_mma(m_idx, n_idx, k_idx, blocks):
     row = row_of(m_idx)
 
-    @pl.when((lax.axis_index(gemm.WG) == 0) & (lax.rem(k_idx, n_tiles) == n_idx))
+    @pl.when((lax.axis_index(gemm.WG) == 0) & _takes_block(k_idx, n_idx, n_tiles))
     def _send():
       for dest in dests:
         plgpu.copy_smem_to_gmem(blocks[0], dest.at[
@@ -238,10 +245,11 @@ def _block_copier(t: gemm.Tiling, n_tiles: int, row_of, dests):
 def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
   """The ``decoded`` hook that writes each decoded A part of a row tile to the rows
   ``row_of(m_idx)`` of the gathered x ``xd_ref``: of each A block, the tile of the row that
-  forwards it (``_block_copier``'s share), so every block once, straight from the registers
-  the wgmma read, instead of a pass over the gathered codes after the kernel."""
+  forwards it (``_takes_block``, as ``_block_copier``), so every block once, straight from
+  the registers the wgmma read, instead of a pass over the gathered codes after the
+  kernel."""
   def decoded(m_idx, n_idx, wg, k_idx, cols, value):
-    @pl.when(lax.rem(k_idx, n_tiles) == n_idx)
+    @pl.when(_takes_block(k_idx, n_idx, n_tiles))
     def _store():
       gemm.store_alone(value, out_smem, xd_ref, row_of(m_idx) + t.wg_offsets(wg)[0],
                        k_idx * t.tile_k + cols.start, wg, t)
@@ -462,7 +470,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   was sent to rank r - 1 (codes ``[B, T, K]`` and multipliers)."""
   tiling = tiling or fp8_tiling(codes_BSK.shape, w_KN.shape, group_size)
   reason = misfit(codes_BSK.shape, w_KN.shape, tiling, group_size)
-  if jnp.dtype(out_dtype or dtype) != jnp.dtype(dtype):
+  if not reason and jnp.dtype(out_dtype or dtype) != jnp.dtype(dtype):
     reason = f"y in {jnp.dtype(out_dtype)} is staged where the gathered x in {dtype} is"
   if reason:
     raise ValueError(f"all_gather_matmul_fp8: {reason}")
