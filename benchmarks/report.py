@@ -843,10 +843,11 @@ def collective_matmul_section() -> str:
       "The plain kernels ran those tiles too, for comparison. In `nvlink_rolled_4gpu` "
       "(after that change) `[tile_k=64+stages=4+decode_parts=1]` is the FP8 all-gather's "
       "tiling before it (the plain all-gather's own); the reduce-scatter kernels' pipelines "
-      "do not fit those tiles in shared memory, so they did not run. In `nvlink_decoded` "
+      "do not fit those tiles in shared memory, so they did not run. In `nvlink_decoded_2gpu` "
       "`fused_fp8` / `gemm_fp8` are the FP8 all-gather returning the gathered codes, "
       "decoded after it by an XLA fusion (the way until that run), `[decoded]` the kernel "
-      "writing the gathered x decoded itself, the only way since. "
+      "writing the gathered x decoded itself, the only way since (the `fused_fp8` of "
+      "`nvlink_decoded_4gpu`). "
       "Every other kernel was checked against its reference before it was timed; "
       "– where it did not run. Newest run first; the runs before the newest "
       f"{CM_OPEN} are folded below them.", _newest_open(parts, CM_OPEN))
