@@ -432,13 +432,13 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                           mesh=mesh, in_specs=(a_spec, w_spec), out_specs=(out_spec, P()))
     for spec in tilings.split(","):
       sfx = "" if spec == "default" else f"[{spec}]"
-      tl8 = _tiling(ag.FP8_TILING, spec)
 
       def plain(x, w, spec=spec, sms=_sms(spec, sms), **options):  # the layers' tiles
         tl = _tiling(ag.plain_tiling(x.shape, w.shape, lax.axis_size(t)), spec)
         return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms, **options)
 
-      def fp8(x, w, tl=tl8, sms=_sms(spec, sms)):
+      def fp8(x, w, spec=spec, sms=_sms(spec, sms)):
+        tl = _tiling(ag.fp8_tiling(x.shape, w.shape, FP8["group_size"]), spec)
         b, s, k = x.shape
         codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
         return ag.all_gather_matmul_fp8(

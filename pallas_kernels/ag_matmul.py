@@ -68,6 +68,9 @@ from taco_jax.pallas_kernels.encode import encode
 # 0.3675, the out-projection's backward (pulled) 0.1293 against 0.1330
 # (bench_collective_matmul_nvlink_delay_2gpu_20261127.json).
 WIDE = gemm.Tiling(tile_m=64, tile_n=256, split="m")
+# Both kernels' tiles for widths that 256 does not divide (at TP=4 the 2.7B QKV's 1920
+# columns and its out-projection backward's 640): [128, 128] per warpgroup, the rows split.
+NARROW = gemm.Tiling(split="m")
 # The FP8 kernel's warpgroups split the rows: each decodes its own A rows before its wgmma.
 # The wide tiles decode half as many A elements per multiply-add as [128, 128] ones: on one
 # H200 at the 1.3B / 2.7B TP=2 shapes the kernel ran 1.06-1.12x the plain kernel with them,
@@ -81,9 +84,7 @@ WIDE = gemm.Tiling(tile_m=64, tile_n=256, split="m")
 # (bench_collective_matmul_nvlink_decode_parts_2gpu_20261127).
 # The steps of 64 are the fallback for groups of 64, the narrower tiles for widths that 256
 # does not divide.
-FP8_TILINGS = (dataclasses.replace(WIDE, tile_k=128, stages=2, decode_parts=2), WIDE,
-               gemm.Tiling(split="m"))
-FP8_TILING = FP8_TILINGS[0]
+FP8_TILINGS = (dataclasses.replace(WIDE, tile_k=128, stages=2, decode_parts=2), WIDE, NARROW)
 
 
 def all_gather_matmul_reference(x_BSK, w_KN, axis_name, *, fp8=None, out_dtype=None):
@@ -135,7 +136,10 @@ PULL_CLUSTERS = (2, 4)
 def plain_tiling(x_shape, w_shape, n: int) -> gemm.Tiling:
   """The plain kernel's tiles for x ``[B, S, K]`` and w ``[K, N]`` over n ranks: the
   pulled schedule where one cluster of ``PULL_CLUSTERS`` covers an output row (each remote
-  byte then crosses the link once), else the ring; both on the ``WIDE`` tiles."""
+  byte then crosses the link once), else the ring; both on the ``WIDE`` tiles, or the ring
+  on the ``NARROW`` ones where only those fit."""
+  if misfit(x_shape, w_shape, WIDE) and not misfit(x_shape, w_shape, NARROW):
+    return NARROW
   ring = WIDE
   width = w_shape[1] // ring.cta_n
   if n > 1 and width * ring.cta_n == w_shape[1] and width in PULL_CLUSTERS:

@@ -343,13 +343,20 @@ def _lowers_for_hopper(f, *args) -> str:
 def test_the_layers_pull_where_a_cluster_covers_the_row():
   """The plain all-gather kernel pulls where one cluster of 2 or 4 covers an output row (the
   1.3B out-projection's backward: 1024 columns in tiles of 256 at TP=2, 512 at TP=4), and
-  keeps the ring elsewhere (wider rows, one rank, widths not measured); a grid of clusters
-  of 4 holds only as many as the GPU runs at once."""
+  keeps the ring elsewhere (wider rows, one rank, widths not measured), on the narrow tiles
+  where 256 does not divide the width; a grid of clusters of 4 holds only as many as the
+  GPU runs at once."""
   x = (8, 1024, 2048)
   assert ag_matmul.plain_tiling(x, (2048, 1024), 2).cluster_n == 4
   assert ag_matmul.plain_tiling(x, (2048, 512), 4).cluster_n == 2
   for w, n in (((2048, 3072), 2), ((2048, 1024), 1), ((2048, 768), 2)):
     assert ag_matmul.plain_tiling(x, w, n) == ag_matmul.WIDE
+  x27 = (8, 512, 2560)  # the 2.7B QKV's and out-projection backward's widths at TP=4
+  for w in ((2560, 1920), (2560, 640)):
+    assert ag_matmul.misfit(x27, w, ag_matmul.WIDE) is not None
+    assert ag_matmul.plain_tiling(x27, w, 4) == ag_matmul.NARROW
+    assert ag_matmul.misfit(x27, w, ag_matmul.NARROW) is None
+  assert ag_matmul.plain_tiling(x27, (2560, 200), 4) == ag_matmul.WIDE  # neither: its why
   assert gemm.clusters(132, 4) == gemm.RESIDENT_CLUSTERS[4] < 33
   assert (gemm.clusters(132, 2), gemm.clusters(8, 4), gemm.clusters(132, 1)) == (66, 2, 132)
 
@@ -448,12 +455,13 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                 sd((d // g, b * t), jnp.float32), sd((d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
   else:
-    ring = ag_matmul.WIDE  # the layers' tiles: the ring, and pulled
-    for tiling in (ring, dataclasses.replace(ring, cluster_n=2)):
+    ring = ag_matmul.WIDE  # the layers' tiles: the ring, pulled, and narrow
+    for tiling, width in ((ring, f), (dataclasses.replace(ring, cluster_n=2), f),
+                          (ag_matmul.NARROW, 3 * 128)):
       fn = smap(lambda x, w, tiling=tiling: ag_matmul.all_gather_matmul(
           x, w, "tensor", tiling=tiling, num_sms=132)[0],
           in_specs=(P(None, "tensor"), P()), out_specs=P())
-      text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, f), jnp.bfloat16))
+      text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, width), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
   for phases in (None, 1):  # four phases, and one (the own loop waits right after sending)
