@@ -281,6 +281,29 @@ def test_every_mesh_same_output_resume_and_checkpoint(tmp_path, cache_dir, capsy
     assert f'resumed from step 1 in {tmp_path}' in capsys.readouterr().out
 
 
+def test_a_checkpoint_of_replicated_arrays_compiles_nothing(tmp_path):
+  """Saving an array replicated over 8 devices, then restoring it: orbax's per-replica
+  slices would compile a program per device on the first save (`checkpoint`)."""
+  mesh = make_mesh(8, 1, 1)
+  x = jax.device_put(jnp.arange(128.0).reshape(16, 8) + 0.5, jax.NamedSharding(mesh, jax.P()))
+  compiles = []
+
+  def count(event, _secs, **_):
+    compiles.extend([event] if event == "/jax/core/compile/backend_compile_duration" else [])
+  ckpt = checkpoint.Checkpoints(tmp_path)
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    ckpt.save(1, {"w": x}, {"m": x}, {"step": 1})
+    ckpt.wait()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert compiles == []
+  params, opt_state, meta = ckpt.restore(1, {"w": x}, {"m": x})
+  ckpt.close()
+  np.testing.assert_array_equal(params["w"], x)
+  assert opt_state["m"].sharding == x.sharding and meta == {"step": 1}
+
+
 def test_checkpoints_of_the_old_single_device_trainer_load(tmp_path):
   """A workdir of taco-jax 0.1's single-device trainer (one nnx state per model, metadata
   without a mesh) restores stacked, moments included, and `sample` reads it."""
