@@ -18,8 +18,9 @@ def _save_each_array_from_one_replica() -> None:
   """Unless JAX_PLATFORMS names the GPU, orbax saves a replicated array in slices, one per
   replica, each cut by a jitted program on its device: a compile per array shape and device
   on the first save (~2.5 s of a 4-step CPU run on 8 devices), where one process writes
-  every replica anyway. Orbax keeps one handler registry per process, so this sets the arrays' handler for every
-  save in the process; its warning about the override is kept out of the run's output."""
+  every replica anyway. Orbax keeps one handler registry per process, so this sets the
+  arrays' handler for every save in the process; its warning about the override is kept
+  out of the run's output."""
   absl_logger = logging.getLogger("absl")  # orbax logs through absl
   level = absl_logger.level
   absl_logger.setLevel(logging.ERROR)
