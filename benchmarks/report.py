@@ -107,6 +107,13 @@ def _first_win(points) -> int | None:
   return wins[0] if wins else None
 
 
+def _last_win(points) -> int | None:
+  """The largest work up to which every (work, won) point at that work or less won."""
+  points = list(points)
+  wins = [w for w in sorted({w for w, _ in points}) if all(won for v, won in points if v <= w)]
+  return wins[-1] if wins else None
+
+
 def threshold_mib(results: list[dict]) -> dict:
   """Per collective of a collectives benchmark's `results`: the smallest size (MiB per
   device) from which compressed beat bf16 at every larger measured size; None if never."""
@@ -679,15 +686,34 @@ def _cm_cases() -> tuple[dict, list[str]]:
            for label, by_tp in merged.items()}, names)
 
 
+def _cm_work(case: dict) -> int:
+  """One rank's matmul FLOPs per byte of the plain collective's message: the all-gather's
+  ``2 B T K (N / n) / (B (T / n) K 2)`` = N, the weight's global width; the
+  reduce-scatter's ``2 B T (F / n) D / (B T D 2)`` = F / n, its contraction per rank. The
+  lower it is, the more the link and the less the matmul bounds the kernel."""
+  b, t, f = case["a_shape"]
+  return round(2 * b * t * f * case["w_shape"][1] / case["tp"] / _cm_message_bytes(case))
+
+
 def kernel_thresholds(cases: list[dict]) -> dict:
-  """Per collective: `_first_win` of (message bytes, compressed kernel faster than plain)."""
+  """Per collective: where the compressed kernel beat the plain one, as ``{"max_work":
+  `_last_win` of (`_cm_work`, won), "min_bytes": the smallest message among those wins}``
+  (the policy claims no win below a measured size), or None where it lost at the least
+  work measured. Work, not the message's size, separates the measured wins from the
+  losses: at TP=4 the 1.3B all-gathers all send 16 MiB, and FP8 won only where the matmul
+  is narrow (the out-projection's backward)."""
   points = {}
   for c in cases:
     v = c["variants"]
     if "ms" in v.get("fused", {}) and "ms" in v.get("fused_fp8", {}):
       points.setdefault(CM_COLLECTIVE[c["kind"]], []).append(
-          (_cm_message_bytes(c), v["fused_fp8"]["ms"] < v["fused"]["ms"]))
-  return {coll: _first_win(p) for coll, p in sorted(points.items())}
+          (_cm_work(c), _cm_message_bytes(c), v["fused_fp8"]["ms"] < v["fused"]["ms"]))
+  out = {}
+  for coll, pts in sorted(points.items()):
+    most = _last_win((w, won) for w, _, won in pts)
+    out[coll] = None if most is None else dict(
+        max_work=most, min_bytes=min(b for w, b, _ in pts if w <= most))
+  return out
 
 
 def measured_module() -> str:
@@ -704,12 +730,14 @@ def measured_module() -> str:
           "MIN_BYTES[link][devices][collective]: the smallest message (bytes per device) from\n"
           "which the compressed collective beat bf16 at every larger measured size, on that\n"
           'link with that many devices in the axis; None where it never did.\n\n'
-          "KERNEL_MIN_BYTES: the same for the fused collective-matmul kernels\n"
-          "(bench_collective_matmul: the FP8 kernel against the plain kernel, by the message\n"
-          'the plain collective would send)."""\n\n'
+          "KERNEL_PAYS[link][devices][collective]: where the fused collective-matmul\n"
+          "kernel's FP8 version beat its plain one (bench_collective_matmul): at every measured\n"
+          "work (one rank's matmul FLOPs per byte of the message the plain collective would\n"
+          "send) up to max_work, from min_bytes, the smallest such message; None where it lost\n"
+          'at the least work measured."""\n\n'
           f"SOURCES = {pprint.pformat(sources, width=88)}\n\n"
           f"MIN_BYTES = {pprint.pformat(table, width=88)}\n\n"
-          f"KERNEL_MIN_BYTES = {pprint.pformat(kernels, width=88)}\n")
+          f"KERNEL_PAYS = {pprint.pformat(kernels, width=88)}\n")
 
 
 # the collective-matmul tables' columns, in order; a run's variants of the fused kernels

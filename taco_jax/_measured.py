@@ -4,9 +4,11 @@ MIN_BYTES[link][devices][collective]: the smallest message (bytes per device) fr
 which the compressed collective beat bf16 at every larger measured size, on that
 link with that many devices in the axis; None where it never did.
 
-KERNEL_MIN_BYTES: the same for the fused collective-matmul kernels
-(bench_collective_matmul: the FP8 kernel against the plain kernel, by the message
-the plain collective would send)."""
+KERNEL_PAYS[link][devices][collective]: where the fused collective-matmul
+kernel's FP8 version beat its plain one (bench_collective_matmul): at every measured
+work (one rank's matmul FLOPs per byte of the message the plain collective would
+send) up to max_work, from min_bytes, the smallest such message; None where it lost
+at the least work measured."""
 
 SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'collectives_nvlink_4gpu_20261121.json',
@@ -59,5 +61,7 @@ MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_s
                       'all_reduce': 16777216,
                       'reduce_scatter': 1048576}}}
 
-KERNEL_MIN_BYTES = {'nvlink': {2: {'all_gather': None, 'reduce_scatter': None},
-            4: {'all_gather': None, 'reduce_scatter': 67108864}}}
+KERNEL_PAYS = {'nvlink': {2: {'all_gather': None,
+                'reduce_scatter': {'max_work': 1024, 'min_bytes': 67108864}},
+            4: {'all_gather': {'max_work': 2560, 'min_bytes': 16777216},
+                'reduce_scatter': {'max_work': 2560, 'min_bytes': 67108864}}}}

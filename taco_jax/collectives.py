@@ -124,6 +124,7 @@ class Decision(NamedTuple):
   dtype: str = ""
   codec: CompressionConfig | None = None  # the codec asked for (sent or not)
   kernel: bool = False        # inside a fused collective-matmul kernel
+  work: float | None = None   # the kernel's matmul FLOPs per byte of the message
 
 
 @contextlib.contextmanager
@@ -141,13 +142,14 @@ def recording_decisions():
 
 
 def decide(collective: str, x, compression: CompressionConfig | None,
-           axis_size: int | None = None, *, kernel: bool = False,
+           axis_size: int | None = None, *, kernel: bool = False, work: float | None = None,
            site: str = "") -> CompressionConfig | None:
   """The codec ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
   sends x with (the local input as passed to it; an array or a ``jax.ShapeDtypeStruct``):
   ``compression`` where it pays, else None (plain). Static, from shapes and the config.
   Without ``axis_size``, a ``link`` threshold is the most cautious measured one. ``kernel``:
-  inside a fused collective-matmul kernel (its own measured thresholds). ``site``: the
+  inside a fused collective-matmul kernel (its own measured thresholds, by ``work``: its
+  matmul's FLOPs per byte of x, `policy.pays_for`). ``site``: the
   plan's name of the message (`taco_jax.plan.SITES`), for `recording_decisions` only.
 
   The one decision per message: a caller that also tells the monitor decides here and
@@ -164,10 +166,10 @@ def decide(collective: str, x, compression: CompressionConfig | None,
     raise ValueError(f"{collective}: compression needs an array with at least one "
                      "dimension (groups run along the last), got a scalar")
   nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
-  pays = policy.pays_for(compression, collective, nbytes, axis_size, kernel=kernel)
+  pays = policy.pays_for(compression, collective, nbytes, axis_size, kernel=kernel, work=work)
   if _decisions is not None:
     _decisions.append(Decision(collective, nbytes, pays, site, axis_size, tuple(x.shape),
-                               jnp.dtype(x.dtype).name, compression, kernel))
+                               jnp.dtype(x.dtype).name, compression, kernel, work))
   return compression if pays else None
 
 

@@ -217,6 +217,7 @@ def apply(plan: CompressionPlan, pol: LinkPolicy) -> CompressionPlan:
 def changes(decisions, plan: CompressionPlan) -> bool:
   """Whether a step traced with `plan` would send any of the recorded messages (sites of
   `collectives.recording_decisions`) otherwise than recorded."""
-  return any(policy.pays_for(c, d.collective, d.nbytes, d.axis_size, kernel=d.kernel)
+  return any(policy.pays_for(c, d.collective, d.nbytes, d.axis_size, kernel=d.kernel,
+                            work=d.work)
              != d.compressed for d in decisions
              if d.site in SITES and (c := plan.codec(d.site)) is not None)

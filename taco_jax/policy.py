@@ -33,7 +33,8 @@ def resolved_link(cfg: CompressionConfig) -> str | None:
 
 
 def pays_for(cfg: CompressionConfig, collective: str, nbytes: int,
-             axis_size: int | None = None, *, kernel: bool = False) -> bool:
+             axis_size: int | None = None, *, kernel: bool = False,
+             work: float | None = None) -> bool:
   """Whether ``collective`` over ``axis_size`` devices should compress ``nbytes`` per device.
 
   Never over one device, where nothing is sent. Without a link: from ``cfg.min_bytes`` on.
@@ -41,19 +42,32 @@ def pays_for(cfg: CompressionConfig, collective: str, nbytes: int,
   "p2p_disabled"): from the size at which the measured compressed collective beat bf16,
   never where it never did. An axis size that was not measured on that link takes the most
   cautious of the measured ones; a collective that was not measured (ppermute) falls back
-  to ``min_bytes``. The larger bound wins. ``kernel``: for the fused collective-matmul
-  kernel of ``collective`` (its compressed kernel against its plain one,
-  ``_measured.KERNEL_MIN_BYTES``), ``nbytes`` being what the plain collective would send.
+  to ``min_bytes``. The larger bound wins.
+
+  ``kernel``: for the fused collective-matmul kernel of ``collective``, ``nbytes`` being
+  what the plain collective would send and ``work`` (required) one rank's matmul FLOPs per
+  byte of it: where its FP8 kernel beat its plain one (``_measured.KERNEL_PAYS``), at
+  most that work and from that size.
   """
   if axis_size == 1 or nbytes < cfg.min_bytes:
     return False
   link = resolved_link(cfg)
-  table = _measured.KERNEL_MIN_BYTES if kernel else _measured.MIN_BYTES
-  by_size = table.get(link, {}) if link else {}
-  rows = [by_size[axis_size]] if axis_size in by_size else list(by_size.values())
-  found = [r[collective] for r in rows if collective in r]
-  if not found:
-    return True
+  if kernel:
+    if work is None:
+      raise ValueError(f"pays_for({collective!r}, kernel=True) needs the matmul's work")
+    found = _measured_rows(_measured.KERNEL_PAYS, link, axis_size, collective)
+    return all(p is not None and nbytes >= p["min_bytes"] and work <= p["max_work"]
+               for p in found)
+  found = _measured_rows(_measured.MIN_BYTES, link, axis_size, collective)
   if any(t is None for t in found):
     return False
-  return nbytes >= max(found)
+  return nbytes >= max(found, default=0)
+
+
+def _measured_rows(table: dict, link: str | None, axis_size: int | None,
+                   collective: str) -> list:
+  """``collective``'s entries of ``table[link]`` for ``axis_size`` devices, or of every
+  measured size where that one was not measured; none without a link."""
+  by_size = table.get(link, {}) if link else {}
+  rows = [by_size[axis_size]] if axis_size in by_size else list(by_size.values())
+  return [r[collective] for r in rows if collective in r]

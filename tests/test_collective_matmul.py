@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from taco_jax.pallas_kernels import ag_matmul, common, gemm, matmul_rs
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
-from taco_jax import mappings, testing
+from taco_jax import collectives, mappings, testing
 from taco_jax.codec import CompressionConfig
 from taco_jax.tp import fused
 
@@ -577,3 +577,41 @@ def test_tp_overlap_config_errors():
   with pytest.raises(ValueError, match="tp_overlap='yes' must be one of"):
     step_lib.ParallelSpec(step_lib.layout_lib.model_config(tiny.get_micro_config().model),
                           1, 1, 1, tp_overlap="yes")
+
+
+def test_the_layers_decide_a_kernels_codec_by_its_size_and_work(monkeypatch):
+  """On 4 GPUs over NVLink (the platform check passed, the kernels only traced), each
+  layer asks `policy.pays_for` with its message and its matmul's work per message byte,
+  the quantity the report derives `_measured.KERNEL_PAYS` from: at the 1.3B shapes the
+  all-gathers of the out-projection's backward and of QKV both send 16 MiB, with work 2048
+  and 6144; the out-projection's reduce-scatter 64 MiB, with work 512."""
+  from benchmarks import report
+  from taco_jax.policy import pays_for
+  monkeypatch.setattr(fused, "platform_problem", lambda devices: None)
+  mesh = jax.make_mesh((4,), ("t",), axis_types=(jax.sharding.AxisType.Auto,),
+                       devices=jax.devices()[:4])
+  codec = CompressionConfig(group_size=128, hadamard=False, link="nvlink")
+  b, t, d, n = 8, 2048, 2048, 4
+  sd = jax.ShapeDtypeStruct
+
+  def decision(f, x, w, specs):
+    with collectives.recording_decisions() as got:
+      jax.eval_shape(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P(),
+                                   check_vma=False), x, w)
+    (dec,) = [dec for dec in got if dec.kernel]
+    assert dec.compressed == pays_for(codec, dec.collective, dec.nbytes, n, kernel=True,
+                                      work=dec.work)
+    return dec.collective, dec.nbytes >> 20, dec.work
+
+  def gather(x, w):
+    return fused.all_gather_matmul(x, w, "t", codec)[0]
+
+  def scatter(y, w):
+    return fused.matmul_reduce_scatter(y, w, "t", codec)
+  x, ag = sd((b, t, d), jnp.bfloat16), (P(None, "t"), P(None, "t"))
+  for cols, work in ((d, 2048), (3 * d, 6144)):
+    assert decision(gather, x, sd((d, cols), jnp.bfloat16), ag) == ("all_gather", 16, work)
+    assert report._cm_work(dict(kind="ag", tp=n, a_shape=[b, t, d], w_shape=[d, cols])) == work
+  assert decision(scatter, x, sd((d, d), jnp.bfloat16), (P(None, None, "t"), P("t"))) == (
+      "reduce_scatter", 64, 512)
+  assert report._cm_work(dict(kind="rs", tp=n, a_shape=[b, t, d], w_shape=[d, d])) == 512

@@ -73,19 +73,43 @@ def test_unknown_link_is_a_clear_error():
     CompressionConfig(link="infiniband")
 
 
-KERNEL_MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.KERNEL_MIN_BYTES.items())
+KERNEL_MEASURED = [(link, n, coll, t) for link, by_n in sorted(_measured.KERNEL_PAYS.items())
                    for n, row in sorted(by_n.items()) for coll, t in sorted(row.items())]
 
 
-@pytest.mark.parametrize("link,n,collective,threshold", KERNEL_MEASURED)
-def test_kernels_have_their_own_measured_sizes(link, n, collective, threshold):
-  """`kernel=True` reads the collective-matmul kernels' thresholds, not the collectives'."""
+@pytest.mark.parametrize("link,n,collective,pays", KERNEL_MEASURED)
+def test_kernels_have_their_own_measured_sizes_and_work(link, n, collective, pays):
+  """`kernel=True` reads the collective-matmul kernels' table, not the collectives': the
+  FP8 kernel from its smallest measured win's size and up to its largest win's work."""
   cfg = CompressionConfig(link=link)
-  if threshold is None:
-    assert not any(pays_for(cfg, collective, 1 << k, n, kernel=True) for k in range(40))
+  if pays is None:
+    assert not any(pays_for(cfg, collective, 1 << k, n, kernel=True, work=1.0)
+                   for k in range(40))
   else:
-    assert not pays_for(cfg, collective, threshold - 1, n, kernel=True)
-    assert pays_for(cfg, collective, threshold, n, kernel=True)
+    size, most = pays["min_bytes"], pays["max_work"]
+    assert pays_for(cfg, collective, size, n, kernel=True, work=most)
+    assert not pays_for(cfg, collective, size - 1, n, kernel=True, work=most)
+    assert not pays_for(cfg, collective, size, n, kernel=True, work=most + 1)
+  with pytest.raises(ValueError, match="needs the matmul's work"):
+    pays_for(cfg, collective, 1 << 30, n, kernel=True)
+
+
+def test_kernel_policy_is_by_work_where_the_sizes_do_not_separate():
+  """At TP=4 the 1.3B all-gathers all send 16 MiB; the FP8 kernel won only at the
+  out-projection's backward (N = 2048 against 6144 and 8192), so only it is compressed."""
+  def case(layer, n_cols, plain_ms, fp8_ms, kind="ag"):
+    return dict(model="1.3b", layer=layer, kind=kind, tp=4, a_shape=[8, 2048, 2048],
+                w_shape=[2048, n_cols], variants=dict(fused=dict(ms=plain_ms),
+                                                      fused_fp8=dict(ms=fp8_ms)))
+  cases = [case("proj_dx", 2048, 0.179, 0.143), case("qkv", 6144, 0.237, 0.257),
+           case("up", 8192, 0.223, 0.239)]
+  assert [report._cm_work(c) for c in cases] == [2048, 6144, 8192]
+  assert report._cm_work(case("proj", 2048, 1, 1, kind="rs")) == 2048 // 4  # F / n
+  assert report.kernel_thresholds(cases) == {
+      "all_gather": {"max_work": 2048, "min_bytes": 16 * MIB}}
+  assert report.kernel_thresholds(cases[1:]) == {"all_gather": None}
+  assert report._last_win([(1, True), (2, True), (2, False), (4, True)]) == 1  # a tie
+  assert report._last_win([(1, False), (2, True)]) is None and report._last_win([]) is None
 
 
 def test_first_win_needs_every_point_from_that_size_on():
@@ -121,7 +145,7 @@ def test_kernel_runs_of_one_link_and_tp_merge_case_by_case(tmp_path, monkeypatch
   assert names[0] == "bench_collective_matmul_nvlink_4gpu_20261120.json"  # by date
   merged = {c["layer"]: c["variants"]["fused_fp8"]["ms"] for c in cases["nvlink"][4]}
   assert merged == {"down": 2.0, "proj": 1.0, "qkv": 1.0}  # qkv from the later run
-  # the reduce-scatter's cases disagree at one size (down lost, proj won): never pays
+  # the reduce-scatter's cases disagree at one size and work (down lost, proj won): never
   shard_bytes = 8 * 2048 * 2048 * 2 // 4  # what the plain all-gather sends per device
-  assert report.kernel_thresholds(cases["nvlink"][4]) == {"all_gather": shard_bytes,
-                                                         "reduce_scatter": None}
+  assert report.kernel_thresholds(cases["nvlink"][4]) == {
+      "all_gather": {"max_work": 2048, "min_bytes": shard_bytes}, "reduce_scatter": None}

@@ -10,9 +10,10 @@ one fused kernel:
   matmul_scatter(y_BTF, w_FD)  forward: matmul + reduce-scatter; backward: the all-gather +
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
 
-Each kernel is compressed when the codec of its direction pays there: from the message
-size at which the FP8 kernel beat the plain one on that link (`collectives.decide`
-with ``kernel=True``, measured by `benchmarks/bench_collective_matmul.py`); the FP8 kernels
+Each kernel is compressed when the codec of its direction pays there: where the FP8 kernel
+beat the plain one on that link, by message size and by the matmul's FLOPs per message byte
+(`collectives.decide` with ``kernel=True``, measured by
+`benchmarks/bench_collective_matmul.py`: FP8 pays where the link bounds the kernel); the FP8 kernels
 take the codec's codes (the same codes as `taco_jax.codec`). A collective that falls back
 to XLA is compressed as the XLA collective would be (decided once, for that collective).
 
@@ -26,6 +27,7 @@ That path is also how the CPU tests check the custom VJPs.
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -90,16 +92,19 @@ def _fp8(codec: CompressionConfig) -> dict:
               lam=codec.lam)
 
 
-def _kernel_or_xla(collective: str, message, codec, n: int, misfit):
+def _kernel_or_xla(collective: str, message, codec, n: int, misfit, flops: int):
   """``(codec, None)`` where the fused kernel of `collective` runs, else ``(codec, why
   not)`` for the XLA collective: the codec decided once for the transport that sends
-  `message` (`collectives.decide`, the kernel's thresholds or the collective's). Off a
+  `message` (`collectives.decide`: the kernel's thresholds, by its matmul's ``flops`` per
+  byte of `message`, or the collective's). Off a
   platform that runs kernels only the collective is asked; on one where the chosen kernel
   cannot take the shapes (``misfit(kernel codec)``: why not, or None) or the codec,
   the XLA collective is asked again, as it is then a different transport."""
   problem = platform_problem(_mesh_devices(n))
   if problem is None:
-    kcodec = collectives.decide(collective, message, codec, n, kernel=True)
+    nbytes = math.prod(message.shape) * jnp.dtype(message.dtype).itemsize
+    kcodec = collectives.decide(collective, message, codec, n, kernel=True,
+                                work=flops / nbytes)
     if kcodec is not None and kcodec.hadamard:
       problem = "the kernels do not apply the codec's Hadamard transform"
     else:
@@ -121,11 +126,12 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
     g = kcodec.group_size
     return ag_matmul.misfit(x_BSD.shape, w_DF.shape,
                             ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, g), g)
-  codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit)
+  b, s, d = x_BSD.shape
+  flops = 2 * b * n * s * d * w_DF.shape[1]
+  codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit, flops)
   if problem is None and codec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms)
   if problem is None:
-    b, s, d = x_BSD.shape
     codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
                                  **codec.kernel_kwargs())
     return ag_matmul.all_gather_matmul_fp8(
@@ -153,7 +159,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
   def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
     return matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling(kcodec),
                             kcodec and kcodec.group_size)
-  codec, problem = _kernel_or_xla("reduce_scatter", partial, codec, n, misfit)
+  flops = 2 * math.prod(y_BTF.shape) * w_FD.shape[1]
+  codec, problem = _kernel_or_xla("reduce_scatter", partial, codec, n, misfit, flops)
   if problem is None:
     return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling(codec),
                                            num_sms=gemm.num_sms(),
