@@ -37,7 +37,7 @@ def test_two_processes_train_as_one_mesh(tmp_path):
     port = s.getsockname()[1]
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
-             PYTHONPATH=str(REPO))
+             PYTHONPATH=str(REPO), XLA_FLAGS="--xla_backend_optimization_level=0")
   procs = [subprocess.Popen([sys.executable, __file__, str(tmp_path)], cwd=REPO,
                             env=dict(env, JAX_PROCESS_ID=str(i)), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True) for i in range(2)]
