@@ -142,14 +142,14 @@ def recording_decisions():
 
 
 def decide(collective: str, x, compression: CompressionConfig | None,
-           axis_size: int | None = None, *, kernel: bool = False, work: float | None = None,
+           axis_size: int | None = None, *, kernel: bool = False, flops: int | None = None,
            site: str = "") -> CompressionConfig | None:
   """The codec ``collective`` ("all_gather", "reduce_scatter", "all_reduce", "ppermute")
   sends x with (the local input as passed to it; an array or a ``jax.ShapeDtypeStruct``):
   ``compression`` where it pays, else None (plain). Static, from shapes and the config.
   Without ``axis_size``, a ``link`` threshold is the most cautious measured one. ``kernel``:
-  inside a fused collective-matmul kernel (its own measured thresholds, by ``work``: its
-  matmul's FLOPs per byte of x, `policy.pays_for`). ``site``: the
+  inside a fused collective-matmul kernel whose matmul takes ``flops`` (its own measured
+  thresholds, by the work per byte of x: `policy.pays_for`). ``site``: the
   plan's name of the message (`taco_jax.plan.SITES`), for `recording_decisions` only.
 
   The one decision per message: a caller that also tells the monitor decides here and
@@ -166,6 +166,7 @@ def decide(collective: str, x, compression: CompressionConfig | None,
     raise ValueError(f"{collective}: compression needs an array with at least one "
                      "dimension (groups run along the last), got a scalar")
   nbytes = math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+  work = None if flops is None else flops / nbytes
   pays = policy.pays_for(compression, collective, nbytes, axis_size, kernel=kernel, work=work)
   if _decisions is not None:
     _decisions.append(Decision(collective, nbytes, pays, site, axis_size, tuple(x.shape),

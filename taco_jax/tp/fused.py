@@ -13,8 +13,8 @@ one fused kernel:
 Each kernel is compressed when the codec of its direction pays there: where the FP8 kernel
 beat the plain one on that link, by message size and by the matmul's FLOPs per message byte
 (`collectives.decide` with ``kernel=True``, measured by
-`benchmarks/bench_collective_matmul.py`: FP8 pays where the link bounds the kernel); the FP8 kernels
-take the codec's codes (the same codes as `taco_jax.codec`). A collective that falls back
+`benchmarks/bench_collective_matmul.py`: FP8 pays where the link bounds the kernel); the FP8
+kernels take the codec's codes (the same codes as `taco_jax.codec`). A collective that falls back
 to XLA is compressed as the XLA collective would be (decided once, for that collective).
 
 Where a kernel cannot run (no Hopper GPU; ``NCCL_P2P_DISABLE=1``, which marks runs without
@@ -95,16 +95,14 @@ def _fp8(codec: CompressionConfig) -> dict:
 def _kernel_or_xla(collective: str, message, codec, n: int, misfit, flops: int):
   """``(codec, None)`` where the fused kernel of `collective` runs, else ``(codec, why
   not)`` for the XLA collective: the codec decided once for the transport that sends
-  `message` (`collectives.decide`: the kernel's thresholds, by its matmul's ``flops`` per
-  byte of `message`, or the collective's). Off a
+  `message` (`collectives.decide`: the kernel's thresholds, given its matmul's ``flops``,
+  or the collective's). Off a
   platform that runs kernels only the collective is asked; on one where the chosen kernel
   cannot take the shapes (``misfit(kernel codec)``: why not, or None) or the codec,
   the XLA collective is asked again, as it is then a different transport."""
   problem = platform_problem(_mesh_devices(n))
   if problem is None:
-    nbytes = math.prod(message.shape) * jnp.dtype(message.dtype).itemsize
-    kcodec = collectives.decide(collective, message, codec, n, kernel=True,
-                                work=flops / nbytes)
+    kcodec = collectives.decide(collective, message, codec, n, kernel=True, flops=flops)
     if kcodec is not None and kcodec.hadamard:
       problem = "the kernels do not apply the codec's Hadamard transform"
     else:
