@@ -23,9 +23,13 @@ parameters on the same batches, their steps interleaved (the order rotates every
 
 Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_pgle`):
 
-  _cm     (off / on only) the TP layers as fused collective-matmul kernels
+  _cm     (off / on / ideal) the TP layers as fused collective-matmul kernels
           (`parallel.tp_overlap="kernel"`, `taco_jax.tp.fused`): the transfers run
-          inside the matmul kernels, plain (`off_cm`) or FP8-compressed (`on_cm`)
+          inside the matmul kernels, plain (`off_cm`) or FP8-compressed (`on_cm`);
+          `ideal_cm`: the ideal's stand-in collectives with those layers' matmuls on our
+          GEMM core (`fused`'s free communication): what the kernel layers would take if
+          their transfers cost nothing, so ceiling_<ideal_cm variant> = (off - ideal_cm) /
+          (off - ideal) is the most they can recover with our matmuls
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
@@ -176,7 +180,7 @@ def parse_variant(name: str) -> Variant:
   if base is None or -1 in order or order != sorted(set(order)) or (
       base == "gspmd" and set(mods) - set(GSPMD_MODIFIERS)) or (
       "noremat" in mods and set(mods) & set(REMAT_SAVES)) or len(set(mods) & set(CIF)) > 1 or (
-      "cm" in mods and base not in ("off", "on")) or {"1f1b", "vs2"} <= set(mods) or (
+      "cm" in mods and base not in ("off", "on", "ideal")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
       "push" in mods and "cm" not in mods) or (
@@ -184,7 +188,7 @@ def parse_variant(name: str) -> Variant:
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on, _push, _graphs "
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, _graphs "
                      "and _fgraphs only with _cm; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
@@ -483,8 +487,9 @@ def summarize(rows) -> list[dict]:
       pair = "".join(f"_{m}" for m in mods.split("_")[1:] if m not in KERNEL_ONLY_MODIFIERS)
       off, ideal = f"off{pair}", f"ideal{pair}"
       if v.kernels and off in t and ideal in t and t[off] > t[ideal]:
-        s[f"recovered_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
-      if v.kernels and "gspmd" in t:
+        name = "ceiling" if v.base == "ideal" else "recovered"
+        s[f"{name}_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
+      if v.kernels and v.base != "ideal" and "gspmd" in t:
         s[f"{v.name}_vs_gspmd"] = t["gspmd"] / t[v.name]
     pickable = [v for v in ours if v.graphs != "all"]  # as the trainer may compile them
     offs = [v.name for v in pickable if v.base in ("off", "ring_off")]

@@ -109,7 +109,9 @@ def _axes(axis_name: AxisName) -> tuple:
   return tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
 
 
-def _is_free(axis_name: AxisName) -> bool:
+def communication_is_free(axis_name: AxisName) -> bool:
+  """Whether the collectives over ``axis_name`` are stand-ins here (`free_communication`):
+  so that a caller that sends by other means (`taco_jax.tp.fused`'s kernels) stands in too."""
   return _axes(axis_name) in _free
 
 
@@ -239,7 +241,7 @@ def all_gather(x, axis_name: AxisName, *, axis: int = 0, tiled: bool = True,
   if not -ndim <= axis < ndim:
     raise ValueError(f"{fn}: axis={axis} is out of range for an input of shape {x.shape}")
   axis %= ndim
-  if _is_free(axis_name):
+  if communication_is_free(axis_name):
     y = jnp.broadcast_to(jnp.expand_dims(x, axis), (*x.shape[:axis], n, *x.shape[axis:]))
     return y.reshape(*x.shape[:axis], n * x.shape[axis], *x.shape[axis + 1:]) if tiled else y
   codec = _codec(fn, x, compression, n)
@@ -269,7 +271,7 @@ def reduce_scatter(x, axis_name: AxisName, *, scatter_dimension: int = 0,
   fn = "reduce_scatter"
   n = axis_size(axis_name, fn, x.shape)
   d = _check_dim(fn, axis_name, n, x.shape, scatter_dimension, "scatter_dimension")
-  if _is_free(axis_name):
+  if communication_is_free(axis_name):
     return jax.lax.slice_in_dim(x, 0, x.shape[d] // n, axis=d)
   codec = _codec(fn, x, compression, n)
   if codec is None:
@@ -298,7 +300,7 @@ def all_reduce(x, axis_name: AxisName, *, compression: Compression = None,
   if algorithm not in ("one_shot", "two_shot"):
     raise ValueError(f"{fn}: algorithm must be 'one_shot' or 'two_shot', got {algorithm!r}")
   n = axis_size(axis_name, fn, x.shape)
-  if _is_free(axis_name):
+  if communication_is_free(axis_name):
     return x
   codec = _codec(fn, x, compression, n)
   if codec is None:

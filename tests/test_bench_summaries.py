@@ -46,6 +46,11 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
                                      off_cm_push_fgraphs=180.0))
   assert s["recovered_off_cm_push_fgraphs"] == pytest.approx(0.4)  # its pair is off too
   assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
+  (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, gspmd=210.0, off_cm_fgraphs=175.0,
+                                     ideal_cm_fgraphs=160.0))
+  assert s["ceiling_ideal_cm_fgraphs"] == pytest.approx(0.8)  # (200 - 160) / 50
+  assert "recovered_ideal_cm_fgraphs" not in s and "ideal_cm_fgraphs_vs_gspmd" not in s
+  assert s["best_off"] == "off_cm_fgraphs"  # an ideal is never picked
 
 
 def test_bench_train_summary_of_the_pgle_variants():

@@ -512,6 +512,47 @@ def test_custom_vjps_match_the_regions_they_replace(kind, codec):
     np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_free_communication_runs_the_kernels_matmuls_on_the_gemm_core(kind, monkeypatch):
+  """Under `collectives.free_communication` (bench_train's ``ideal_cm``) a layer whose
+  kernel would run (the platform check passed) takes the XLA path's stand-in collectives
+  with the matmul on our GEMM core, forward and backward: traced over 2 ranks, the core
+  multiplies the full sequence's rows and the outputs have the XLA path's shapes; run (on
+  one rank: jax's interpreter cannot run kernels on two CPU devices at once), the values
+  and gradients are the XLA path's."""
+  b, s, d = 1, 64, 128
+  rng = np.random.default_rng(11)
+  layer = fused.gather_matmul if kind == "column" else fused.matmul_scatter
+  cores = []
+  monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
+      cores.append(a[0].shape), matmul(*a, **kw))[1])
+  monkeypatch.setattr(ag_matmul, "plain_tiling", lambda *shapes: TILING)
+  monkeypatch.setattr(matmul_rs, "TILING", TILING)
+
+  def free_step(n, kernels: bool, run=_value_and_grads):
+    monkeypatch.setattr(fused, "platform_problem", lambda devices: (
+        None if kernels else "no GPU"))
+    x_shape, ct_shape = ((n, b, s, d), (n, b, n * s, d)) if kind == "column" else (
+        (n, b, n * s, d), (n, b, s, d))
+    x, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+                for shape in (x_shape, (n, d, d), ct_shape))
+    with collectives.free_communication("x"), _interpret():
+      return jax.block_until_ready(run(lambda x, w: layer(x, w, "x"), n, x, w, ct))
+
+  def shapes(f, n, *arrays):
+    return jax.eval_shape(lambda *a: _value_and_grads(f, n, *a), *arrays)
+  assert free_step(2, True, run=shapes) == free_step(2, False, run=shapes)
+  assert cores == [(b * 2 * s, d)] * 2  # the forward's matmul and dx's, on full rows
+  rng = np.random.default_rng(11)
+  xla = free_step(1, False)
+  rng = np.random.default_rng(11)
+  core = free_step(1, True)
+  assert len(cores) == 4
+  for name, g, e in zip(("value", "dx", "dw"), core, xla, strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                               rtol=2e-2, atol=2e-2, err_msg=name)
+
+
 def test_no_gpu_falls_back_to_the_collectives_and_says_so(caplog):
   common._warned.clear()
   x, w = jnp.ones((2, 2, 4, 64)), jnp.ones((2, 64, 32))

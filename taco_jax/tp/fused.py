@@ -23,9 +23,16 @@ peer access; a mesh of more than ``MEASURED_GPUS`` GPUs unless
 transform, which the kernels do not apply), that collective runs as the XLA collective
 (`taco_jax.collectives`, compressed alike) plus the matmul, and the reason is logged once.
 That path is also how the CPU tests check the custom VJPs.
+
+Under `collectives.free_communication` (``benchmarks.bench_train``'s ``ideal_cm``), a
+kernel that would run is replaced by its stand-in: the same stand-in collective as the XLA
+path's, with the matmul on our GEMM core (``gemm.matmul``, the kernel's tiles) where the
+XLA path has cuBLAS. So that step differs from the plain ideal only in whose matmuls run:
+what our kernels could reach if their communication cost nothing.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -118,15 +125,20 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
   tiling, sms = ag_matmul.plain_tiling(x_BSD.shape, w_DF.shape, n), gemm.num_sms()
 
-  def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
+  def tiles(kcodec):
     if kcodec is None:
-      return ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiling, num_sms=sms)
-    g = kcodec.group_size
-    return ag_matmul.misfit(x_BSD.shape, w_DF.shape,
-                            ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, g), g)
+      return tiling
+    return ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, kcodec.group_size)
+
+  def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
+    return ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiles(kcodec),
+                            kcodec and kcodec.group_size, num_sms=sms)
   b, s, d = x_BSD.shape
   flops = 2 * b * n * s * d * w_DF.shape[1]
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit, flops)
+  if problem is None and collectives.communication_is_free(axis_name):
+    x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True)
+    return _core_matmul(x_full, w_DF, tiles(codec)), x_full
   if problem is None and codec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms)
   if problem is None:
@@ -159,6 +171,9 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
                             kcodec and kcodec.group_size)
   flops = 2 * math.prod(y_BTF.shape) * w_FD.shape[1]
   codec, problem = _kernel_or_xla("reduce_scatter", partial, codec, n, misfit, flops)
+  if problem is None and collectives.communication_is_free(axis_name):
+    return collectives.reduce_scatter(_core_matmul(y_BTF, w_FD, tiling(codec)), axis_name,
+                                      scatter_dimension=SEQ)
   if problem is None:
     return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling(codec),
                                            num_sms=gemm.num_sms(),
@@ -166,6 +181,16 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
   _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_FD.shape}")
   return collectives.reduce_scatter(jnp.einsum("btf,fd->btd", y_BTF, w_FD), axis_name,
                                     scatter_dimension=SEQ, compression=Decided(codec))
+
+
+def _core_matmul(a_BTK, w_KN, tiling: gemm.Tiling):
+  """``a @ w`` on our GEMM core with a kernel's tiles (one CTA per cluster: the core in
+  clusters is slower, and only the pulled all-gather needs them): the matmul of a kernel
+  whose communication is free (the module docstring)."""
+  b, t, k = a_BTK.shape
+  y = gemm.matmul(a_BTK.reshape(b * t, k), w_KN, num_sms=gemm.num_sms(),
+                  tiling=dataclasses.replace(tiling, cluster_n=1))
+  return y.reshape(b, t, -1)
 
 
 # --- all-gather -> matmul ------------------------------------------------------------------
