@@ -51,6 +51,10 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert s["ceiling_ideal_cm_fgraphs"] == pytest.approx(0.8)  # (200 - 160) / 50
   assert "recovered_ideal_cm_fgraphs" not in s and "ideal_cm_fgraphs_vs_gspmd" not in s
   assert s["best_off"] == "off_cm_fgraphs"  # an ideal is never picked
+  (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, off_cm=180.0, on_cm=170.0,
+                                     ideal_cm=160.0))
+  assert s["recovered_cm"] == pytest.approx(0.5)  # compression's share of the kernels' exposed
+  assert s["comm_share_cm"] == pytest.approx(20 / 180)
 
 
 def test_bench_train_summary_of_the_pgle_variants():
