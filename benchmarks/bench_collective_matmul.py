@@ -73,6 +73,9 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
+# in the names of the kernels that take the weight as the layers' backward passes hold it,
+# [N, K] (``transpose_w``): they run on the same weight, stored transposed
+TRANSPOSED = "[w_t]"
 
 
 def parse_args(argv=None):
@@ -242,6 +245,7 @@ def run(args) -> dict:
                "xla_f32_dot": (ref_f32_dot, (full_a, full_w))}
       if mesh is not None:
         a_s, w_s = put(a, a_spec), put(w, w_spec)
+        w_t_s = put(w.T, transposed(w_spec))
         reference, ref_fp8 = variants.pop("xla"), variants.pop("xla_fp8")
         ref = jax.jit(reference)(a_s, w_s)
         ref8 = jax.jit(ref_fp8)(a_s, w_s)
@@ -282,7 +286,7 @@ def run(args) -> dict:
             if fp8:
               check["rel_err_vs_plain"] = rel_err(got, want_one[False])
           else:
-            out = jax.jit(fn)(a_s, w_s)
+            out = jax.jit(fn)(a_s, w_t_s if TRANSPOSED in name else w_s)
             want_all = ref8 if "fp8" in name else ref
             got, want = out[0], want_all[0]
             if kind == "ag":
@@ -294,7 +298,8 @@ def run(args) -> dict:
         if DIAGNOSTIC in name and "rel_err" in check:
           check["diagnostic"] = "timed though its result is wrong by design"
         if check["ok"] or "diagnostic" in check:
-          timed[name] = (fn, (full_a, full_w) if alone else (a_s, w_s))
+          timed[name] = (fn, (full_a, full_w) if alone else (
+              a_s, w_t_s if TRANSPOSED in name else w_s))
         _write(args, results)
       for name, (fn, fargs) in timed.items():
         if not on_gpu:
@@ -419,11 +424,12 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
   """name -> (function of (a, w), runs on the one-GPU mesh). ``rs_options`` and
   ``ag_options``: (label, keyword arguments) pairs (``kernel_options``), each timed as one
   more plain kernel of its kind, ``fused[label]`` (and the all-gather's ``gemm[label]``,
-  alone)."""
+  alone). The ``TRANSPOSED`` kernels take w stored ``[N, K]`` (``transposed``)."""
   from jax import lax
   from jax.sharding import PartitionSpec as P
   t = "tensor"
   out = {}
+  w_t_spec = transposed(w_spec)
   if kind == "ag":
     gathered = P(None, None)
     out["xla"] = smap(lambda x, w: ag.all_gather_matmul_reference(x, w, t), mesh=mesh,
@@ -449,6 +455,20 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                  out_specs=(out_spec, P())), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec, P())), False)
+      if spec == "default":
+        def plain_t(x, w_t, sms=sms):
+          tl = ag.plain_tiling(x.shape, w_t.shape[::-1], lax.axis_size(t))
+          return ag.all_gather_matmul(x, w_t, t, tiling=tl, num_sms=sms, transpose_w=True)
+
+        def fp8_t(x, w_t, sms=sms):
+          b, s, k = x.shape
+          codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
+          return ag.all_gather_matmul_fp8(
+              codes.reshape(b, s, k), ag.multipliers(alpha, scale), w_t, t,
+              group_size=FP8["group_size"], num_sms=sms, transpose_w=True)
+        for name, fn in (("fused", plain_t), ("fused_fp8", fp8_t)):
+          out[name + TRANSPOSED] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_t_spec),
+                                         out_specs=(out_spec, P())), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()),
                                 out_specs=(P(), gathered)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()),
@@ -480,6 +500,11 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
                                  out_specs=(out_spec,)), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec,)), False)
+      if spec == "default":
+        for name, fn in (("fused", plain), ("fused_fp8", fp8)):
+          out[name + TRANSPOSED] = (smap(functools.partial(fn, transpose_w=True), mesh=mesh,
+                                         in_specs=(a_spec, w_t_spec), out_specs=(out_spec,)),
+                                    False)
       for kwargs, name in _options(rs_options, spec):
         out[f"fused[{name}]"] = (smap(functools.partial(plain, **kwargs),
                                       mesh=mesh, in_specs=(a_spec, w_spec),
@@ -492,6 +517,12 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()), out_specs=(P(),)),
                                True)
   return out
+
+
+def transposed(w_spec):
+  """The partition spec of a weight stored transposed."""
+  from jax.sharding import PartitionSpec as P
+  return P(*reversed((*w_spec, None)[:2]))
 
 
 def kernel_options(args) -> tuple[list, list]:

@@ -33,6 +33,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
+  _wcopy  (with _cm only) the backward kernels take each weight transposed by XLA, a copy
+          per weight and step (`fused.WEIGHTS_READ_TRANSPOSED` off), where the layers read
+          it transposed inside the kernels (since 2026-11-27): the layers before that
   _1f1b   the 1F1B pipeline schedule (`parallel.schedule="1f1b"`: each stage keeps at most
           2 (pp - 1) micro-batches' activations, not all m)
   _vs2    the interleaved pipeline schedule with 2 chunks per stage
@@ -127,12 +130,13 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "push", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat",
-             "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_cif2_pgle
+MODIFIERS = ("cm", "push", "wcopy", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll",
+             "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
-KERNEL_ONLY_MODIFIERS = ("cm", "push", *GRAPHS_MODIFIERS)  # a kernel variant's pair lacks them
+# what a kernel variant's pair of collectives-between-matmuls variants lacks
+KERNEL_ONLY_MODIFIERS = ("cm", "push", "wcopy", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -149,6 +153,7 @@ class Variant:
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
   push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
+  wcopy: bool = False           # _wcopy: XLA transposes the backward kernels' weights
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -183,18 +188,19 @@ def parse_variant(name: str) -> Variant:
       "cm" in mods and base not in ("off", "on", "ideal")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
-      "push" in mods and "cm" not in mods) or (
+      {"push", "wcopy"} & set(mods) and "cm" not in mods) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, _graphs "
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, _wcopy, "
+                     "_graphs "
                      "and _fgraphs only with _cm; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
-                 push="push" in mods,
+                 push="push" in mods, wcopy="wcopy" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -285,6 +291,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from benchmarks import gspmd
   from taco_jax import collectives
   from taco_jax.pallas_kernels import ag_matmul
+  from taco_jax.tp import fused
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
   from taco_jax.train.trainer import opt_state_target, shardings
@@ -319,10 +326,20 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           shard_optimizer=variant.shard_optimizer,
                                           overlap_grad_reduce=variant.overlap_grad_reduce,
                                           scan_layers=variant.scan_layers)
-    ctx = (collectives.free_communication(TENSOR) if variant.base == "ideal" else
-           mock.patch.object(ag_matmul, "PULL_CLUSTERS", ()) if variant.push else
-           contextlib.nullcontext())
+    ctx = _all_of(
+        [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
+        + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push
+        + [mock.patch.object(fused, "WEIGHTS_READ_TRANSPOSED", False)] * variant.wcopy)
   return step, state, batch, mesh, plan, ctx
+
+
+@contextlib.contextmanager
+def _all_of(contexts):
+  """Inside every one of ``contexts``."""
+  with contextlib.ExitStack() as stack:
+    for context in contexts:
+      stack.enter_context(context)
+    yield
 
 
 def _relabel(summary: dict, mesh) -> dict:

@@ -261,8 +261,8 @@ def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
 
 
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, dtype, mult_GR=None, group_size=None, gathered=None,
-          skip=()):
+          num_sms: int, out_dtype, dtype, transpose_w: bool, mult_GR=None, group_size=None,
+          gathered=None, skip=()):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
   multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (FP8:
@@ -272,11 +272,11 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   local = gathered is not None
   fp8 = mult_GR is not None
   rows, k = a_RK.shape
-  t_rows, n_out = rows * n, w_KN.shape[1]
+  t_rows, n_out = rows * n, gemm.weight_kn(w_KN.shape, transpose_w)[1]
   n_tiles = n_out // t.cta_n  # output tiles per row: each forwards a share of the A blocks
   at = _Rows(s, n * s, t.cta_m)
   a_op = gemm.Operand((t.cta_m, t.tile_k), a_RK.dtype, lambda kk: (0, kk))
-  loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k)
+  loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k, transpose_w)
   mults = _Multipliers(t, k, group_size) if fp8 else None
   n_arrays = 2 if fp8 else 1  # A rows (+ multipliers)
   # one signal per copying warpgroup per SM and step: warpgroup 0 sends the A blocks, each
@@ -360,17 +360,17 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
 
 def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-                 num_sms: int, out_dtype, gathered=None):
+                 num_sms: int, out_dtype, transpose_w: bool, gathered=None):
   """The pulled schedule (module docstring) on this rank's rows ``x_RK``, ``s`` rows per
   sequence shard; ``gathered`` (local mode): the pre-gathered x, whose chunks stand in for
   the peers' x. Returns ``y`` rows and the gathered x rows."""
   t = tiling
   local = gathered is not None
   rows, k = x_RK.shape
-  t_rows, n_out = rows * n, w_KN.shape[1]
+  t_rows, n_out = rows * n, gemm.weight_kn(w_KN.shape, transpose_w)[1]
   at = _Rows(s, n * s, t.cta_m)
   loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), x_RK.dtype, lambda kk: (0, kk))],
-                       w_KN.dtype, k)
+                       w_KN.dtype, k, transpose_w)
   done, count = range(2)  # the semaphores: the peers' reads of x landed, this GPU's CTAs'
   clusters = gemm.clusters(num_sms, t.cluster_n)
 
@@ -436,23 +436,25 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
 
 
 def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
-                      num_sms: int, out_dtype=None, rank=None, local_gathered=None,
-                      _skip: tuple[str, ...] = ()):
+                      num_sms: int, out_dtype=None, transpose_w: bool = False, rank=None,
+                      local_gathered=None, _skip: tuple[str, ...] = ()):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
   ``num_sms``: the GPU's multiprocessor count. ``tiling.cluster_n > 1``: the pulled
-  schedule. ``rank`` and ``local_gathered`` (the gathered x): local mode, which with the
+  schedule. ``transpose_w``: w is given ``[N, K]`` and multiplied transposed
+  (``gemm.TileLoop``). ``rank`` and ``local_gathered`` (the gathered x): local mode, which with the
   ring also returns what this rank sent to rank r - 1. ``_skip``, for timing experiments
   only: ``("copy",)`` leaves this rank's own chunk out of the gathered x (the ring's copy
   that the matmul alone does not make), so the gathered x is wrong."""
-  reason = misfit(x_BSK.shape, w_KN.shape, tiling, num_sms=num_sms)
+  reason = misfit(x_BSK.shape, gemm.weight_kn(w_KN.shape, transpose_w), tiling,
+                  num_sms=num_sms)
   if reason:
     raise ValueError(f"all_gather_matmul: {reason}")
   b, s, k = x_BSK.shape
   n = lax.axis_size(axis_name) if rank is None else local_gathered.shape[1] // s
   gathered = None if local_gathered is None else [local_gathered.reshape(-1, k)]
   args = dict(s=s, n=n, rank=rank, axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or x_BSK.dtype, gathered=gathered)
+              out_dtype=out_dtype or x_BSK.dtype, gathered=gathered, transpose_w=transpose_w)
   if tiling.cluster_n > 1:
     if _skip:
       raise ValueError("all_gather_matmul: _skip is for the ring schedule (cluster_n = 1)")
@@ -464,16 +466,19 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
 
 def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
                           dtype=jnp.bfloat16, tiling: gemm.Tiling | None = None, num_sms: int,
-                          out_dtype=None, rank=None, local_gathered=None):
+                          out_dtype=None, transpose_w: bool = False, rank=None,
+                          local_gathered=None):
   """The compressed kernel: ``codes_BSK`` are x's FP8 codes and ``mult_GR`` ``[K / G,
   B S]`` their groups' multipliers (``multipliers``); x is decoded to ``dtype`` tile by tile
   before each wgmma. Returns ``y [B, T, N]`` and the gathered x ``[B, T, K]``, which the
   kernel writes as it decodes it (``out_dtype``, default ``dtype``, must be ``dtype``: the
-  two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``rank`` and
+  two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``transpose_w``: as
+  ``all_gather_matmul``'s. ``rank`` and
   ``local_gathered`` (gathered codes and multipliers): local mode, which also returns what
   was sent to rank r - 1 (codes ``[B, T, K]`` and multipliers)."""
-  tiling = tiling or fp8_tiling(codes_BSK.shape, w_KN.shape, group_size)
-  reason = misfit(codes_BSK.shape, w_KN.shape, tiling, group_size)
+  w_shape = gemm.weight_kn(w_KN.shape, transpose_w)
+  tiling = tiling or fp8_tiling(codes_BSK.shape, w_shape, group_size)
+  reason = misfit(codes_BSK.shape, w_shape, tiling, group_size)
   if not reason and jnp.dtype(out_dtype or dtype) != jnp.dtype(dtype):
     reason = f"y in {jnp.dtype(out_dtype)} is staged where the gathered x in {dtype} is"
   if reason:
@@ -489,7 +494,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   y, _, _, x_full, *sent = _call(  # _: the gathered codes, the peers' receive buffers
       codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
-      group_size=group_size, gathered=gathered)
+      group_size=group_size, gathered=gathered, transpose_w=transpose_w)
   out = [y.reshape(b, n * s, -1), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]

@@ -171,13 +171,20 @@ class TileLoop:
   """The pipeline of one kernel, allocated once and run once per chunk (``run``).
 
   ``a_ops``: the A-side operands (the bf16 A block, or FP8 codes and multipliers); B is a
-  ``[tile_k, cta_n]`` block of the weight. A step's blocks are released as it ends:
-  ``after_mma``'s copies out of them must have read them by then.
+  ``[tile_k, cta_n]`` block of the weight, or with ``transpose_w`` a ``[cta_n, tile_k]``
+  block of the weight stored ``[N, K]``, which the wgmma reads transposed (so a backward
+  pass multiplies by ``w.T`` without XLA copying the weight transposed first). A step's
+  blocks are released as it ends: ``after_mma``'s copies out of them must have read them
+  by then.
   """
 
-  def __init__(self, tiling: Tiling, a_ops: list[Operand], w_dtype, k: int):
-    self.t, self.k_iters = tiling, k // tiling.tile_k
-    b = Operand((tiling.tile_k, tiling.cta_n), w_dtype, lambda kk: (kk, 0))
+  def __init__(self, tiling: Tiling, a_ops: list[Operand], w_dtype, k: int,
+               transpose_w: bool = False):
+    self.t, self.k_iters, self.transpose_w = tiling, k // tiling.tile_k, transpose_w
+    if transpose_w:
+      b = Operand((tiling.cta_n, tiling.tile_k), w_dtype, lambda kk: (0, kk))
+    else:
+      b = Operand((tiling.tile_k, tiling.cta_n), w_dtype, lambda kk: (kk, 0))
     shared = tiling.cluster_n > 1  # the A blocks go to the cluster's CTAs at once
     self.specs = [s.spec(shared) for s in a_ops] + [b.spec()]
 
@@ -232,20 +239,24 @@ class TileLoop:
           with jax.named_scope("epilogue"):
             epilogue(m_idx, n_idx, wg, acc[...])
 
+      def b_part(b_block, ks=slice(None)):  # this warpgroup's [k, tile_n] part of B
+        if self.transpose_w:
+          return b_block.at[pl.ds(col0, t.tile_n), ks].transpose((1, 0))
+        return b_block.at[ks, pl.ds(col0, t.tile_n)]
+
       def mma(idxs, *refs):
         *a_blocks, b_block, acc = refs
-        b_wg = b_block.at[:, pl.ds(col0, t.tile_n)]
         if decode is None:
           a_block = a_blocks[0]
           plgpu.wgmma(acc, a_block.at[pl.ds(row0, t.tile_m)] if t.split == "m" else a_block,
-                      b_wg)
+                      b_part(b_block))
         else:
           part = decode(a_blocks, wg, idxs[0])
           kp = t.tile_k // t.decode_parts
           for p in range(t.decode_parts):
             cols = slice(p * kp, (p + 1) * kp)
             a = part(cols)
-            plgpu.wgmma(acc, a, b_wg.at[cols] if t.decode_parts > 1 else b_wg)
+            plgpu.wgmma(acc, a, b_part(b_block, cols if t.decode_parts > 1 else slice(None)))
             if decoded is not None:
               decoded(m_idx, n_idx, wg, idxs[0], cols, a)
         if after_mma is not None:
@@ -259,7 +270,8 @@ class TileLoop:
             i == count - 1, int(plgpu.PipelinePipeline.STOP),
             int(plgpu.PipelinePipeline.STEADY)))
       pipeline = self._pipeline(mma, context, state)
-      w_block = w_ref.at[:, pl.ds(n_idx * t.cta_n, t.cta_n)]
+      cols = pl.ds(n_idx * t.cta_n, t.cta_n)
+      w_block = w_ref.at[cols] if self.transpose_w else w_ref.at[:, cols]
       sources = a_refs(m_idx)
       if not isinstance(sources, Sources):
         pipeline(*sources, w_block, allocations=allocs)
@@ -387,20 +399,29 @@ def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str,
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile), **cluster)
 
 
-def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None):
+def weight_kn(w_shape, transpose_w: bool = False) -> tuple[int, int]:
+  """``(K, N)`` of a weight ``[K, N]``, or ``[N, K]`` with ``transpose_w``."""
+  k, n = w_shape
+  return (n, k) if transpose_w else (k, n)
+
+
+def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None,
+           transpose_w: bool = False):
   """``a @ w`` (fp32 accumulation) by the GEMM core alone, with no hooks: the yardstick of
   the collective-matmul kernels' own speed (bench_collective_matmul's ``core``: what the
-  kernels' copies and epilogues cost on top of it, and how far it is from cuBLAS)."""
+  kernels' copies and epilogues cost on top of it, and how far it is from cuBLAS).
+  ``transpose_w``: w is given ``[N, K]`` and multiplied transposed (``TileLoop``)."""
   t = tiling
-  (m, k), n = a_MK.shape, w_KN.shape[1]
-  if w_KN.shape[0] != k:
-    raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract")
+  (m, k), (wk, n) = a_MK.shape, weight_kn(w_KN.shape, transpose_w)
+  if wk != k:
+    raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract"
+                     + " (w transposed)" * transpose_w)
   reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, num_sms=num_sms)
   if reason:
     raise ValueError(f"matmul: {reason}")
   out_dtype = out_dtype or a_MK.dtype
   loop = TileLoop(t, [Operand((t.cta_m, t.tile_k), a_MK.dtype, lambda kk: (0, kk))],
-                  w_KN.dtype, k)
+                  w_KN.dtype, k, transpose_w)
 
   def body(a_ref, w_ref, y_ref, out_smem):
     @functools.partial(pl.run_scoped, allocs=loop.allocations(a_ref, w_ref),

@@ -297,19 +297,19 @@ class _Epilogues:
 
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, phases: int, pull_depth: int, fp8=None, received=None,
-          skip=(), probe=(), unrolled: bool = False):
+          num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
+          fp8=None, received=None, skip=(), probe=(), unrolled: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
   t = tiling
   local = received is not None
   rows, f = y_RF.shape
-  t_len, d = n * s, w_FD.shape[1]
+  t_len, d = n * s, gemm.weight_kn(w_FD.shape, transpose_w)[1]
   out_rows = rows // n
   dtype = y_RF.dtype
   loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
-                       w_FD.dtype, f)
+                       w_FD.dtype, f, transpose_w)
   slot_types = slot_shapes(n, out_rows, d, dtype, fp8 and dict(fp8, group_size=t.tile_n))
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
@@ -447,15 +447,16 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, rank=None, n=None, received=None,
-                          _skip: tuple[str, ...] = (), _probe: tuple[str, ...] = (),
-                          _unrolled: bool = False):
+                          pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
+                          n=None, received=None, _skip: tuple[str, ...] = (),
+                          _probe: tuple[str, ...] = (), _unrolled: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
-  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). Local mode: ``rank``,
+  blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``transpose_w``: w is given
+  ``[D, F]`` and multiplied transposed (``gemm.TileLoop``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -471,8 +472,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
-  reason = misfit(y_BTF.shape, w_FD.shape, n, tiling, fp8 and fp8["group_size"], phases,
-                  pull_depth)
+  reason = misfit(y_BTF.shape, gemm.weight_kn(w_FD.shape, transpose_w), n, tiling,
+                  fp8 and fp8["group_size"], phases, pull_depth)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
   b, t_len, f = y_BTF.shape
@@ -489,7 +490,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              fp8=fp8, received=received, skip=_skip, probe=_probe, unrolled=_unrolled)
+              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
+              unrolled=_unrolled)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -49,14 +49,16 @@ def _bf16(key, shape, scale=1.0):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-def test_all_gather_matmul_kernel_per_rank():
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w", "w_transposed"])
+def test_all_gather_matmul_kernel_per_rank(transpose_w):
   """Each rank's output rows equal the gathered x @ w (fp32 accumulation, bf16 out), its
   own chunk lands in the gathered x, and it forwards every chunk but the one rank r - 1
   started from to rank r - 1. Two by two output tiles per chunk: the tile order
   (``plgpu.planar_snake``) visits each once. Under the race detector, which found the copy
   to the peer of a tile's last A block (released by the pipeline as the tile ends)
   overwritten by the next tile's first. The warpgroups split the rows, as the layers'
-  tiles do (``ag_matmul.WIDE``)."""
+  tiles do (``ag_matmul.WIDE``). The weight comes ``[K, N]``, or ``[N, K]`` as the backward
+  pass holds it (``transpose_w``)."""
   n, b, s, k, nout = 2, 2, 128, 128, 128
   tiling = dataclasses.replace(TILING, split="m")
   kx, kw = jax.random.split(jax.random.key(1))
@@ -66,8 +68,9 @@ def test_all_gather_matmul_kernel_per_rank():
   with _interpret(detect_races=True):
     for r in range(n):
       x_r = x_full[:, r * s:(r + 1) * s]
-      y, xg, sent = ag_matmul.all_gather_matmul(x_r, w, "t", tiling=tiling, num_sms=1,
-                                                rank=r, local_gathered=x_full)
+      y, xg, sent = ag_matmul.all_gather_matmul(
+          x_r, w.T if transpose_w else w, "t", tiling=tiling, num_sms=1,
+          transpose_w=transpose_w, rank=r, local_gathered=x_full)
       np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(
           ref.astype(jnp.bfloat16), np.float32), rtol=1e-2, atol=1e-2)
       own = slice(r * s, (r + 1) * s)
@@ -109,15 +112,17 @@ def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b, ra
       np.testing.assert_array_equal(xg, x_full)
 
 
-@pytest.mark.parametrize("split,sms,cluster_n,n,k,chain", [
-    ("n", 1, 1, 256, 192, True), ("m", 3, 1, 256, 128, True), ("n", 3, 1, 256, 128, False),
-    ("n", 4, 2, 512, 128, True), ("m", 4, 4, 512, 128, True)])
-def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain):
+@pytest.mark.parametrize("split,sms,cluster_n,n,k,chain,transpose_w", [
+    ("n", 1, 1, 256, 192, True, False), ("m", 3, 1, 256, 128, True, True),
+    ("n", 3, 1, 256, 128, False, True), ("n", 4, 2, 512, 128, True, False),
+    ("m", 4, 4, 512, 128, True, False)])
+def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain, transpose_w):
   """``gemm.matmul``, the yardstick of the kernels' GEMM core: fp32-accumulated a @ w in
   bf16, over tiles dealt to 1 or 3 SMs (3 leaves one SM a tile fewer), or in clusters of 2
   or 4 CTAs along N that share each A block (multicast); each SM's tiles in one chained
   pipeline (two steps of two stages each), or a pipeline per tile (three steps, which
-  do not chain, or ``chain=False``)."""
+  do not chain, or ``chain=False``); w given ``[N, K]`` and read transposed
+  (``transpose_w``), as the backward kernels take it."""
   m = 256
   ka, kw = jax.random.split(jax.random.key(7))
   a, w = _bf16(ka, (m, k)), _bf16(kw, (k, n), k ** -0.5)
@@ -126,7 +131,8 @@ def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain):
   tiles = m // tiling.cta_m * n // (tiling.cta_n * cluster_n)
   assert loop.chains(tiles, gemm.clusters(sms, cluster_n)) == (chain and k == 128)
   with _interpret():
-    y = gemm.matmul(a, w, tiling=tiling, num_sms=sms)
+    y = gemm.matmul(a, w.T if transpose_w else w, tiling=tiling, num_sms=sms,
+                    transpose_w=transpose_w)
   want = jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32),
                              rtol=1e-2, atol=1e-2)
@@ -162,9 +168,9 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
-    (2, TILING, 2, 64, 2, {}), (3, TALL, 1, 128, 3, {}),
+    (2, TILING, 2, 64, 2, dict(transpose_w=True)), (3, TALL, 1, 128, 3, {}),
     (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",), _unrolled=True))],
-    ids=["2_ranks", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed_unrolled"])
+    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed_unrolled"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -175,13 +181,16 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
   also reads and drops what an own tile reads, through the same slots: the results do not
   change; that case runs the schedule's loops unrolled (``_unrolled``, a timing
-  comparison), the others as nested loops."""
+  comparison), the others as nested loops. Two ranks take each weight as the backward pass
+  holds it, ``[D, F]`` (``transpose_w``)."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
            for p in range(n)]
+  if options.get("transpose_w"):
+    ws = [w.T for w in ws]
   outs, sent = _exchange(n, None, ys, ws, (jnp.full((n, b * s, d), jnp.nan, jnp.bfloat16),),
                          tiling, num_sms=3 if n == 2 else 2, pull_depth=depth,
                          detect_races=depth == 3, **options)
@@ -447,29 +456,35 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     # every FP8_TILINGS entry: steps of 128 decoded in halves, steps of 64 (groups of 64),
     # and the narrow tiles (a width that 256 does not divide)
     for width, g in ((f, 128), (f, 64), (3 * 128, 128)):
-      def ag(codes, mult, w, g=g):
-        return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
-                                               num_sms=132)[0]
-      fn = smap(ag, in_specs=(P(None, "tensor"), P(None, "tensor"), P()), out_specs=P())
-      text = _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
-                                sd((d // g, b * t), jnp.float32), sd((d, width), jnp.bfloat16))
+      for transposed in (False, True):  # w [K, N], or [N, K] as the backward pass holds it
+        def ag(codes, mult, w, g=g, transposed=transposed):
+          return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
+                                                 num_sms=132, transpose_w=transposed)[0]
+        fn = smap(ag, in_specs=(P(None, "tensor"), P(None, "tensor"), P()), out_specs=P())
+        text = _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
+                                  sd((d // g, b * t), jnp.float32),
+                                  sd((width, d) if transposed else (d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
   else:
     ring = ag_matmul.WIDE  # the layers' tiles: the ring, pulled, and narrow
     for tiling, width in ((ring, f), (dataclasses.replace(ring, cluster_n=2), f),
                           (ag_matmul.NARROW, 3 * 128)):
-      fn = smap(lambda x, w, tiling=tiling: ag_matmul.all_gather_matmul(
-          x, w, "tensor", tiling=tiling, num_sms=132)[0],
-          in_specs=(P(None, "tensor"), P()), out_specs=P())
-      text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16), sd((d, width), jnp.bfloat16))
+      for transposed in (False, True):
+        fn = smap(lambda x, w, tiling=tiling, transposed=transposed: ag_matmul.all_gather_matmul(
+            x, w, "tensor", tiling=tiling, num_sms=132, transpose_w=transposed)[0],
+            in_specs=(P(None, "tensor"), P()), out_specs=P())
+        text = _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16),
+                                  sd((width, d) if transposed else (d, width), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  for phases in (None, 1):  # four phases, and one (the own loop waits right after sending)
-    fn = smap(lambda y, w, phases=phases: matmul_rs.matmul_reduce_scatter(
-        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases),
-        in_specs=(P(None, None, "tensor"), P("tensor")), out_specs=P(None, "tensor"))
-    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16),
-                                              sd((2 * f, d), jnp.bfloat16))
+  # four phases, and one (the own loop waits right after sending); w [F, D] or [D, F]
+  for phases, transposed in ((None, False), (1, False), (None, True)):
+    fn = smap(lambda y, w, phases=phases, transposed=transposed: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases, transpose_w=transposed),
+        in_specs=(P(None, None, "tensor"), P(None, "tensor") if transposed else P("tensor")),
+        out_specs=P(None, "tensor"))
+    w = sd((d, 2 * f) if transposed else (2 * f, d), jnp.bfloat16)
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
@@ -489,9 +504,11 @@ def _value_and_grads(f, n, x, w, ct):
 
 @pytest.mark.parametrize("kind", ["column", "row"])
 @pytest.mark.parametrize("codec", [None, CompressionConfig(group_size=32)], ids=["plain", "fp8"])
-def test_custom_vjps_match_the_regions_they_replace(kind, codec):
+def test_custom_vjps_match_the_regions_they_replace(kind, codec, monkeypatch):
   """Values and gradients of `fused.gather_matmul` / `matmul_scatter` (the XLA path the
-  kernels fall back to on CPU) equal the layers' regions + matmul, plain and compressed."""
+  kernels fall back to on CPU) equal the layers' regions + matmul, plain and compressed,
+  with the backward's weight read transposed or copied transposed
+  (`fused.WEIGHTS_READ_TRANSPOSED`)."""
   n, b, s, d, f = 4, 2, 4, 64, 32
   rng = np.random.default_rng(7)
   if kind == "column":
@@ -507,9 +524,12 @@ def test_custom_vjps_match_the_regions_they_replace(kind, codec):
     theirs = lambda y, w: mappings.reduce_scatter_to_sp(  # noqa: E731
         jnp.einsum("btf,fd->btd", y, w), "x", fwd_compression=codec, bwd_compression=codec)
   x, w, ct = (jnp.asarray(a, jnp.float32) for a in (x, w, ct))
-  got, want = _value_and_grads(ours, n, x, w, ct), _value_and_grads(theirs, n, x, w, ct)
-  for name, g, e in zip(("value", "dx", "dw"), got, want, strict=True):
-    np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+  want = _value_and_grads(theirs, n, x, w, ct)
+  for read_transposed in (True, False):
+    monkeypatch.setattr(fused, "WEIGHTS_READ_TRANSPOSED", read_transposed)
+    got = _value_and_grads(ours, n, x, w, ct)
+    for name, g, e in zip(("value", "dx", "dw"), got, want, strict=True):
+      np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])

@@ -10,6 +10,9 @@ one fused kernel:
   matmul_scatter(y_BTF, w_FD)  forward: matmul + reduce-scatter; backward: the all-gather +
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
 
+The backward kernels read w as it is stored and multiply by its transpose
+(``transpose_w``), so no step copies its weights transposed.
+
 Each kernel is compressed when the codec of its direction pays there: where the FP8 kernel
 beat the plain one on that link, by message size and by the matmul's FLOPs per message byte
 (`collectives.decide` with ``kernel=True``, measured by
@@ -72,6 +75,11 @@ def fallbacks() -> list[str]:
 # device of the program, whatever the TP (jaxlib's custom call, as published).
 MEASURED_GPUS = 4
 ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (to measure)
+# The backward kernels multiply by w.T reading w as the forward pass holds it (the wgmma
+# takes B transposed), not a copy of w.T that XLA would make per weight and step: 2.3 ms of
+# transposes in a 1.3B TP=2 step (profile_step_nvlink_cm_dots_2gpu_20261124). False (for
+# bench_train's ``_wcopy``): the copies, as before.
+WEIGHTS_READ_TRANSPOSED = True
 
 
 def platform_problem(devices: int) -> str | None:
@@ -119,76 +127,88 @@ def _kernel_or_xla(collective: str, message, codec, n: int, misfit, flops: int):
   return collectives.decide(collective, message, codec, n), problem
 
 
-def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None):
+def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
+                      transpose_w: bool = False):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
-  runs, else the XLA collective (the module docstring)."""
+  runs, else the XLA collective (the module docstring). ``transpose_w``: w is given ``[F,
+  D]`` and multiplied transposed, as a backward pass holds it (no transposed copy)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
-  tiling, sms = ag_matmul.plain_tiling(x_BSD.shape, w_DF.shape, n), gemm.num_sms()
+  w_shape = gemm.weight_kn(w_DF.shape, transpose_w)
+  tiling, sms = ag_matmul.plain_tiling(x_BSD.shape, w_shape, n), gemm.num_sms()
 
   def tiles(kcodec):
     if kcodec is None:
       return tiling
-    return ag_matmul.fp8_tiling(x_BSD.shape, w_DF.shape, kcodec.group_size)
+    return ag_matmul.fp8_tiling(x_BSD.shape, w_shape, kcodec.group_size)
 
   def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
-    return ag_matmul.misfit(x_BSD.shape, w_DF.shape, tiles(kcodec),
+    return ag_matmul.misfit(x_BSD.shape, w_shape, tiles(kcodec),
                             kcodec and kcodec.group_size, num_sms=sms)
   b, s, d = x_BSD.shape
-  flops = 2 * b * n * s * d * w_DF.shape[1]
+  flops = 2 * b * n * s * d * w_shape[1]
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit, flops)
   if problem is None and collectives.communication_is_free(axis_name):
     x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True)
-    return _core_matmul(x_full, w_DF, tiles(codec)), x_full
+    return _core_matmul(x_full, w_DF, tiles(codec), transpose_w), x_full
   if problem is None and codec is None:
-    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms)
+    return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms,
+                                       transpose_w=transpose_w)
   if problem is None:
     codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
                                  **codec.kernel_kwargs())
     return ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
-        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=sms)
-  _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_DF.shape}")
+        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=sms, transpose_w=transpose_w)
+  _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_shape}")
   x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True,
                                   compression=Decided(codec))
-  return jnp.einsum("btd,df->btf", x_full, w_DF), x_full
+  return _xla_matmul(x_full, w_DF, transpose_w), x_full
 
 
-def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | None):
+def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | None,
+                          transpose_w: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence: the fused kernel where it runs, else
-  the matmul then the XLA collective."""
+  the matmul then the XLA collective. ``transpose_w``: w is given ``[D, F]`` (as
+  `all_gather_matmul`'s)."""
   n = collectives.axis_size(axis_name, "matmul_scatter", y_BTF.shape)
   if y_BTF.shape[SEQ] % n:
     raise ValueError(f"matmul_scatter: sequence length {y_BTF.shape[SEQ]} of {y_BTF.shape} "
                      f"is not divisible by the size {n} of axis {axis_name!r}")
-  partial = jax.ShapeDtypeStruct((*y_BTF.shape[:-1], w_FD.shape[1]),
+  w_shape = gemm.weight_kn(w_FD.shape, transpose_w)
+  partial = jax.ShapeDtypeStruct((*y_BTF.shape[:-1], w_shape[1]),
                                  jnp.result_type(y_BTF, w_FD))  # y @ w, the message
 
   def tiling(kcodec):
     return matmul_rs.TILING if kcodec is None else matmul_rs.FP8_TILING
 
   def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
-    return matmul_rs.misfit(y_BTF.shape, w_FD.shape, n, tiling(kcodec),
+    return matmul_rs.misfit(y_BTF.shape, w_shape, n, tiling(kcodec),
                             kcodec and kcodec.group_size)
-  flops = 2 * math.prod(y_BTF.shape) * w_FD.shape[1]
+  flops = 2 * math.prod(y_BTF.shape) * w_shape[1]
   codec, problem = _kernel_or_xla("reduce_scatter", partial, codec, n, misfit, flops)
   if problem is None and collectives.communication_is_free(axis_name):
-    return collectives.reduce_scatter(_core_matmul(y_BTF, w_FD, tiling(codec)), axis_name,
-                                      scatter_dimension=SEQ)
+    return collectives.reduce_scatter(_core_matmul(y_BTF, w_FD, tiling(codec), transpose_w),
+                                      axis_name, scatter_dimension=SEQ)
   if problem is None:
     return matmul_rs.matmul_reduce_scatter(y_BTF, w_FD, axis_name, tiling=tiling(codec),
-                                           num_sms=gemm.num_sms(),
+                                           num_sms=gemm.num_sms(), transpose_w=transpose_w,
                                            fp8=codec and _fp8(codec))
-  _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_FD.shape}")
-  return collectives.reduce_scatter(jnp.einsum("btf,fd->btd", y_BTF, w_FD), axis_name,
+  _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_shape}")
+  return collectives.reduce_scatter(_xla_matmul(y_BTF, w_FD, transpose_w), axis_name,
                                     scatter_dimension=SEQ, compression=Decided(codec))
 
 
-def _core_matmul(a_BTK, w_KN, tiling: gemm.Tiling):
-  """``a @ w`` on our GEMM core with a kernel's tiles (one CTA per cluster: the core in
-  clusters is slower, and only the pulled all-gather needs them): the matmul of a kernel
-  whose communication is free (the module docstring)."""
+def _xla_matmul(a_BTK, w, transpose_w: bool):
+  """``a @ w`` (or ``a @ w.T``) by XLA, which reads a transposed weight in place."""
+  return jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", a_BTK, w)
+
+
+def _core_matmul(a_BTK, w, tiling: gemm.Tiling, transpose_w: bool):
+  """``a @ w`` (or ``a @ w.T``) on our GEMM core with a kernel's tiles (one CTA per
+  cluster: the core in clusters is slower, and only the pulled all-gather needs them): the
+  matmul of a kernel whose communication is free (the module docstring)."""
   b, t, k = a_BTK.shape
-  y = gemm.matmul(a_BTK.reshape(b * t, k), w_KN, num_sms=gemm.num_sms(),
+  y = gemm.matmul(a_BTK.reshape(b * t, k), w, num_sms=gemm.num_sms(), transpose_w=transpose_w,
                   tiling=dataclasses.replace(tiling, cluster_n=1))
   return y.reshape(b, t, -1)
 
@@ -209,9 +229,17 @@ def _gather_matmul_fwd(x, w, axis_name, fwd, bwd):
   return y, (checkpoint_name(x_full, TP_OUTPUT), w)
 
 
+def _transposed(w):
+  """The backward kernels' weight and whether it is stored transposed: ``w`` itself, read
+  transposed in the kernel (``WEIGHTS_READ_TRANSPOSED``), or ``w.T``, which XLA copies."""
+  return (w, True) if WEIGHTS_READ_TRANSPOSED else (w.T, False)
+
+
 def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
   x_full, w = res
-  dx = matmul_reduce_scatter(dy.astype(x_full.dtype), w.T, axis_name, bwd)
+  w_t, read_transposed = _transposed(w)
+  dx = matmul_reduce_scatter(dy.astype(x_full.dtype), w_t, axis_name, bwd,
+                             transpose_w=read_transposed)
   dw = jnp.einsum("btd,btf->df", x_full, dy, preferred_element_type=jnp.float32)
   return dx.astype(x_full.dtype), dw.astype(w.dtype)
 
@@ -236,7 +264,9 @@ def _matmul_scatter_fwd(y, w, axis_name, fwd, bwd):
 
 def _matmul_scatter_bwd(axis_name, fwd, bwd, res, dout):
   y, w = res
-  dy, dout_full = all_gather_matmul(dout.astype(y.dtype), w.T, axis_name, bwd)
+  w_t, read_transposed = _transposed(w)
+  dy, dout_full = all_gather_matmul(dout.astype(y.dtype), w_t, axis_name, bwd,
+                                    transpose_w=read_transposed)
   dw = jnp.einsum("btf,btd->fd", y, dout_full, preferred_element_type=jnp.float32)
   return dy.astype(y.dtype), dw.astype(w.dtype)
 
