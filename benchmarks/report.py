@@ -881,7 +881,9 @@ def collective_matmul_section() -> str:
       "(later) times them on the tiles the layers have taken there since "
       "(`ag_matmul.NARROW`, [128, 128] per warpgroup), the FP8 kernel on "
       "`ag_matmul.fp8_tiling`'s choice as the layers (the bench had given it fixed tiles); "
-      "`core[default]` and jax's example still take tiles of 256 only. "
+      "`core[default]` and jax's example still take tiles of 256 only. In `nvlink_wt` "
+      "`[w_t]` is the same kernel given its weight stored [N, K] and reading it transposed "
+      "(`transpose_w`), as the layers' backward kernels do since that run. "
       "Every other kernel was checked against its reference before it was timed; "
       "– where it did not run. Newest run first; the runs before the newest "
       f"{CM_OPEN} are folded below them.", _newest_open(parts, CM_OPEN))

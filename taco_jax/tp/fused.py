@@ -76,9 +76,9 @@ def fallbacks() -> list[str]:
 MEASURED_GPUS = 4
 ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (to measure)
 # The backward kernels multiply by w.T reading w as the forward pass holds it (the wgmma
-# takes B transposed), not a copy of w.T that XLA would make per weight and step: 2.3 ms of
-# transposes in a 1.3B TP=2 step (profile_step_nvlink_cm_dots_2gpu_20261124). False (for
-# bench_train's ``_wcopy``): the copies, as before.
+# takes B transposed, at the same speed), not a copy of w.T that XLA makes per weight and
+# step: 163.19 against 163.79 ms a 1.3B TP=2 step, in one process
+# (bench_train_nvlink_cm_wt_2gpu_20261127). False (bench_train's ``_wcopy``): the copies.
 WEIGHTS_READ_TRANSPOSED = True
 
 
