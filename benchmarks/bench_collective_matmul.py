@@ -427,6 +427,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
   alone). The ``TRANSPOSED`` kernels take w stored ``[N, K]`` (``transposed``)."""
   from jax import lax
   from jax.sharding import PartitionSpec as P
+  from taco_jax.pallas_kernels import gemm
   t = "tensor"
   out = {}
   w_t_spec = transposed(w_spec)
@@ -439,35 +440,29 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
     for spec in tilings.split(","):
       sfx = "" if spec == "default" else f"[{spec}]"
 
-      def plain(x, w, spec=spec, sms=_sms(spec, sms), **options):  # the layers' tiles
-        tl = _tiling(ag.plain_tiling(x.shape, w.shape, lax.axis_size(t)), spec)
-        return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms, **options)
+      def plain(x, w, spec=spec, sms=_sms(spec, sms), transpose_w=False, **options):
+        w_shape = gemm.weight_kn(w.shape, transpose_w)  # the layers' tiles
+        tl = _tiling(ag.plain_tiling(x.shape, w_shape, lax.axis_size(t)), spec)
+        return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms, transpose_w=transpose_w,
+                                    **options)
 
-      def fp8(x, w, spec=spec, sms=_sms(spec, sms)):
-        tl = _tiling(ag.fp8_tiling(x.shape, w.shape, FP8["group_size"]), spec)
+      def fp8(x, w, spec=spec, sms=_sms(spec, sms), transpose_w=False):
+        w_shape = gemm.weight_kn(w.shape, transpose_w)
+        tl = _tiling(ag.fp8_tiling(x.shape, w_shape, FP8["group_size"]), spec)
         b, s, k = x.shape
         codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
         return ag.all_gather_matmul_fp8(
             codes.reshape(b, s, k), ag.multipliers(alpha, scale), w, t,
-            group_size=FP8["group_size"], tiling=tl, num_sms=sms)
+            group_size=FP8["group_size"], tiling=tl, num_sms=sms, transpose_w=transpose_w)
 
       out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
                                  out_specs=(out_spec, P())), False)
       out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
                                      out_specs=(out_spec, P())), False)
       if spec == "default":
-        def plain_t(x, w_t, sms=sms):
-          tl = ag.plain_tiling(x.shape, w_t.shape[::-1], lax.axis_size(t))
-          return ag.all_gather_matmul(x, w_t, t, tiling=tl, num_sms=sms, transpose_w=True)
-
-        def fp8_t(x, w_t, sms=sms):
-          b, s, k = x.shape
-          codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
-          return ag.all_gather_matmul_fp8(
-              codes.reshape(b, s, k), ag.multipliers(alpha, scale), w_t, t,
-              group_size=FP8["group_size"], num_sms=sms, transpose_w=True)
-        for name, fn in (("fused", plain_t), ("fused_fp8", fp8_t)):
-          out[name + TRANSPOSED] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_t_spec),
+        for name, fn in (("fused", plain), ("fused_fp8", fp8)):
+          out[name + TRANSPOSED] = (smap(functools.partial(fn, transpose_w=True), mesh=mesh,
+                                         in_specs=(a_spec, w_t_spec),
                                          out_specs=(out_spec, P())), False)
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()),
                                 out_specs=(P(), gathered)), True)
