@@ -541,7 +541,6 @@ def test_free_communication_runs_the_kernels_matmuls_on_the_gemm_core(kind, monk
   one rank: jax's interpreter cannot run kernels on two CPU devices at once), the values
   and gradients are the XLA path's."""
   b, s, d = 1, 64, 128
-  rng = np.random.default_rng(11)
   layer = fused.gather_matmul if kind == "column" else fused.matmul_scatter
   cores = []
   monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
@@ -554,6 +553,7 @@ def test_free_communication_runs_the_kernels_matmuls_on_the_gemm_core(kind, monk
         None if kernels else "no GPU"))
     x_shape, ct_shape = ((n, b, s, d), (n, b, n * s, d)) if kind == "column" else (
         (n, b, n * s, d), (n, b, s, d))
+    rng = np.random.default_rng(11)  # the same inputs for both paths
     x, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
                 for shape in (x_shape, (n, d, d), ct_shape))
     with collectives.free_communication("x"), _interpret():
@@ -563,10 +563,7 @@ def test_free_communication_runs_the_kernels_matmuls_on_the_gemm_core(kind, monk
     return jax.eval_shape(lambda *a: _value_and_grads(f, n, *a), *arrays)
   assert free_step(2, True, run=shapes) == free_step(2, False, run=shapes)
   assert cores == [(b * 2 * s, d)] * 2  # the forward's matmul and dx's, on full rows
-  rng = np.random.default_rng(11)
-  xla = free_step(1, False)
-  rng = np.random.default_rng(11)
-  core = free_step(1, True)
+  xla, core = free_step(1, False), free_step(1, True)
   assert len(cores) == 4
   for name, g, e in zip(("value", "dx", "dw"), core, xla, strict=True):
     np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
