@@ -442,10 +442,10 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
   ``num_sms``: the GPU's multiprocessor count. ``tiling.cluster_n > 1``: the pulled
   schedule. ``transpose_w``: w is given ``[N, K]`` and multiplied transposed
-  (``gemm.TileLoop``). ``rank`` and ``local_gathered`` (the gathered x): local mode, which with the
-  ring also returns what this rank sent to rank r - 1. ``_skip``, for timing experiments
-  only: ``("copy",)`` leaves this rank's own chunk out of the gathered x (the ring's copy
-  that the matmul alone does not make), so the gathered x is wrong."""
+  (``gemm.TileLoop``). ``rank`` and ``local_gathered`` (the gathered x): local mode, which
+  with the ring also returns what this rank sent to rank r - 1. ``_skip``, for timing
+  experiments only: ``("copy",)`` leaves this rank's own chunk out of the gathered x (the
+  ring's copy that the matmul alone does not make), so the gathered x is wrong."""
   reason = misfit(x_BSK.shape, gemm.weight_kn(w_KN.shape, transpose_w), tiling,
                   num_sms=num_sms)
   if reason:
@@ -473,9 +473,9 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   before each wgmma. Returns ``y [B, T, N]`` and the gathered x ``[B, T, K]``, which the
   kernel writes as it decodes it (``out_dtype``, default ``dtype``, must be ``dtype``: the
   two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``transpose_w``: as
-  ``all_gather_matmul``'s. ``rank`` and
-  ``local_gathered`` (gathered codes and multipliers): local mode, which also returns what
-  was sent to rank r - 1 (codes ``[B, T, K]`` and multipliers)."""
+  ``all_gather_matmul``'s. ``rank`` and ``local_gathered`` (gathered codes and multipliers):
+  local mode, which also returns what was sent to rank r - 1 (codes ``[B, T, K]`` and
+  multipliers)."""
   w_shape = gemm.weight_kn(w_KN.shape, transpose_w)
   tiling = tiling or fp8_tiling(codes_BSK.shape, w_shape, group_size)
   reason = misfit(codes_BSK.shape, w_shape, tiling, group_size)
