@@ -158,7 +158,8 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
                                  **codec.kernel_kwargs())
     return ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
-        group_size=codec.group_size, dtype=x_BSD.dtype, num_sms=sms, transpose_w=transpose_w)
+        group_size=codec.group_size, dtype=x_BSD.dtype, tiling=tiles(codec), num_sms=sms,
+        transpose_w=transpose_w)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_shape}")
   x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True,
                                   compression=Decided(codec))
