@@ -34,6 +34,8 @@
 #                                                    # RS_SKIP, AG_SKIP, RS_PROBE, RS_UNROLLED=1,
 #                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
+#   bash benchmarks/gpu_suite.sh peer_copy         # issue 15: in-kernel copies' link rate vs
+#                                                  # NCCL, all GPUs and 2 of them (<= 7 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -350,6 +352,14 @@ for job in "$@"; do
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
         --core-tilings "${CORE_TILINGS:-default}" ${RS_UNROLLED:+--rs-unrolled} \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;
+    peer_copy)  # issue 15: the in-kernel copies' rate on all GPUs (16 MiB shards), and on
+      # GPUs 0 and 1 (32 MiB: the TP=2 messages) where there are more than 2
+      BENCH_WATCHDOG_S=200 timeout 230 python3 benchmarks/bench_peer_copy.py \
+        --shard-mib 16 --label "${LABEL:-nvlink}" --out-dir "$out"
+      if [ "$(nvidia-smi -L | wc -l)" -gt 2 ]; then
+        CUDA_VISIBLE_DEVICES=0,1 BENCH_WATCHDOG_S=150 timeout 180 python3 \
+          benchmarks/bench_peer_copy.py --shard-mib 32 --label "${LABEL:-nvlink}" --out-dir "$out"
+      fi ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

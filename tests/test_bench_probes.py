@@ -1,12 +1,13 @@
 """The probes of what bounds compression on NVLink: benchmarks/bench_transport.py (the
 settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
-its report section)."""
+its report section), and benchmarks/bench_peer_copy.py (a smoke run: NCCL's stand-ins
+checked, the copy kernel left to the GPU)."""
 import json
 
 import pytest
 
-from benchmarks import bench_transport, probe_fused_decode, report as report_lib
+from benchmarks import bench_peer_copy, bench_transport, probe_fused_decode, report as report_lib
 
 
 def test_setting_env():
@@ -52,3 +53,16 @@ def test_fused_decode_probe_smoke_and_report(tmp_path, monkeypatch):
   ms = {r["variant"]: r["median_ms"] for r in report["results"] if r["product"] == "x.T@dy"}
   assert cells[0] == "`x.T@dy`" and cells[1] == "64 x 256 x 128"
   assert cells[-1] == f"{ms['pallas_decode'] - ms['bf16']:.3g}"
+
+
+def test_peer_copy_smoke_checks_nccls_stand_ins_and_skips_the_kernel(tmp_path):
+  path = bench_peer_copy.main(["--smoke", "--out-dir", str(tmp_path), "--sms", "4",
+                               "--depths", "2"])
+  cases = json.loads(path.read_text())["cases"]
+  assert [(c["peers"], c["received_mib"]) for c in cases] == [("one", 1), ("all", 7)]
+  for case in cases:
+    nccl = [v for k, v in case["variants"].items() if k.startswith("xla_")]
+    assert [v["ok"] for v in nccl] == [True]
+    kernels = [k for k in case["variants"] if not k.startswith("xla_")]
+    assert kernels == ["pull[sms=4+depth=2+rows=64]", "push[sms=4+depth=2+rows=64]"]
+    assert all("GPU only" in case["variants"][k]["skipped"] for k in kernels)

@@ -673,3 +673,44 @@ def test_the_layers_decide_a_kernels_codec_by_its_size_and_work(monkeypatch):
   assert decision(scatter, x, sd((d, d), jnp.bfloat16), (P(None, None, "t"), P("t"))) == (
       "reduce_scatter", 64, 512)
   assert report._cm_work(dict(kind="rs", tp=n, a_shape=[b, t, d], w_shape=[d, d])) == 512
+
+
+# --- the link's yardstick (`peer_copy`) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("n,peers,num_sms", [(4, "all", 2), (4, "one", 3), (2, "all", 5)])
+def test_peer_copy_block_loop_moves_every_block(n, peers, num_sms):
+  """One rank's block loop in local mode: every block of every source lands once in its
+  place, with more blocks than slots per SM (the slots refilled as their stores read them),
+  SMs with unequal shares, and (5 SMs for 4 blocks) an SM with none. Under the race
+  detector."""
+  from taco_jax.pallas_kernels import peer_copy
+  shards = _bf16(jax.random.key(n + num_sms), (n, 32, 64))
+  rank = 1
+  want = peer_copy.reference(shards, rank, peers)
+  rows = 8 if num_sms < 5 else 16
+  with _interpret(detect_races=True):
+    got = peer_copy.peer_copy(shards[rank], "x", n=n, peers=peers, block_rows=rows, depth=2,
+                              num_sms=num_sms, rank=rank, local_peers=want)
+  assert got.shape == want.shape
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_peer_copy_lowers_for_hopper_and_refuses_bad_input():
+  """Pulled and pushed, to one peer or all, the kernel lowers for sm_90 with its peer copies
+  and semaphores; bad modes, depths and shapes are refused before anything is built."""
+  from taco_jax.pallas_kernels import peer_copy
+  mesh = testing.mesh_1d(4)
+  for mode in peer_copy.MODES:
+    for peers in peer_copy.PEERS:
+      fn = jax.shard_map(lambda s, mode=mode, peers=peers: peer_copy.peer_copy(
+          s, "x", n=4, mode=mode, peers=peers, num_sms=132)[None], mesh=mesh,
+          in_specs=P("x"), out_specs=P("x"), check_vma=False)
+      assert "mosaic_gpu" in _lowers_for_hopper(
+          fn, jax.ShapeDtypeStruct((4 * 256, 256), jnp.bfloat16))
+  shard = jnp.zeros((256, 256), jnp.bfloat16)
+  for kwargs, message in ((dict(mode="poke"), "mode='poke'"), (dict(peers="two"), "peers='two'"),
+                          (dict(depth=1), "depth=1"), (dict(block_rows=48), "do not divide"),
+                          (dict(depth=8), "exceed shared memory"), (dict(n=1), "2 or more")):
+    with pytest.raises(ValueError, match=message):
+      peer_copy.peer_copy(shard, "x", **{"n": 4, "num_sms": 4, **kwargs})

@@ -1,0 +1,166 @@
+"""The link's rate from inside a kernel: how fast ``pallas_kernels.peer_copy`` moves a TP
+message between GPUs, by SMs, blocks in flight and direction, beside NCCL's.
+
+The collective-matmul kernels reach 160-280 GB/s at TP=4 (issue 15). This measures what
+copies alone reach on the same GPUs, at the kernels' message sizes: a ``--shard-mib`` shard
+per rank, received by every rank from its next rank (``one``: a ring step) or from every
+peer (``all``: an all-gather), pulled or pushed (``peer_copy``'s docstring), on ``--sms``
+SMs with ``--depths`` blocks of ``--block-rows`` x ``--cols`` bf16 per SM in shared memory.
+Beside them, in the same process on the same shards: XLA's ``all_gather`` and
+``ppermute`` (NCCL, ``NCCL_NVLS_ENABLE=0``).
+
+Every variant's result is first checked against the reference (bit for bit); one that fails
+is reported, not timed. Times: CUPTI kernel durations, as ``bench_collective_matmul``
+measures them (per kernel name the minimum over devices, summed; median of ``--iters``);
+``gb_s``: the bytes one rank receives over the copy kernel's own time (``kernel_ms``, without
+the cross-GPU barrier XLA runs before it).
+
+GPU: ``python3 benchmarks/bench_peer_copy.py --out-dir $OUT`` (2 or more GPUs).
+CPU (--smoke): the NCCL stand-ins and the checks' plumbing on fake devices; the copy kernel
+needs a GPU (tests/test_collective_matmul.py runs its block loop on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import itertools
+import json
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.args import (add_output_args, parse_with_smoke, results_path,  # noqa: E402
+                             start_watchdog)
+from benchmarks.bench_collective_matmul import timed_or_error  # noqa: E402
+
+AXIS = "x"
+MIB = 2 ** 20
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shard-mib", default="16", help="comma-separated shard sizes per rank")
+  p.add_argument("--cols", type=int, default=256)
+  p.add_argument("--modes", default="pull,push")
+  p.add_argument("--peers", default="one,all", help="'one' (a ring step) and/or 'all'")
+  p.add_argument("--sms", default="132,66,33", help="comma-separated SM counts")
+  p.add_argument("--depths", default="2,4,6", help="comma-separated blocks per SM")
+  p.add_argument("--block-rows", default="64", help="comma-separated rows per block")
+  p.add_argument("--iters", type=int, default=20)
+  add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, NCCL stand-ins only")
+  return parse_with_smoke(p, argv, dict(shard_mib="1"))
+
+
+def _listed(text: str, kind=str) -> list:
+  return [kind(x) for x in text.split(",") if x]
+
+
+def run(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from taco_jax.pallas_kernels import gemm, peer_copy
+
+  on_gpu = jax.default_backend() == "gpu"
+  devs = jax.devices()
+  n = len(devs)
+  mesh = jax.make_mesh((n,), (AXIS,), devices=devs)
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                           check_vma=False)
+  results = dict(n=n, gpus=n, device=devs[0].device_kind, platform=jax.default_backend(),
+                 num_sms=gemm.num_sms(), cols=args.cols,
+                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), cases=[])
+  peers_list = [q for q in _listed(args.peers) if n > 2 or q == "all"]  # n = 2: one is all
+
+  def expected(peers):
+    def f(shard):
+      gathered = lax.all_gather(shard, AXIS)
+      r = lax.axis_index(AXIS)
+      return jnp.stack([gathered[lax.rem(r + 1 + i, n)]
+                        for i in range(peer_copy.sources(n, peers))])
+    return jax.jit(smap(f))
+
+  # NCCL on the same shards: all_gather receives every rank's shard (its own too, as
+  # [n, R, C]), ppermute the next rank's, as the kernel's dst
+  baselines = {
+      "all": ("xla_all_gather", jax.jit(smap(lambda s: lax.all_gather(s, AXIS))),
+              lambda shards: jnp.tile(jax.device_get(shards).reshape(n, -1, args.cols),
+                                      (n, 1, 1))),
+      "one": ("xla_ppermute", jax.jit(smap(lambda s: lax.ppermute(
+          s, AXIS, [(i, (i - 1) % n) for i in range(n)])[None])), None)}
+
+  for mib in _listed(args.shard_mib, int):
+    rows = mib * MIB // (args.cols * 2)
+    shards = jax.device_put(
+        jax.random.normal(jax.random.key(mib), (n * rows, args.cols), jnp.bfloat16),
+        NamedSharding(mesh, P(AXIS)))
+    for peers in peers_list:
+      case = dict(shard_mib=mib, peers=peers, n=n,
+                  received_mib=mib * peer_copy.sources(n, peers), variants={})
+      results["cases"].append(case)
+      want = expected(peers)(shards)
+      name, base, base_want = baselines[peers]
+      variants = {name: base}
+      for mode, sms, depth, block_rows in itertools.product(
+          _listed(args.modes), _listed(args.sms, int), _listed(args.depths, int),
+          _listed(args.block_rows, int)):
+        kernel = functools.partial(peer_copy.peer_copy, axis_name=AXIS, n=n, mode=mode,
+                                   peers=peers, block_rows=block_rows, depth=depth,
+                                   num_sms=sms)
+        variants[f"{mode}[sms={sms}+depth={depth}+rows={block_rows}]"] = jax.jit(smap(kernel))
+      for name, fn in variants.items():
+        check = case["variants"][name] = {}
+        if not on_gpu and name.startswith(("pull", "push")):
+          check["skipped"] = "the copy kernel runs on a GPU only"
+          continue
+        try:
+          reference = base_want(shards) if name == "xla_all_gather" else want
+          check["ok"] = bool(jnp.array_equal(fn(shards), reference))
+        except Exception as e:  # noqa: BLE001 (reported, not timed)
+          check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+        if check["ok"] and on_gpu:
+          check.update(timed_or_error(fn, (shards,), args.iters, n))
+          own = [ms for k, ms in check.get("kernels", {}).items()
+                 if "peer_copy" in k or name.startswith("xla")]
+          if own:
+            check["kernel_ms"] = sum(own)
+            check["gb_s"] = case["received_mib"] * MIB / (check["kernel_ms"] * 1e-3) / 1e9
+        _write(args, results)
+      print(_line(case), flush=True)
+  return results
+
+
+def _line(case) -> str:
+  best = sorted(((v["gb_s"], k) for k, v in case["variants"].items() if "gb_s" in v),
+                reverse=True)[:3]
+  return (f"{case['shard_mib']} MiB x {case['peers']}: "
+          + ", ".join(f"{k} {g:.0f} GB/s" for g, k in best))
+
+
+def _write(args, results):
+  import jax
+  results["date"] = results.get("date") or datetime.datetime.now().isoformat()
+  path = results_path("bench_peer_copy", args, num_devices=results["gpus"],
+                      platform=jax.default_backend(), date=results["date"])
+  path.write_text(json.dumps(results, indent=1, default=str))
+  return path
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.smoke:
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  start_watchdog()
+  path = _write(args, run(args))
+  print(f"wrote {path}")
+  return path
+
+
+if __name__ == "__main__":
+  main()
