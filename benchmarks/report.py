@@ -900,9 +900,53 @@ def _newest_open(parts: list[tuple[str, str, str]], shown: int) -> list[str]:
                           + "\n".join(earlier) + "\n</details>\n"]
 
 
+def peer_copy_section() -> str:
+  """bench_peer_copy: GB/s one rank receives, by copy direction, SMs and blocks in flight,
+  beside NCCL's on the same shards."""
+  parts = []
+  for name, d in _load("bench_peer_copy_*.json"):
+    if d["device"] == "cpu":
+      continue
+    for case in d["cases"]:
+      v = case["variants"]
+      nccl = [(k, r) for k, r in v.items() if k.startswith("xla_") and "gb_s" in r]
+      grid = {}
+      for k, r in v.items():
+        if k.startswith(("pull[", "push[")):
+          spec = _spec_of(k)
+          grid.setdefault((k[:4], spec["sms"], spec["rows"]), {})[spec["depth"]] = r
+      depths = sorted({depth for row in grid.values() for depth in row})
+      rows = [[mode, sms, rows_ * d.get("cols", 256) * 2 // 1024,
+               *[row.get(depth, {}).get("gb_s") for depth in depths]]
+              for (mode, sms, rows_), row in grid.items()]
+      parts.append(
+          f"#### {d['n']}x {d['device']}: {case['shard_mib']} MiB from "
+          f"{'the next rank' if case['peers'] == 'one' else 'every peer'} "
+          f"({case['received_mib']} MiB received per rank; `{name}`)\n\n"
+          + _table(["copy", "SMs", "KiB per block",
+                    *[f"GB/s, {depth} blocks per SM" for depth in depths]], rows)
+          + "".join(f"\n\nNCCL's `{k[4:]}`: {r['gb_s']:.0f} GB/s." for k, r in nccl) + "\n")
+  return _section(
+      "In-kernel copies between GPUs (`benchmarks/bench_peer_copy.py`)",
+      "What TMA copies to and from peer memory move inside a Mosaic GPU kernel that does "
+      "nothing else (`pallas_kernels/peer_copy.py`): GB/s one rank receives over the copy "
+      "kernel's own device time (CUPTI, median of 20; without the cross-GPU barrier XLA runs "
+      "before it), every result checked bit for bit first. `pull`: each rank loads its "
+      "sources' blocks from their memory; `push`: each stores its blocks into theirs. NCCL: "
+      "XLA's `all_gather` or `ppermute` of the same shards, in the same process "
+      "(NCCL_NVLS_ENABLE=0).", parts)
+
+
+def _spec_of(variant: str) -> dict:
+  """``{"sms": 132, "depth": 2, "rows": 64}`` of ``pull[sms=132+depth=2+rows=64]``."""
+  inner = variant[variant.index("[") + 1:variant.rindex("]")]
+  return {k: int(x) for k, x in (kv.split("=") for kv in inner.split("+"))}
+
+
 def readme_text(old: str) -> str:
   body = "\n".join(s for s in (codec_section(), collectives_section(), transport_section(),
                                 fused_decode_section(), collective_matmul_section(),
+                                peer_copy_section(),
                                 train_section(),
                                 bench_train_section(), profile_section(),
                                 accuracy_section(), dp_codec_section(),
