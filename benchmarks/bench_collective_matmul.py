@@ -72,8 +72,6 @@ def _ag_fp8() -> dict:
   import jax
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
-# the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"_unrolled", "push"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -104,10 +102,6 @@ def parse_args(argv=None):
                  help="also time the reduce-scatter kernels, plain and FP8, with the "
                       "schedule's loops unrolled (matmul_rs's _unrolled): fused[unrolled], "
                       "fused_fp8[unrolled]")
-  p.add_argument("--rs-push", action="store_true",
-                 help="also time the reduce-scatter kernels, plain and FP8, pushing each "
-                      "partial into its owner's outbox (matmul_rs's push): fused[push], "
-                      "fused_fp8[push]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -510,7 +504,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
         out[f"fused[{name}]"] = (smap(functools.partial(plain, **kwargs),
                                       mesh=mesh, in_specs=(a_spec, w_spec),
                                       out_specs=(out_spec,)), False)
-        if kwargs.keys() & RS_FP8_OPTIONS:  # the FP8 kernel's too
+        if "_unrolled" in kwargs:  # the FP8 kernel's loops too
           out[f"fused_fp8[{name}]"] = (smap(functools.partial(fp8, **kwargs), mesh=mesh,
                                             in_specs=(a_spec, w_spec),
                                             out_specs=(out_spec,)), False)
@@ -538,7 +532,6 @@ def kernel_options(args) -> tuple[list, list]:
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
-        + [("push", dict(push=True))] * args.rs_push
         + skips("rs_skip"))
   return rs, skips("ag_skip")
 

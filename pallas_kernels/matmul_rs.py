@@ -24,14 +24,6 @@ the whole transfer's to 1.09x the matmul at the 1.3B MLP-out (pulling alone gain
 Pulling keeps the sender's stores local, so a sent loop's stores have landed, and can be
 signalled, as soon as the loop ends (docs/parallel.md, "Found on 2026-11-24").
 
-Pushed (``push=True``), each partial tile goes from the epilogue straight into slot r of
-its owner's outbox instead (``plgpu.remote_ref``), a sent loop's signal waits for its
-stores to land there, and the owner reads its partials from its own outbox. Pulling, the
-link carries every partial while the owner computes its own chunk, 1/n of its tiles; pushed,
-while the senders compute the peers' chunks, (n - 1)/n of them: at TP=4 the pulled
-kernels leave it idle three quarters of the time (``benchmarks/bench_peer_copy.py`` prices
-the link in a kernel at ~340 GB/s pushed, ~310 pulled). Local mode runs the same either way.
-
 Compressed (``fp8``: the codec's settings), each partial tile is encoded in the epilogue, in
 groups of G = ``tile_n`` columns along the hidden dimension, with the codec's own
 ``encode_groups``: FP8 codes plus one fp32 multiplier per row and group
@@ -306,8 +298,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          fp8=None, received=None, skip=(), probe=(), unrolled: bool = False,
-          push: bool = False):
+          fp8=None, received=None, skip=(), probe=(), unrolled: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -335,8 +326,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
         return received_refs[a].at[p]
-      if push:  # p pushed it into slot p of this rank's
-        return outbox[a].at[p]
       if "remote" in skip:
         return outbox[a].at[r]
       return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
@@ -388,11 +377,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         if own:
           epi.finish(acc, wg, r, row, col, peer, out_ref)
           return
-        if push and not local:
-          dest = tuple(plgpu.remote_ref(a, {axis_name: c}).at[r] for a in outbox)
-        else:
-          dest = tuple(a.at[c] for a in outbox)
-        dest += (None,) * (fp8 is None)
+        dest = tuple(a.at[c] for a in outbox) + ((None,) * (fp8 is None))
         epi.send(acc, wg, row, col, [dest])
         if probe:
           epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
@@ -409,7 +394,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         @pl.when(computes)
         def _signal():
           with jax.named_scope("signal"):
-            plgpu.wait_smem_to_gmem(0)  # local stores land at once, pushed ones later
+            plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
             relay(p, q, [c])
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
@@ -426,11 +411,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         def _phase(p):
           @pl.when(p < phases)
           def _sends():
-            if push:  # a remote store's peer must follow from the rank alone: q static
-              for q in range(1, n):
-                tile_loop(allocs, q, p, own=False)
-              return
-
             @pl.loop(1, n)
             def _send(q):
               tile_loop(allocs, q, p, own=False)
@@ -439,8 +419,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           def _own():
             tile_loop(allocs, n, p - 1, own=True)
 
-      # the reads have landed: peers may go (pushed, nobody reads this rank's outbox)
-      if sems is not None and not push and "release" not in skip:
+      if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
         def _release():
           with jax.named_scope("release"):
@@ -470,8 +449,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
-                          _probe: tuple[str, ...] = (), _unrolled: bool = False,
-                          push: bool = False):
+                          _probe: tuple[str, ...] = (), _unrolled: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -490,9 +468,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
   remote reads cost the tiles beside them). ``_unrolled``: the schedule's loops unrolled
-  one after the other, as the kernel had them before 2026-11-27 (a timing comparison).
-  ``push``: the partials pushed into their owners' outboxes rather than pulled by them
-  (module docstring)."""
+  one after the other, as the kernel had them before 2026-11-27 (a timing comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -506,9 +482,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                  or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
     raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
                      f"peers")
-  if push and (_probe or "remote" in _skip):
-    raise ValueError("matmul_reduce_scatter: _probe and _skip 'remote' time the pulls; "
-                     "the pushed kernel has none")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -518,7 +491,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
               transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              unrolled=_unrolled, push=push)
+              unrolled=_unrolled)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

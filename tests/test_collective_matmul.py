@@ -316,8 +316,6 @@ def _reduce_scatter_call(y_shape, n=2, **options):
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
     (_reduce_scatter_call((2, 128, 128), _skip=("signals",)),
      "'signals' needs 'waits' and 'release'"),
-    (_reduce_scatter_call((2, 128, 128), push=True, _skip=("remote",)),
-     "the pushed kernel has none"),
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 128), jnp.bfloat16),
                                          jnp.zeros((128, 256), jnp.bfloat16), "t",
                                          tiling=dataclasses.replace(TILING, cluster_n=2),
@@ -479,30 +477,14 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                   sd((width, d) if transposed else (d, width), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  # four phases, and one (the own loop waits right after sending); w [F, D] or [D, F]; the
-  # partials pulled by their owners, or pushed into their outboxes
-  for phases, transposed, push in ((None, False, False), (1, False, False),
-                                   (None, True, False), (None, False, True)):
-    fn = smap(lambda y, w, phases=phases, transposed=transposed, push=push:
-              matmul_rs.matmul_reduce_scatter(y, w, "tensor", num_sms=132, fp8=fp8,
-                                              phases=phases, transpose_w=transposed, push=push),
+  # four phases, and one (the own loop waits right after sending); w [F, D] or [D, F]
+  for phases, transposed in ((None, False), (1, False), (None, True)):
+    fn = smap(lambda y, w, phases=phases, transposed=transposed: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases, transpose_w=transposed),
         in_specs=(P(None, None, "tensor"), P(None, "tensor") if transposed else P("tensor")),
         out_specs=P(None, "tensor"))
     w = sd((d, 2 * f) if transposed else (2 * f, d), jnp.bfloat16)
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
-
-
-def test_pushed_reduce_scatter_lowers_at_four_ranks():
-  """Pushed, each sent loop's peer must be a function of the rank that Mosaic GPU can
-  recompute on the host, which a peer chosen by a rolled loop over the chunks is not: at 4
-  ranks (2 leave one chunk to send) the kernel, plain and FP8, lowers."""
-  sd = jax.ShapeDtypeStruct
-  for fp8 in (None, dict(FP8, group_size=128)):
-    fn = jax.shard_map(lambda y, w, fp8=fp8: matmul_rs.matmul_reduce_scatter(
-        y, w, "x", num_sms=132, fp8=fp8, push=True), mesh=testing.mesh_1d(4),
-        in_specs=(P(None, None, "x"), P("x")), out_specs=P(None, "x"), check_vma=False)
-    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
-                                              sd((1024, 256), jnp.bfloat16))
 
 
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
