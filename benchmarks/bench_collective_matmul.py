@@ -10,8 +10,9 @@ count), the same random inputs go through:
   ring); ``fused_fp8``: the codec's encode kernel, then the compressed kernel (its own time
   is reported apart as ``fp8_kernel``); ``fused[phases=P]``
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
-  ``matmul_rs.default_phases``; ``fused[pull=D]`` (``--rs-pull-depth``): with D of the
-  peers' partial blocks in flight per warpgroup instead of ``matmul_rs.PULL_DEPTH``;
+  ``matmul_rs.default_phases``; ``fused[pull=D]`` and ``fused_fp8[pull=D]`` (``--rs-pull-depth``):
+  with D of the peers' partial blocks in flight per warpgroup instead of
+  ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
   does, unread (``matmul_rs``'s ``_probe``); ``fused[unrolled]`` and
   ``fused_fp8[unrolled]`` (``--rs-unrolled``): the schedule's loops unrolled;
@@ -72,6 +73,8 @@ def _ag_fp8() -> dict:
   import jax
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
+# the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
+RS_FP8_OPTIONS = {"_unrolled", "pull_depth"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -96,8 +99,9 @@ def parse_args(argv=None):
                  help="comma-separated phase counts to time the plain reduce-scatter kernel "
                       "with besides its default (matmul_rs.default_phases): fused[phases=P]")
   p.add_argument("--rs-pull-depth", default="",
-                 help="comma-separated pull depths to time the plain reduce-scatter kernel "
-                      "with besides its default (matmul_rs.PULL_DEPTH): fused[pull=D]")
+                 help="comma-separated pull depths to time the reduce-scatter kernels, plain "
+                      "and FP8, with besides their default (matmul_rs.PULL_DEPTH): "
+                      "fused[pull=D], fused_fp8[pull=D]")
   p.add_argument("--rs-unrolled", action="store_true",
                  help="also time the reduce-scatter kernels, plain and FP8, with the "
                       "schedule's loops unrolled (matmul_rs's _unrolled): fused[unrolled], "
@@ -504,7 +508,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
         out[f"fused[{name}]"] = (smap(functools.partial(plain, **kwargs),
                                       mesh=mesh, in_specs=(a_spec, w_spec),
                                       out_specs=(out_spec,)), False)
-        if "_unrolled" in kwargs:  # the FP8 kernel's loops too
+        if kwargs.keys() & RS_FP8_OPTIONS:  # the FP8 kernel's too
           out[f"fused_fp8[{name}]"] = (smap(functools.partial(fp8, **kwargs), mesh=mesh,
                                             in_specs=(a_spec, w_spec),
                                             out_specs=(out_spec,)), False)
