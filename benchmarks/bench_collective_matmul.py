@@ -74,7 +74,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"_unrolled", "pull_depth"}
+RS_FP8_OPTIONS = {"_unrolled", "pull_depth", "_skip", "_signal_each_loop"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -106,16 +106,20 @@ def parse_args(argv=None):
                  help="also time the reduce-scatter kernels, plain and FP8, with the "
                       "schedule's loops unrolled (matmul_rs's _unrolled): fused[unrolled], "
                       "fused_fp8[unrolled]")
+  p.add_argument("--rs-signal-each-loop", action="store_true",
+                 help="also time the reduce-scatter kernels, plain and FP8, signalling each "
+                      "sent loop's owner after it rather than every peer once a phase "
+                      "(matmul_rs's _signal_each_loop): fused[each_loop], fused_fp8[each_loop]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
                       "_probe), each timed and checked as fused[probe=...]: what remote "
                       "reads cost the tiles beside them")
   p.add_argument("--rs-skip", default="",
-                 help="comma-separated parts of the plain reduce-scatter kernel to leave out "
-                      "('waits', 'release', 'signals', 'remote', or several joined by '+': "
-                      "matmul_rs's _skip), each timed unchecked, as fused[skip=...]: what "
-                      "each costs (the result is wrong)")
+                 help="comma-separated parts of the reduce-scatter kernels, plain and FP8, to "
+                      "leave out ('waits', 'release', 'signals', 'remote', or several joined "
+                      "by '+': matmul_rs's _skip), each timed unchecked, as fused[skip=...] "
+                      "and fused_fp8[skip=...]: what each costs (the result is wrong)")
   p.add_argument("--ag-skip", default="",
                  help="the same for the plain all-gather kernel, fused and alone ('copy': "
                       "the own chunk's copy into the gathered x): fused[skip=copy]")
@@ -536,6 +540,7 @@ def kernel_options(args) -> tuple[list, list]:
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
+        + [("each_loop", dict(_signal_each_loop=True))] * args.rs_signal_each_loop
         + skips("rs_skip"))
   return rs, skips("ag_skip")
 

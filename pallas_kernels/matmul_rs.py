@@ -13,8 +13,13 @@ matmul, so they land while it runs, and each later one as a slot is read) and ad
 its accumulator, in fp32. The row tiles of every chunk come in ``phases`` groups
 (``schedule``): phase p of each peer's chunk (``c = r + 1, ..., r + n - 1``), then phase
 p - 1 of the own chunk, whose partials the peers wrote one phase earlier.
-Once every warpgroup of a rank has written its partials of a phase for a peer, one relayed
-signal tells the peer (``relay``); the peer's own phase starts when every peer's has come.
+Once every warpgroup of a rank has written its partials of a phase for all its peers, one
+relayed signal tells each peer (``relay``); the peer's own phase starts when every peer's
+has come. One signal per phase rather than per peer's loop: each needs every warpgroup's
+stores drained first, and at TP=4 the twelve drains of a 4-phase kernel cost the FP8
+kernel 0.025-0.031 ms (``_skip``'s ``signals``, bench_collective_matmul_nvlink_skip_fp8_4gpu);
+the peers' own loops of a phase come after their sent loops of the next one, so a signal
+sent after all of a phase's sent loops still comes before it is waited for.
 A last one holds every rank until its peers have read its outbox.
 
 Why pull and relay: with every warpgroup signalling its peer itself (a release at system
@@ -298,7 +303,8 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          fp8=None, received=None, skip=(), probe=(), unrolled: bool = False):
+          fp8=None, received=None, skip=(), probe=(), unrolled: bool = False,
+          signal_each_loop: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -390,12 +396,24 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                    y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own or probe else None,
                first_sm=lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms))
-      if not own and sems is not None and "signals" not in skip:
-        @pl.when(computes)
-        def _signal():
-          with jax.named_scope("signal"):
-            plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-            relay(p, q, [c])
+      if not own and signal_each_loop:
+        signal(p, q, [c])
+
+    def signal(p, times, owners):
+      """This rank's partials of phase p for ``owners`` are in its outbox (``times``: the
+      relays of phase p so far, this one included)."""
+      if sems is None or "signals" in skip:
+        return
+
+      @pl.when(computes)
+      def _signal():
+        with jax.named_scope("signal"):
+          plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
+          relay(p, times, owners)
+
+    def signal_phase(p):  # after the phase's last sent loop: one signal to every peer
+      if not signal_each_loop:
+        signal(p, 1, [lax.rem(r + q, n) for q in range(1, n)])
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
@@ -406,6 +424,8 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       if unrolled:  # the loops one after the other, as before (``_unrolled``)
         for q, p in schedule(n, phases):
           tile_loop(allocs, q, p, own=q == n)
+          if q == n - 1:
+            signal_phase(p)
       else:
         @pl.loop(0, phases + 1)
         def _phase(p):
@@ -414,6 +434,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
             @pl.loop(1, n)
             def _send(q):
               tile_loop(allocs, q, p, own=False)
+            signal_phase(p)
 
           @pl.when(p > 0)
           def _own():
@@ -449,7 +470,8 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
-                          _probe: tuple[str, ...] = (), _unrolled: bool = False):
+                          _probe: tuple[str, ...] = (), _unrolled: bool = False,
+                          _signal_each_loop: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -468,7 +490,9 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
   remote reads cost the tiles beside them). ``_unrolled``: the schedule's loops unrolled
-  one after the other, as the kernel had them before 2026-11-27 (a timing comparison)."""
+  one after the other, as the kernel had them before 2026-11-27 (a timing comparison).
+  ``_signal_each_loop``: a signal after each sent loop, to its one owner, as before
+  2026-11-27 (a timing comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -491,7 +515,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
               transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              unrolled=_unrolled)
+              unrolled=_unrolled, signal_each_loop=_signal_each_loop)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

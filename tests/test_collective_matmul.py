@@ -487,6 +487,18 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
+def test_reduce_scatter_lowers_at_four_ranks():
+  """At 4 ranks a phase has 3 sent loops: the kernel lowers with one signal to every peer
+  after them (the default) and with a signal to each loop's owner (``_signal_each_loop``)."""
+  sd = jax.ShapeDtypeStruct
+  for each_loop in (False, True):
+    fn = jax.shard_map(lambda y, w, each_loop=each_loop: matmul_rs.matmul_reduce_scatter(
+        y, w, "x", num_sms=132, _signal_each_loop=each_loop), mesh=testing.mesh_1d(4),
+        in_specs=(P(None, None, "x"), P("x")), out_specs=P(None, "x"), check_vma=False)
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
+                                              sd((1024, 256), jnp.bfloat16))
+
+
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
 
 
