@@ -51,6 +51,21 @@ def results_path(benchmark: str, args, *, num_devices: int, platform: str,
                     f"{date[:10].replace('-', '')}.json")
 
 
+def write_results(benchmark: str, args, results: dict) -> pathlib.Path:
+  """Writes `results` as JSON to `results_path` (its `gpus` count; dated now unless it has
+  a date, which it keeps) and points --out-dir at that folder, so that a run that writes as
+  it goes (a hang loses nothing) rewrites the one file. Call after JAX is configured."""
+  import datetime
+
+  import jax
+  results["date"] = results.get("date") or datetime.datetime.now().isoformat()
+  path = results_path(benchmark, args, num_devices=results["gpus"],
+                      platform=jax.default_backend(), date=results["date"])
+  args.out_dir = str(path.parent)
+  path.write_text(json.dumps(results, indent=1, default=str))
+  return path
+
+
 def write_report(benchmark: str, args, report: dict, summary: str) -> pathlib.Path:
   """Writes `report` (with its num_devices, platform and ISO date) as JSON to
   `results_path`, prints `summary` and where it went; returns the path."""

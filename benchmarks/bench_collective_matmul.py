@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import os
 import pathlib
 import statistics
@@ -58,8 +56,8 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import (add_output_args, parse_with_smoke, results_path,  # noqa: E402
-                             start_watchdog)
+from benchmarks.args import (add_output_args, parse_with_smoke, start_watchdog,  # noqa: E402
+                             write_results)
 
 MODELS = {"1.3b": dict(d=2048, f=8192), "2.7b": dict(d=2560, f=10240),
           "tiny": dict(d=256, f=512)}  # tiny: --smoke
@@ -580,13 +578,7 @@ def _line(case) -> str:
 
 
 def _write(args, results):
-  import jax
-  results["date"] = results.get("date") or datetime.datetime.now().isoformat()
-  path = results_path("bench_collective_matmul", args, num_devices=results["gpus"],
-                      platform=jax.default_backend(), date=results["date"])
-  args.out_dir = str(path.parent)
-  path.write_text(json.dumps(results, indent=1, default=str))
-  return path
+  return write_results("bench_collective_matmul", args, results)
 
 
 def main(argv=None):

@@ -22,10 +22,8 @@ needs a GPU (tests/test_collective_matmul.py runs its block loop on CPU).
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import itertools
-import json
 import os
 import pathlib
 import sys
@@ -33,8 +31,8 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import (add_output_args, parse_with_smoke, results_path,  # noqa: E402
-                             start_watchdog)
+from benchmarks.args import (add_output_args, parse_with_smoke, start_watchdog,  # noqa: E402
+                             write_results)
 from benchmarks.bench_collective_matmul import timed_or_error  # noqa: E402
 
 AXIS = "x"
@@ -143,19 +141,14 @@ def _line(case) -> str:
 
 
 def _write(args, results):
-  import jax
-  results["date"] = results.get("date") or datetime.datetime.now().isoformat()
-  path = results_path("bench_peer_copy", args, num_devices=results["gpus"],
-                      platform=jax.default_backend(), date=results["date"])
-  path.write_text(json.dumps(results, indent=1, default=str))
-  return path
+  return write_results("bench_peer_copy", args, results)
 
 
 def main(argv=None):
   args = parse_args(argv)
   if args.smoke:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
   start_watchdog()
   path = _write(args, run(args))
   print(f"wrote {path}")
