@@ -770,6 +770,107 @@ def _kernel_ms(variant: dict) -> float | None:
 CM_OPEN = 6  # collective-matmul runs shown open in the README, newest first
 
 
+# The fused collective-matmul tables' columns
+CM_COLUMNS = (
+    "Device time (CUPTI) per call, median of 20, per kernel the minimum over GPUs. `xla`: XLA's "
+    "collective then cuBLAS (today's layers); `fused` / `fused_fp8`: the plain / FP8 "
+    "collective-matmul kernel (`fused_fp8` includes the encode kernel); `gemm` / `gemm_fp8`: the "
+    "same kernels on one GPU with no peer (the GEMM core, FP8 decode or encode included); `rank0` "
+    "/ `rank0_fp8` (one GPU): rank 0's kernel at the TP shapes in local mode, its copies landing "
+    "in local memory and no wait for peers (the FP8 kernel alone, codes made beforehand); `fp8 / "
+    "plain`: `fused_fp8` / `fused`, or on one GPU `rank0_fp8` / `rank0`; `jax_gemm`: jax's Hopper "
+    "matmul example on that shape (`[cluster=m]` / `[cluster=n]`: in pairs of CTAs sharing a "
+    "block by multicast); `cublas`: XLA's bf16 matmul of one rank's whole product (cuBLAS: the "
+    "ideal); `xla_f32_dot`: the same accumulated in fp32 and converted, which XLA runs as a "
+    "Triton GEMM, up to ~15% slower: the `cublas` column of the runs before 2026-11-24, whose "
+    "ratios are against it. `MiB/device`: what the plain collective sends. `… kernel ms`: the FP8 "
+    "collective-matmul kernel alone, without the encode before it and the decode of the gathered "
+    "x after it (the all-gather's).")
+# What each bracketed variant of those tables is, by the runs that have it
+CM_VARIANTS = (
+    "`[packed_sems]` (the `nvlink_sems` run): the kernels as they are, every semaphore in one "
+    "cache line, beside `fused` / `fused_fp8` there with each semaphore on a line of its own and "
+    "only the compute warpgroups waiting for the peers (a change reverted after this run).",
+    "`[push=C]` (the `nvlink_push` run of 2026-11-26, 2xH100): the reduce-scatter kernels as they "
+    "are with C = 0 (every partial pulled by its owner), or pushing the first C of 8 tile columns "
+    "of each partial into the owner's memory, beside `fused` / `fused_fp8` there pushing 4 (a "
+    "change reverted after this run).",
+    "`[push]` (the `nvlink_push` runs of 2026-11-27, 2 and 4 H200s): the reduce-scatter kernels, "
+    "plain and FP8, pushing every partial into its owner's outbox (`matmul_rs`'s `push`, reverted "
+    "after these runs: slower at TP=2, and at TP=4 faster plain but not FP8, whose MLP-out result "
+    "came back with NaNs).",
+    "`[phases=P]` (the `nvlink_phases` run): the plain reduce-scatter kernel with P row-tile "
+    "phases, beside `fused` with its default (`matmul_rs.default_phases`: 4 at these shapes).",
+    "`[mix]` (the `nvlink` run of 2026-11-23): the reduce-scatter kernels with each peer phase "
+    "and the previous own phase in one loop, measured slower (`matmul_rs.schedule`).",
+    "`[pull=D]` (the `nvlink_pull` run, and in `nvlink_pull_fp8_4gpu` the FP8 kernel's too): the "
+    "reduce-scatter kernel with D receive slots per warpgroup for the peers' partials, beside "
+    "`fused` with 2 (`matmul_rs.PULL_DEPTH`).",
+    "`[relay_sm=1]` (the `nvlink_relay` run): the reduce-scatter kernel with its last SM "
+    "computing no tile and only relaying the phases' signals, beside `fused` relaying from SM 0's "
+    "first compute warpgroup (a change reverted after this run).",
+    "`[cluster_n=C]` (the runs of 2026-11-27): the plain all-gather kernel in clusters of C CTAs "
+    "sharing each A block, which pull the peers' rows (`ag_matmul`'s pulled schedule); `+sms=N`: "
+    "on N SMs. In `nvlink_pulled` (2 GPUs) and `nvlink_clusters` a grid of clusters of 4 had one "
+    "per 4 SMs (33), more than an H200 runs at once; since then it has at most 30 "
+    "(`gemm.RESIDENT_CLUSTERS`). `fused` is the ring in those runs and in `nvlink_turns`; from "
+    "`nvlink_layers` on it is the layers' choice (`ag_matmul.plain_tiling`: pulled where one "
+    "cluster covers the output row), `[cluster_n=1]` the ring; the 4-GPU `nvlink_pulled` run's "
+    "`fused` is the ring, its `[cluster_n=2]` what the layers now take. The FP8 kernel does not "
+    "pull: its `[cluster_n=C]` variants did not run.",
+    "In `nvlink_epi_*`, `nvlink_delay`, `nvlink_wide*` and `nvlink_chain*` (later on 2026-11-27) "
+    "the bracketed variants override the kernels' tiles (`gemm.Tiling` fields): "
+    "`tile_m=64+tile_n=256+split=m` the wide tiles the all-gather kernels take since "
+    "(`ag_matmul.WIDE`; `fused` in `nvlink_wide*` and `nvlink_chain`, whose "
+    "`[tile_m=128+tile_n=128+split=n]` is the old default), `stages=S+epi_n=E` the pipeline's "
+    "depth and the epilogue's sub-tile width, `chain=0` a pipeline per tile instead of one "
+    "chained over each SM's tiles (`Tiling.chain`, the default since `nvlink_chain`); `[delay=0]` "
+    "(`nvlink_delay`) the all-gather kernels reading their copies out within each step, as they "
+    "do since, instead of holding each block one step longer. The FP8 kernels refused some of "
+    "these tiles (the all-gather's takes no columns split between its warpgroups, the "
+    "reduce-scatter's encodes groups of 128 columns, one warpgroup's): those variants did not "
+    "run.",
+    "In `nvlink_skip*` (later on 2026-11-27) each `[skip=...]` variant leaves parts of a kernel "
+    "out, to price them, and was timed although its result is wrong by design (`_skip` of "
+    "`matmul_reduce_scatter` and `all_gather_matmul`): `waits` the own phases' waits for the "
+    "peers' signals, `release` the release at the end, `signals` the sent loops' signals, "
+    "`remote` the peers' partials (the owner reads its own outbox: no link traffic), `copy` the "
+    "all-gather's copy of its own chunk into the gathered x (`gemm[skip=copy]`: the same on one "
+    "GPU); in `nvlink_skip_fp8_4gpu` the FP8 reduce-scatter's too, both still signalling after "
+    "each sent loop, and in `nvlink_phase_signal_4gpu` after each phase. `[each_loop]` "
+    "(`nvlink_phase_signal`): the reduce-scatter kernels, plain and FP8, signalling each sent "
+    "loop's owner after the loop, as before that run, beside `fused` / `fused_fp8` signalling "
+    "every peer once a phase (`matmul_rs`'s `_signal_each_loop`).",
+    "In `nvlink_probe*` each `[probe=...]` variant (`_probe` of `matmul_reduce_scatter`, results "
+    "right) makes every sent tile read and drop partials as an own tile reads them: `sent_reads` "
+    "its first two blocks from the peer, `sent_local_reads` the same from its own GPU, "
+    "`sent_all_reads` all four, the slots refilled as they empty.",
+    "In `nvlink_rolled*` `[unrolled]` is the reduce-scatter kernel, plain and FP8, with its "
+    "schedule's tile loops unrolled one after the other (`_unrolled`, as before 2026-11-27); the "
+    "unbracketed kernels run them as two nested loops.",
+    "In `nvlink_decode_parts` the unbracketed FP8 all-gather kernels take pipeline steps of 64, 4 "
+    "deep (the default until that run); `[tile_k=128+stages=2]` steps of 128, 2 deep, and "
+    "`[...+decode_parts=2]` each step decoded and multiplied in two halves "
+    "(`Tiling.decode_parts`), the FP8 all-gather's default since (`ag_matmul.FP8_TILINGS`). The "
+    "plain kernels ran those tiles too, for comparison.",
+    "In `nvlink_rolled_4gpu` (after that change) `[tile_k=64+stages=4+decode_parts=1]` is the FP8 "
+    "all-gather's tiling before it (the plain all-gather's own); the reduce-scatter kernels' "
+    "pipelines do not fit those tiles in shared memory, so they did not run.",
+    "In `nvlink_decoded_2gpu` `fused_fp8` / `gemm_fp8` are the FP8 all-gather returning the "
+    "gathered codes, decoded after it by an XLA fusion (the way until that run), `[decoded]` the "
+    "kernel writing the gathered x decoded itself, the only way since (the `fused_fp8` of "
+    "`nvlink_decoded_4gpu`).",
+    "In `nvlink_2.7b_4gpu` the all-gather kernels refused the 2.7B QKV's and out-projection "
+    "backward's widths at TP=4 (1920 and 640 columns, in tiles of 256), where the layers then "
+    "fell back to XLA; `nvlink_narrow` (later) times them on the tiles the layers have taken "
+    "there since (`ag_matmul.NARROW`, [128, 128] per warpgroup), the FP8 kernel on "
+    "`ag_matmul.fp8_tiling`'s choice as the layers (the bench had given it fixed tiles); "
+    "`core[default]` and jax's example still take tiles of 256 only.",
+    "In `nvlink_wt` `[w_t]` is the same kernel given its weight stored [N, K] and reading it "
+    "transposed (`transpose_w`), as the layers' backward kernels do since that run.",
+)
+
+
 def collective_matmul_section() -> str:
   parts = []
   for name, d in _load("bench_collective_matmul_*.json"):
@@ -795,109 +896,14 @@ def collective_matmul_section() -> str:
                            + [f"{k} ms" for k in cols]
                            + [f"{fp8} kernel ms", "fused / cublas", "fp8 / plain",
                               "xla / fused"], rows) + "\n"))
+  variants = "\n".join(f"- {v}" for v in CM_VARIANTS)
   return _section(
       "Fused collective matmuls (`benchmarks/bench_collective_matmul.py`)",
-      "Device time (CUPTI) per call, median of 20, per kernel the minimum over GPUs. `xla`: "
-      "XLA's collective then cuBLAS (today's layers); `fused` / `fused_fp8`: the plain / "
-      "FP8 collective-matmul kernel (`fused_fp8` includes the encode kernel); `gemm` / "
-      "`gemm_fp8`: the same kernels on one GPU with no peer (the GEMM core, FP8 decode or "
-      "encode included); `rank0` / `rank0_fp8` (one GPU): rank 0's kernel at the TP shapes "
-      "in local mode, its copies landing in local memory and no wait for peers (the FP8 "
-      "kernel alone, codes made beforehand); `fp8 / plain`: `fused_fp8` / `fused`, or on "
-      "one GPU `rank0_fp8` / `rank0`; `jax_gemm`: jax's Hopper matmul example on that shape "
-      "(`[cluster=m]` / `[cluster=n]`: in pairs of CTAs sharing a block by multicast); "
-      "`cublas`: XLA's bf16 matmul of one rank's whole product (cuBLAS: the ideal); "
-      "`xla_f32_dot`: the same accumulated in fp32 and converted, which XLA runs as a Triton "
-      "GEMM, up to ~15% slower: the `cublas` column of the runs before 2026-11-24, whose "
-      "ratios are against it. `MiB/device`: what the plain collective sends. `… kernel ms`: "
-      "the FP8 collective-matmul kernel alone, without the "
-      "encode before it and the decode of the gathered x after it (the all-gather's). "
-      "`[packed_sems]` (the `nvlink_sems` run): the kernels as they are, every semaphore in "
-      "one cache line, beside `fused` / `fused_fp8` there with each semaphore on a line of "
-      "its own and only the compute warpgroups waiting for the peers (a change reverted "
-      "after this run). `[push=C]` (the `nvlink_push` run of 2026-11-26, 2xH100): the "
-      "reduce-scatter "
-      "kernels as they are with C = 0 (every partial pulled by its owner), or pushing the "
-      "first C of 8 tile columns of each partial into the owner's memory, beside `fused` / "
-      "`fused_fp8` there pushing 4 (a change reverted after this run). `[push]` (the "
-      "`nvlink_push` runs of 2026-11-27, 2 and 4 H200s): the reduce-scatter kernels, plain "
-      "and FP8, pushing every partial into its owner's outbox (`matmul_rs`'s `push`, "
-      "reverted after these runs: slower at TP=2, and at TP=4 faster plain but not FP8, "
-      "whose MLP-out result came back with NaNs). `[phases=P]` (the "
-      "`nvlink_phases` run): the plain reduce-scatter kernel with P row-tile phases, beside "
-      "`fused` with its default (`matmul_rs.default_phases`: 4 at these shapes). "
-      "`[mix]` (the `nvlink` run of 2026-11-23): the reduce-scatter kernels with each peer "
-      "phase and the previous own phase in one loop, measured slower (`matmul_rs.schedule`). "
-      "`[pull=D]` (the `nvlink_pull` run, and in `nvlink_pull_fp8_4gpu` the FP8 kernel's "
-      "too): the reduce-scatter kernel with D receive slots per warpgroup for the peers' "
-      "partials, beside `fused` with 2 (`matmul_rs.PULL_DEPTH`). "
-      "`[relay_sm=1]` (the `nvlink_relay` run): the reduce-scatter kernel with its last SM "
-      "computing no tile and only relaying the phases' signals, beside `fused` relaying from "
-      "SM 0's first compute warpgroup (a change reverted after this run). "
-      "`[cluster_n=C]` (the runs of 2026-11-27): the plain all-gather kernel in clusters "
-      "of C CTAs sharing each A block, which pull the peers' rows (`ag_matmul`'s pulled "
-      "schedule); `+sms=N`: on N SMs. In `nvlink_pulled` (2 GPUs) and `nvlink_clusters` a "
-      "grid of clusters of 4 had one per 4 SMs (33), more than an H200 runs at once; since "
-      "then it has at most 30 (`gemm.RESIDENT_CLUSTERS`). `fused` is the ring in those runs "
-      "and in `nvlink_turns`; from `nvlink_layers` on it is the layers' choice "
-      "(`ag_matmul.plain_tiling`: pulled where one cluster covers the output row), "
-      "`[cluster_n=1]` the ring; the 4-GPU `nvlink_pulled` run's `fused` is the ring, its "
-      "`[cluster_n=2]` what the layers now take. The FP8 kernel does not pull: its "
-      "`[cluster_n=C]` variants did not run. "
-      "In `nvlink_epi_*`, `nvlink_delay`, `nvlink_wide*` and `nvlink_chain*` (later on "
-      "2026-11-27) the bracketed variants override the kernels' tiles (`gemm.Tiling` "
-      "fields): `tile_m=64+tile_n=256+split=m` the wide tiles the all-gather kernels take "
-      "since (`ag_matmul.WIDE`; `fused` in `nvlink_wide*` and `nvlink_chain`, whose "
-      "`[tile_m=128+tile_n=128+split=n]` is the old default), `stages=S+epi_n=E` the "
-      "pipeline's depth and the epilogue's sub-tile width, `chain=0` a pipeline per tile "
-      "instead of one chained over each SM's tiles (`Tiling.chain`, the default since "
-      "`nvlink_chain`); `[delay=0]` (`nvlink_delay`) the all-gather kernels reading their "
-      "copies out within each step, as they do since, instead of holding each block one "
-      "step longer. The FP8 kernels refused some of these tiles (the all-gather's takes no "
-      "columns split between its warpgroups, the reduce-scatter's encodes groups of 128 "
-      "columns, one warpgroup's): those variants did not run. "
-      "In `nvlink_skip*` (later on 2026-11-27) each `[skip=...]` variant leaves parts of a "
-      "kernel out, to price them, and was timed although its result is wrong by design "
-      "(`_skip` of `matmul_reduce_scatter` and `all_gather_matmul`): `waits` the own "
-      "phases' waits for the peers' signals, `release` the release at the end, `signals` "
-      "the sent loops' signals, `remote` the peers' partials (the owner reads its own "
-      "outbox: no link traffic), `copy` the all-gather's copy of its own chunk into the "
-      "gathered x (`gemm[skip=copy]`: the same on one GPU); in `nvlink_skip_fp8_4gpu` the "
-      "FP8 reduce-scatter's too, both still signalling after each sent loop, and in "
-      "`nvlink_phase_signal_4gpu` after each phase. `[each_loop]` (`nvlink_phase_signal`): "
-      "the reduce-scatter kernels, plain and FP8, signalling each sent loop's owner after "
-      "the loop, as before that run, beside `fused` / `fused_fp8` signalling every peer "
-      "once a phase (`matmul_rs`'s `_signal_each_loop`). "
-      "In `nvlink_probe*` each `[probe=...]` variant (`_probe` of `matmul_reduce_scatter`, "
-      "results right) makes every sent tile read and drop partials as an own tile reads "
-      "them: `sent_reads` its first two blocks from the peer, `sent_local_reads` the same "
-      "from its own GPU, `sent_all_reads` all four, the slots refilled as they empty. "
-      "In `nvlink_rolled*` `[unrolled]` is the reduce-scatter kernel, plain and FP8, with "
-      "its schedule's tile loops unrolled one after the other (`_unrolled`, as before "
-      "2026-11-27); the unbracketed kernels run them as two nested loops. "
-      "In `nvlink_decode_parts` the unbracketed FP8 all-gather kernels take pipeline steps "
-      "of 64, 4 deep (the default until that run); `[tile_k=128+stages=2]` steps of 128, 2 "
-      "deep, and `[...+decode_parts=2]` each step decoded and multiplied in two halves "
-      "(`Tiling.decode_parts`), the FP8 all-gather's default since (`ag_matmul.FP8_TILINGS`). "
-      "The plain kernels ran those tiles too, for comparison. In `nvlink_rolled_4gpu` "
-      "(after that change) `[tile_k=64+stages=4+decode_parts=1]` is the FP8 all-gather's "
-      "tiling before it (the plain all-gather's own); the reduce-scatter kernels' pipelines "
-      "do not fit those tiles in shared memory, so they did not run. In `nvlink_decoded_2gpu` "
-      "`fused_fp8` / `gemm_fp8` are the FP8 all-gather returning the gathered codes, "
-      "decoded after it by an XLA fusion (the way until that run), `[decoded]` the kernel "
-      "writing the gathered x decoded itself, the only way since (the `fused_fp8` of "
-      "`nvlink_decoded_4gpu`). In `nvlink_2.7b_4gpu` the all-gather kernels "
-      "refused the 2.7B QKV's and out-projection backward's widths at TP=4 (1920 and 640 "
-      "columns, in tiles of 256), where the layers then fell back to XLA; `nvlink_narrow` "
-      "(later) times them on the tiles the layers have taken there since "
-      "(`ag_matmul.NARROW`, [128, 128] per warpgroup), the FP8 kernel on "
-      "`ag_matmul.fp8_tiling`'s choice as the layers (the bench had given it fixed tiles); "
-      "`core[default]` and jax's example still take tiles of 256 only. In `nvlink_wt` "
-      "`[w_t]` is the same kernel given its weight stored [N, K] and reading it transposed "
-      "(`transpose_w`), as the layers' backward kernels do since that run. "
-      "Every other kernel was checked against its reference before it was timed; "
-      "– where it did not run. Newest run first; the runs before the newest "
-      f"{CM_OPEN} are folded below them.", _newest_open(parts, CM_OPEN))
+      f"{CM_COLUMNS} Every kernel but the `[skip=...]` variants was checked against its "
+      f"reference before it was timed; – where it did not run. Newest run first; the runs "
+      f"before the newest {CM_OPEN} are folded below them.\n\n"
+      f"<details><summary>The bracketed variants, run by run</summary>\n\n{variants}\n\n"
+      f"</details>\n", _newest_open(parts, CM_OPEN))
 
 
 def _newest_open(parts: list[tuple[str, str, str]], shown: int) -> list[str]:
