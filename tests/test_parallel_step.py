@@ -24,13 +24,10 @@ from taco_jax.testing import hlo
 from taco_jax.plan import CompressionPlan
 from taco_jax.tp.mesh import make_mesh
 
-# (dp, pp, tp); the slow ones are covered in the default run elsewhere: (1, 2, 4) against the
-# single-device model by test_pipeline_schedules, test_overlap_matches_single_device and the
-# Qwen block's test, (8, 1, 1) by test_train's meshes and test_shard_optimizer, and the
-# data axis's compressed messages by (2, 2, 2) here
-MESHES = [(1, 1, 8), (2, 2, 2), (2, 1, 4),
-          pytest.param((1, 2, 4), marks=pytest.mark.slow),
-          pytest.param((8, 1, 1), marks=pytest.mark.slow)]
+# (dp, pp, tp); (1, 2, 4) is slow: the default run compares it with the single-device model
+# in test_pipeline_schedules, test_overlap_matches_single_device and the Qwen block's test
+MESHES = [(1, 1, 8), (2, 2, 2), (8, 1, 1), (2, 1, 4),
+          pytest.param((1, 2, 4), marks=pytest.mark.slow)]
 INTERLEAVED = [(2, 2, 2)]  # meshes whose run also compiles interleave=2 ("off_il2", "on_il2")
 CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=128, n_heads=8,
                                   d_ff=256, max_seq_len=32, dtype="float32"))

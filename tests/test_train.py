@@ -238,7 +238,8 @@ MESHES = [(1, 1, 1), (8, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2)]
 # (4, 2, 1) adds no trainer path of its own: the trainer pipelines in (2, 2, 2) here, and a
 # pipeline without tensor parallelism equals the single-device model in
 # test_pipeline_schedules ((1, 8, 1)); nor does (8, 1, 1): (4, 1, 2) and (2, 2, 2) train over
-# "data" here, and the step over "data" alone runs in test_shard_optimizer ((8, 1, 1))
+# "data" here, and the step over "data" alone equals the single-device model in
+# test_parallel_step ((8, 1, 1))
 SLOW_MESHES = {(4, 2, 1), (8, 1, 1)}
 
 
