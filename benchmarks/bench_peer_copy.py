@@ -75,13 +75,9 @@ def run(args) -> dict:
                  nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), cases=[])
   peers_list = [q for q in _listed(args.peers) if n > 2 or q == "all"]  # n = 2: one is all
 
-  def expected(peers):
-    def f(shard):
-      gathered = lax.all_gather(shard, AXIS)
-      r = lax.axis_index(AXIS)
-      return jnp.stack([gathered[lax.rem(r + 1 + i, n)]
-                        for i in range(peer_copy.sources(n, peers))])
-    return jax.jit(smap(f))
+  def expected(peers):  # each rank's dst, from every rank's shard gathered by XLA
+    return jax.jit(smap(lambda shard: peer_copy.reference(
+        lax.all_gather(shard, AXIS), lax.axis_index(AXIS), peers)))
 
   # NCCL on the same shards: all_gather receives every rank's shard (its own too, as
   # [n, R, C]), ppermute the next rank's, as the kernel's dst

@@ -50,8 +50,9 @@ def sources(n: int, peers: str) -> int:
   return 1 if peers == "one" else n - 1
 
 
-def reference(gathered, rank: int, peers: str):
-  """What rank ``rank`` ends with, from every rank's shard ``gathered [n, R, C]``."""
+def reference(gathered, rank, peers: str):
+  """What rank ``rank`` (an int, or traced inside ``shard_map``) ends with, from every rank's
+  shard ``gathered [n, R, C]``."""
   n = gathered.shape[0]
   return jnp.stack([gathered[(rank + 1 + i) % n] for i in range(sources(n, peers))])
 
@@ -105,11 +106,11 @@ def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all
       """``copy(s, rows)`` for the source and rows of block ``item`` of this SM."""
       flat = sm + item * num_sms
       i, rows_j = lax.rem(flat, p_count), pl.ds((flat // p_count) * block_rows, block_rows)
+      if p_count == 1:
+        copy(0, rows_j)
+        return
       for s in range(p_count):
-        if p_count == 1:
-          copy(s, rows_j)
-        else:
-          pl.when(i == s)(functools.partial(copy, s, rows_j))
+        pl.when(i == s)(functools.partial(copy, s, rows_j))
 
     def load(item, slot):
       per_source(item, lambda s, rows_j: plgpu.copy_gmem_to_smem(
@@ -135,16 +136,14 @@ def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
         load(item - 1 + depth, lax.rem(item - 1, depth))
 
+    plgpu.wait_smem_to_gmem(0)  # this SM's stores have landed
     if sems is None:
-      plgpu.wait_smem_to_gmem(0)
       return
-    if mode == "push":  # this SM's blocks have landed in every receiver
-      plgpu.wait_smem_to_gmem(0)
+    if mode == "push":  # in every receiver
       for receiver in receivers:
         pl.semaphore_signal(sems.at[done], device_id={axis_name: receiver})
       pl.semaphore_wait(sems.at[done], value=num_sms * p_count, decrement=False)
       return
-    plgpu.wait_smem_to_gmem(0)
     plgpu.semaphore_signal(sems.at[count], memory_scope="gpu")
 
     @pl.when(sm == 0)
