@@ -33,6 +33,12 @@ def parse_with_smoke(p: argparse.ArgumentParser, argv, smoke: dict) -> argparse.
   return args
 
 
+def spec_fields(spec: str) -> dict:
+  """The fields of a variant spec ``k=v+k=v`` (``sms=132+depth=2``), digits as ints."""
+  fields = dict(kv.split("=") for kv in spec.split("+"))
+  return {k: (int(v) if v.isdigit() else v) for k, v in fields.items()}
+
+
 def start_watchdog() -> None:
   """After ``BENCH_WATCHDOG_S`` seconds (unset: never), print every thread's Python stack and
   exit: a hang (a compile that never returns) is reported, not silently cut off by the

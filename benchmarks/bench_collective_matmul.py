@@ -56,8 +56,8 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import (add_output_args, parse_with_smoke, start_watchdog,  # noqa: E402
-                             write_results)
+from benchmarks.args import (add_output_args, parse_with_smoke, spec_fields,  # noqa: E402
+                             start_watchdog, write_results)
 
 MODELS = {"1.3b": dict(d=2048, f=8192), "2.7b": dict(d=2560, f=10240),
           "tiny": dict(d=256, f=512)}  # tiny: --smoke
@@ -143,10 +143,7 @@ def layer_shapes(model: str, tp: int, batch: int, seq: int) -> dict:
 
 def _spec(spec: str) -> dict:
   """A ``--tilings`` entry's overrides: ``{}`` for ``default``, else ``k=v+k=v``."""
-  if spec == "default":
-    return {}
-  kw = dict(kv.split("=") for kv in spec.split("+"))
-  return {k: (int(v) if v.isdigit() else v) for k, v in kw.items()}
+  return {} if spec == "default" else spec_fields(spec)
 
 
 def _tiling(base, spec: str):

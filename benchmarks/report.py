@@ -22,6 +22,8 @@ import pathlib
 import pprint
 import sys
 
+from benchmarks.args import spec_fields
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
@@ -956,8 +958,7 @@ def peer_copy_section() -> str:
 
 def _spec_of(variant: str) -> dict:
   """``{"sms": 132, "depth": 2, "rows": 64}`` of ``pull[sms=132+depth=2+rows=64]``."""
-  inner = variant[variant.index("[") + 1:variant.rindex("]")]
-  return {k: int(x) for k, x in (kv.split("=") for kv in inner.split("+"))}
+  return spec_fields(variant[variant.index("[") + 1:variant.rindex("]")])
 
 
 def readme_text(old: str) -> str:
