@@ -444,7 +444,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
 
       def plain(x, w, spec=spec, sms=_sms(spec, sms), transpose_w=False, **options):
         w_shape = gemm.weight_kn(w.shape, transpose_w)  # the layers' tiles
-        tl = _tiling(ag.plain_tiling(x.shape, w_shape, lax.axis_size(t)), spec)
+        tl = _tiling(ag.plain_tiling(x.shape, w_shape, lax.axis_size(t), sms), spec)
         return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms, transpose_w=transpose_w,
                                     **options)
 

@@ -133,18 +133,46 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None,
 PULL_CLUSTERS = (2, 4)
 
 
-def plain_tiling(x_shape, w_shape, n: int) -> gemm.Tiling:
-  """The plain kernel's tiles for x ``[B, S, K]`` and w ``[K, N]`` over n ranks: the
-  pulled schedule where one cluster of ``PULL_CLUSTERS`` covers an output row (each remote
-  byte then crosses the link once), else the ring; both on the ``WIDE`` tiles, or the ring
-  on the ``NARROW`` ones where only those fit."""
+# The ring's tile widths, each with its time per multiply-add against 256 columns: the
+# whole gathered QKV matmul on one H200 at TP=4's shapes (the kernel with no peer, the same
+# six waves of work at each width) took 0.139, 0.147 and 0.157 ms
+# (bench_collective_matmul_nvlink_waves_4gpu_20261127.json).
+RING_WIDTHS = {256: 1.0, 192: 1.06, 128: 1.13}
+# A narrower width is taken only where it beats the wider pick's estimate by this much.
+RING_NARROWING_GAIN = 0.05
+
+
+def plain_tiling(x_shape, w_shape, n: int, num_sms: int = 132) -> gemm.Tiling:
+  """The plain kernel's tiles for x ``[B, S, K]`` and w ``[K, N]`` over n ranks on
+  ``num_sms`` SMs: the pulled schedule where one cluster of ``PULL_CLUSTERS`` covers an
+  output row (each remote byte then crosses the link once), else the ring (``ring_tiling``);
+  both on the ``WIDE`` tiles, or the ring on the ``NARROW`` ones where only those fit."""
   if misfit(x_shape, w_shape, WIDE) and not misfit(x_shape, w_shape, NARROW):
     return NARROW
-  ring = WIDE
-  width = w_shape[1] // ring.cta_n
-  if n > 1 and width * ring.cta_n == w_shape[1] and width in PULL_CLUSTERS:
-    return dataclasses.replace(ring, cluster_n=width)
-  return ring
+  width = w_shape[1] // WIDE.cta_n
+  if n > 1 and width * WIDE.cta_n == w_shape[1] and width in PULL_CLUSTERS:
+    return dataclasses.replace(WIDE, cluster_n=width)
+  return ring_tiling(x_shape, w_shape, num_sms)
+
+
+def ring_tiling(x_shape, w_shape, num_sms: int) -> gemm.Tiling:
+  """``WIDE``, narrowed to a ``RING_WIDTHS`` width where a ring step's tiles fill the SMs'
+  waves so much better that it pays for the narrower tiles. Every SM waits for the whole
+  chunk between steps, so a step takes its last wave's time: at TP=4 the 1.3B QKV's step
+  is 192 tiles of 256 columns on 132 SMs, two waves for 1.45 waves of work, and 256 tiles
+  of 192 columns take the same two waves of three quarters the work (0.206 ms against
+  0.238, 4 H200s, ``nvlink_waves``)."""
+  b, s, _ = x_shape
+  best, best_cost = WIDE, None
+  for cols, relative_cost in RING_WIDTHS.items():
+    tiling = dataclasses.replace(WIDE, tile_n=cols)
+    if misfit(x_shape, w_shape, tiling):
+      continue
+    tiles = (b * s // tiling.cta_m) * (w_shape[1] // tiling.cta_n)
+    cost = -(-tiles // num_sms) * cols * relative_cost
+    if best_cost is None or cost < (1 - RING_NARROWING_GAIN) * best_cost:
+      best, best_cost = tiling, cost
+  return best
 
 
 def fp8_tiling(x_shape, w_shape, group_size: int) -> gemm.Tiling:

@@ -359,7 +359,7 @@ def test_the_layers_pull_where_a_cluster_covers_the_row():
   assert ag_matmul.plain_tiling(x, (2048, 1024), 2).cluster_n == 4
   assert ag_matmul.plain_tiling(x, (2048, 512), 4).cluster_n == 2
   for w, n in (((2048, 3072), 2), ((2048, 1024), 1), ((2048, 768), 2)):
-    assert ag_matmul.plain_tiling(x, w, n) == ag_matmul.WIDE
+    assert ag_matmul.plain_tiling(x, w, n).cluster_n == 1
   x27 = (8, 512, 2560)  # the 2.7B QKV's and out-projection backward's widths at TP=4
   for w in ((2560, 1920), (2560, 640)):
     assert ag_matmul.misfit(x27, w, ag_matmul.WIDE) is not None
@@ -445,6 +445,27 @@ def test_gemm_core_in_clusters_lowers_for_hopper():
                                 num_sms=3)
 
 
+def test_the_ring_narrows_its_tiles_where_a_step_leaves_a_wave_half_empty():
+  """The ring waits for a whole chunk between steps, so a step takes whole waves of tiles:
+  at TP=4 the 1.3B QKV's step (192 tiles of 256 columns on 132 SMs: two waves for 1.45 of
+  work) takes tiles of 192 columns (256 tiles, two waves of three quarters the work), and
+  at TP=8 (48 tiles, one wave on a third of the SMs) tiles of 128. Where the wide tiles
+  fill their waves (TP=2; MLP-in at TP=4), or a narrower width would save less than
+  ``RING_NARROWING_GAIN`` (the 2.7B QKV at TP=2), they stay; so do the pulled tiles."""
+  def width(x, w, n, sms=132):
+    tiling = ag_matmul.plain_tiling(x, w, n, sms)
+    assert tiling.cluster_n == 1 and tiling.cta_m == ag_matmul.WIDE.cta_m
+    return tiling.cta_n
+
+  assert width((8, 512, 2048), (2048, 1536), 4) == 192
+  assert width((8, 256, 2048), (2048, 768), 8) == 128
+  assert width((8, 1024, 2048), (2048, 3072), 2) == 256
+  assert width((8, 512, 2048), (2048, 2048), 4) == 256
+  assert width((8, 1024, 2560), (2560, 3840), 2) == 256
+  assert width((8, 512, 2048), (2048, 1536), 4, sms=96) == 256  # two full waves of 96
+  assert ag_matmul.plain_tiling((8, 512, 2048), (2048, 512), 4, 132).cluster_n == 2
+
+
 @pytest.mark.parametrize("compressed", [False, True], ids=["plain", "fp8"])
 def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
   mesh = jax.make_mesh((2, 2, 2), ("data", "pipeline", "tensor"),
@@ -466,9 +487,11 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                   sd((width, d) if transposed else (d, width), jnp.bfloat16))
     fp8 = dict(FP8, group_size=128)
   else:
-    ring = ag_matmul.WIDE  # the layers' tiles: the ring, pulled, and narrow
+    ring = ag_matmul.WIDE  # the layers' tiles: the ring, pulled, narrow, and the ring's
+    #                        192 columns
     for tiling, width in ((ring, f), (dataclasses.replace(ring, cluster_n=2), f),
-                          (ag_matmul.NARROW, 3 * 128)):
+                          (ag_matmul.NARROW, 3 * 128),
+                          (dataclasses.replace(ring, tile_n=192), 2 * 192)):
       for transposed in (False, True):
         fn = smap(lambda x, w, tiling=tiling, transposed=transposed: ag_matmul.all_gather_matmul(
             x, w, "tensor", tiling=tiling, num_sms=132, transpose_w=transposed)[0],

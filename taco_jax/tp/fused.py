@@ -134,7 +134,8 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
   D]`` and multiplied transposed, as a backward pass holds it (no transposed copy)."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
   w_shape = gemm.weight_kn(w_DF.shape, transpose_w)
-  tiling, sms = ag_matmul.plain_tiling(x_BSD.shape, w_shape, n), gemm.num_sms()
+  sms = gemm.num_sms()
+  tiling = ag_matmul.plain_tiling(x_BSD.shape, w_shape, n, sms)
 
   def tiles(kcodec):
     if kcodec is None:
