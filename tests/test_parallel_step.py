@@ -25,8 +25,10 @@ from taco_jax.plan import CompressionPlan
 from taco_jax.tp.mesh import make_mesh
 
 # (dp, pp, tp); (1, 2, 4) is slow: the default run compares it with the single-device model
-# in test_pipeline_schedules, test_overlap_matches_single_device and the Qwen block's test
-MESHES = [(1, 1, 8), (2, 2, 2), (8, 1, 1), (2, 1, 4),
+# in test_pipeline_schedules, test_overlap_matches_single_device and the Qwen block's test;
+# so is (2, 1, 4): test_kernel_layers_match_single_device compares it uncompressed (on CPU
+# the kernel layers' XLA path), and (2, 2, 2) runs data and tensor axes compressed
+MESHES = [(1, 1, 8), (2, 2, 2), (8, 1, 1), pytest.param((2, 1, 4), marks=pytest.mark.slow),
           pytest.param((1, 2, 4), marks=pytest.mark.slow)]
 INTERLEAVED = [(2, 2, 2)]  # meshes whose run also compiles interleave=2 ("off_il2", "on_il2")
 CFG = layout_lib.model_config(dict(vocab_size=256, n_layers=2, d_model=128, n_heads=8,
