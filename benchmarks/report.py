@@ -870,11 +870,12 @@ CM_VARIANTS = (
     "`core[default]` and jax's example still take tiles of 256 only.",
     "In `nvlink_wt` `[w_t]` is the same kernel given its weight stored [N, K] and reading it "
     "transposed (`transpose_w`), as the layers' backward kernels do since that run.",
-    "In `nvlink_waves`, `nvlink_ring_widths` and `nvlink_fp8_widths` (4 H200s, later on "
-    "2026-11-27) `[tile_n=C]` gives every warpgroup tile C columns, the FP8 kernels' too. "
+    "In `nvlink_waves`, `nvlink_ring_widths*` and `nvlink_fp8_widths` (later on 2026-11-27) "
+    "`[tile_n=C]` gives every warpgroup tile C columns, the FP8 kernels' too. "
     "`fused` is the wide tiles (256 columns) in `nvlink_waves`; since then it is the layers' "
     "choice, the ring's tiles narrowed where a step's tiles leave a wave half empty "
-    "(`ag_matmul.ring_tiling`: 192 columns at the QKV), and `[tile_n=256]` the tiles before. At "
+    "(`ag_matmul.ring_tiling`: 192 columns at the 1.3B QKV at TP=4; 128 at the 2.7B MLP-in at "
+    "TP=4 and out-projection backward at TP=2), and `[tile_n=256]` the tiles before. At "
     "the out-projection's backward the plain `[tile_n=128]` still pulls in clusters of 2, which "
     "then read each remote row tile twice; 192 columns do not divide its 512.",
 )

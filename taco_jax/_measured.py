@@ -62,7 +62,9 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_phase_signal_2gpu_20261127.json',
  'bench_collective_matmul_nvlink_waves_4gpu_20261127.json',
  'bench_collective_matmul_nvlink_ring_widths_4gpu_20261127.json',
- 'bench_collective_matmul_nvlink_fp8_widths_4gpu_20261127.json']
+ 'bench_collective_matmul_nvlink_fp8_widths_4gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_ring_widths_2.7b_4gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_ring_widths_2.7b_2gpu_20261127.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
