@@ -6,8 +6,9 @@ count), the same random inputs go through:
 
 * ``xla``: the plain collective, then the matmul (``*_reference``: what the layers do today);
 * ``fused``: the plain kernel, on the tiles the layers take (the all-gather's
-  ``ag_matmul.plain_tiling``: pulled where a cluster covers the row; ``[cluster_n=1]``: the
-  ring); ``fused_fp8``: the codec's encode kernel, then the compressed kernel (its own time
+  ``ag_matmul.plain_tiling``: pulled where a cluster covers the row, else the ring, its tiles
+  narrowed where a step would leave a wave half empty; ``[cluster_n=1]``: the ring);
+  ``fused_fp8``: the codec's encode kernel, then the compressed kernel (its own time
   is reported apart as ``fp8_kernel``); ``fused[phases=P]``
   (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
   ``matmul_rs.default_phases``; ``fused[pull=D]`` and ``fused_fp8[pull=D]`` (``--rs-pull-depth``):
