@@ -122,6 +122,10 @@ def parse_args(argv=None):
   p.add_argument("--ag-skip", default="",
                  help="the same for the plain all-gather kernel, fused and alone ('copy': "
                       "the own chunk's copy into the gathered x): fused[skip=copy]")
+  p.add_argument("--ag-chunk-waits", action="store_true",
+                 help="also time the plain all-gather kernel with its ring's steps waiting for "
+                      "whole chunks, as before row tiles (ag_matmul's _chunk_waits): "
+                      "fused[chunk_waits]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
@@ -537,7 +541,7 @@ def kernel_options(args) -> tuple[list, list]:
         + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
         + [("each_loop", dict(_signal_each_loop=True))] * args.rs_signal_each_loop
         + skips("rs_skip"))
-  return rs, skips("ag_skip")
+  return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 
 
 def _options(options, spec: str):

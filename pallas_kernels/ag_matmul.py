@@ -6,8 +6,11 @@ rank's sequence shard and the gathered x ``[B, T = n S, K]`` the full sequence, 
 (rows ``c S .. (c + 1) S`` of every sequence) coming from rank c. The kernel computes the
 chunks in ring order: at step s it multiplies chunk ``c = (r + s) mod n`` and, as each A
 block of that chunk passes through shared memory, copies it on to rank ``r - 1``
-(``plgpu.remote_ref``), which multiplies it at step s + 1. A semaphore per step counts the
-SMs whose copies of that step have landed; a step starts once its chunk is complete. Every
+(``plgpu.remote_ref``), which multiplies it at step s + 1. From ``ROW_WAITS_FROM`` ranks on,
+a semaphore per step and row tile counts the output tiles of that row whose copies have
+landed, and a tile starts once its A rows are there, so no SM waits for a whole chunk and
+the deal of tiles to SMs runs on across the steps; with fewer, a semaphore per step counts
+the SMs whose copies of it have landed, and a step starts once its chunk is complete. Every
 output tile of a row forwards a share of that row's A blocks (tile column j the blocks
 k = j mod the columns), so the copies spread evenly over all SMs and the whole step, at a
 rate the link sustains, instead of a few SMs stalling on them. The gathered x is an output
@@ -126,6 +129,13 @@ def misfit(x_shape, w_shape, tiling: gemm.Tiling, group_size: int | None = None,
                        num_sms=num_sms)
 
 
+# The ring's steps wait for row tiles from this many ranks on, for whole chunks below. At
+# TP=4 the 1.3B QKV and MLP-in kernels took 0.195 and 0.209 ms against 0.204 and 0.220 with
+# chunk waits; at TP=2 0.286 and 0.376 against 0.285 and 0.369: one step to wait for, and
+# a signal per tile costs what it saves (one process each, 4 H200s, TP=2 on two of them:
+# bench_collective_matmul_nvlink_row_ready_vs_chunk_*_20261127.json).
+ROW_WAITS_FROM = 3
+
 # Cluster widths at which the pulled schedule beat the ring where a cluster covers the row,
 # at the 1.3B out-projection's backward: 4 at TP=2 (0.140 ms against 0.152 on 2 H200s,
 # bench_collective_matmul_nvlink_layers_2gpu_20261127), 2 at TP=4 (0.179 against 0.191,
@@ -145,23 +155,27 @@ RING_NARROWING_GAIN = 0.05
 def plain_tiling(x_shape, w_shape, n: int, num_sms: int = 132) -> gemm.Tiling:
   """The plain kernel's tiles for x ``[B, S, K]`` and w ``[K, N]`` over n ranks on
   ``num_sms`` SMs: the pulled schedule where one cluster of ``PULL_CLUSTERS`` covers an
-  output row (each remote byte then crosses the link once), else the ring (``ring_tiling``);
-  both on the ``WIDE`` tiles, or the ring on the ``NARROW`` ones where only those fit."""
+  output row (each remote byte then crosses the link once), else the ring; both on the
+  ``WIDE`` tiles (the ring's narrowed by ``ring_tiling`` where its steps wait for whole
+  chunks), or the ring on the ``NARROW`` ones where only those fit."""
   if misfit(x_shape, w_shape, WIDE) and not misfit(x_shape, w_shape, NARROW):
     return NARROW
   width = w_shape[1] // WIDE.cta_n
   if n > 1 and width * WIDE.cta_n == w_shape[1] and width in PULL_CLUSTERS:
     return dataclasses.replace(WIDE, cluster_n=width)
-  return ring_tiling(x_shape, w_shape, num_sms)
+  return ring_tiling(x_shape, w_shape, num_sms) if n < ROW_WAITS_FROM else WIDE
 
 
 def ring_tiling(x_shape, w_shape, num_sms: int) -> gemm.Tiling:
   """``WIDE``, narrowed to a ``RING_WIDTHS`` width where a ring step's tiles fill the SMs'
-  waves so much better that it pays for the narrower tiles. Every SM waits for the whole
-  chunk between steps, so a step takes its last wave's time: at TP=4 the 1.3B QKV's step
-  is 192 tiles of 256 columns on 132 SMs, two waves for 1.45 waves of work, and 256 tiles
-  of 192 columns take the same two waves of three quarters the work (0.206 ms against
-  0.238, 4 H200s, ``nvlink_waves``)."""
+  waves so much better that it pays for the narrower tiles: for a ring whose steps wait for
+  whole chunks, so that a step takes its last wave's time. At TP=4 (then waiting so) the
+  1.3B QKV's step was 192 tiles of 256 columns on 132 SMs, two waves for 1.45 waves of
+  work, and 256 tiles of 192 columns the same two waves of three quarters the work (0.206
+  ms against 0.238, 4 H200s, ``nvlink_waves``); at TP=2 the 2.7B out-projection's backward
+  takes 128 columns (0.206 ms against 0.219, ``nvlink_ring_widths_2.7b``). Waiting for row
+  tiles, the 1.3B QKV at TP=4 took 0.195 ms on 256 columns and 0.193-0.195 on 192
+  (``nvlink_row_ready``)."""
   b, s, _ = x_shape
   best, best_cost = WIDE, None
   for cols, relative_cost in RING_WIDTHS.items():
@@ -290,12 +304,14 @@ def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
 
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, dtype, transpose_w: bool, mult_GR=None, group_size=None,
-          gathered=None, skip=()):
+          gathered=None, skip=(), chunk_waits: bool = False):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
   multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (FP8:
   the codes and multipliers, the peers' receive buffers, then the gathered x, decoded as the
-  wgmma took it: ``_store_decoded``), and in local mode what was sent to rank r - 1."""
+  wgmma took it: ``_store_decoded``), and in local mode what was sent to rank r - 1.
+  ``chunk_waits``: each step waits for the whole chunk, every SM's copies of it
+  (``all_gather_matmul``'s ``_chunk_waits``)."""
   t = tiling
   local = gathered is not None
   fp8 = mult_GR is not None
@@ -307,18 +323,23 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   loop = gemm.TileLoop(t, [a_op], w_KN.dtype, k, transpose_w)
   mults = _Multipliers(t, k, group_size) if fp8 else None
   n_arrays = 2 if fp8 else 1  # A rows (+ multipliers)
-  # one signal per copying warpgroup per SM and step: warpgroup 0 sends the A blocks, each
-  # compute warpgroup its own multipliers
-  signals = num_sms * (gemm.COMPUTE_WGS if fp8 else 1)
+  row_tiles = rows // t.cta_m
+  # the signals that say a row tile of a chunk has landed: one from warpgroup 0 of each of
+  # the row's output tiles, which sends a share of its A blocks, and (FP8) one from each
+  # other compute warpgroup of the row's first tile, which sends its rows' multipliers
+  row_signals = n_tiles + (gemm.COMPUTE_WGS - 1 if fp8 else 0)
 
   def body(*refs, out_smem, **scratch):
     extra = n_arrays if local else 0
     mine, (w_ref,), src, (y_ref,), xg, xd, sent = gemm.split_refs(
         refs, n_arrays, 1, extra, 1, n_arrays, int(fp8), extra)
     src = src or xg  # the peers write the gathered arrays themselves
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, n - 1)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, (n - 1) * row_tiles)
     prev = lax.rem(r + n - 1, n)
     peer = sent if sems is None else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
+
+    def wait_rows(step, m_idx):  # row tile m_idx of the chunk rank r + 1 sent at ``step``
+      pl.semaphore_wait(sems.at[step * row_tiles + m_idx], value=row_signals, decrement=False)
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(mine[0], w_ref),
                        collective_axes=gemm.WG)
@@ -345,7 +366,12 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         after_mma = _block_copier(t, n_tiles, functools.partial(at.gathered, c),
                                   [dest[0] for dest in dests])
 
-        def epilogue(m_idx, n_idx, wg, acc, c=c):
+        def epilogue(m_idx, n_idx, wg, acc, c=c, step=step, forward=forward):
+          if forward and sems is not None and not chunk_waits:  # its copies have landed
+            @pl.when((wg == 0) | ((n_idx == 0) if fp8 else False))
+            def _signal():
+              plgpu.wait_smem_to_gmem(0)
+              pl.semaphore_signal(sems.at[step * row_tiles + m_idx], device_id={axis_name: prev})
           row0, col0 = t.wg_offsets(wg)
           row = at.gathered(c, m_idx) + row0
           col = n_idx * t.cta_n + col0
@@ -356,14 +382,18 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  decoded=(_store_decoded(t, n_tiles, functools.partial(at.gathered, c),
                                          out_smem, xd[0]) if fp8 else None),
                  before_tile=before_tile if fp8 else None,
-                 after_mma=after_mma if dests else None)
-        if forward and sems is not None:  # chunk c is on rank r - 1 once every SM's copies landed
+                 after_mma=after_mma if dests else None,
+                 first_sm=0 if chunk_waits else (step * row_tiles * n_tiles) % num_sms,
+                 wait_rows=None if step == 0 or sems is None or chunk_waits else
+                 functools.partial(wait_rows, step - 1))
+        if forward and sems is not None and chunk_waits:
           @pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))
           def _signal(step=step):
             plgpu.wait_smem_to_gmem(0)
             pl.semaphore_signal(sems.at[step], device_id={axis_name: prev})
 
-          pl.semaphore_wait(sems.at[step], value=signals, decrement=False)
+          pl.semaphore_wait(sems.at[step], value=num_sms * (gemm.COMPUTE_WGS if fp8 else 1),
+                            decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   gathered_types = [jax.ShapeDtypeStruct((t_rows, k), a_RK.dtype)]
@@ -465,7 +495,8 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
 
 def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
                       num_sms: int, out_dtype=None, transpose_w: bool = False, rank=None,
-                      local_gathered=None, _skip: tuple[str, ...] = ()):
+                      local_gathered=None, _skip: tuple[str, ...] = (),
+                      _chunk_waits: bool | None = None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
   ``num_sms``: the GPU's multiprocessor count. ``tiling.cluster_n > 1``: the pulled
@@ -473,7 +504,9 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   (``gemm.TileLoop``). ``rank`` and ``local_gathered`` (the gathered x): local mode, which
   with the ring also returns what this rank sent to rank r - 1. ``_skip``, for timing
   experiments only: ``("copy",)`` leaves this rank's own chunk out of the gathered x (the
-  ring's copy that the matmul alone does not make), so the gathered x is wrong."""
+  ring's copy that the matmul alone does not make), so the gathered x is wrong;
+  ``_chunk_waits``: whether the ring's steps wait for whole chunks instead of row tiles
+  (default: below ``ROW_WAITS_FROM`` ranks)."""
   reason = misfit(x_BSK.shape, gemm.weight_kn(w_KN.shape, transpose_w), tiling,
                   num_sms=num_sms)
   if reason:
@@ -484,11 +517,14 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   args = dict(s=s, n=n, rank=rank, axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or x_BSK.dtype, gathered=gathered, transpose_w=transpose_w)
   if tiling.cluster_n > 1:
-    if _skip:
-      raise ValueError("all_gather_matmul: _skip is for the ring schedule (cluster_n = 1)")
+    if _skip or _chunk_waits is not None:
+      raise ValueError("all_gather_matmul: _skip and _chunk_waits are for the ring schedule "
+                       "(cluster_n = 1)")
     y, *rest = _call_pulled(x_BSK.reshape(b * s, k), w_KN, **args)
   else:
-    y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip, **args)
+    chunk_waits = n < ROW_WAITS_FROM if _chunk_waits is None else _chunk_waits
+    y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip,
+                     chunk_waits=chunk_waits, **args)
   return (y.reshape(b, n * s, -1), *(a.reshape(b, n * s, k) for a in rest))
 
 
@@ -522,7 +558,8 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   y, _, _, x_full, *sent = _call(  # _: the gathered codes, the peers' receive buffers
       codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
-      group_size=group_size, gathered=gathered, transpose_w=transpose_w)
+      group_size=group_size, gathered=gathered, transpose_w=transpose_w,
+      chunk_waits=n < ROW_WAITS_FROM)
   out = [y.reshape(b, n * s, -1), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]

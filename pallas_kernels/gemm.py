@@ -208,13 +208,14 @@ class TileLoop:
           decode: Callable | None = None, decoded: Callable | None = None,
           after_mma: Callable | None = None,
           before_tile: Callable | None = None, acc_dtype=jnp.float32,
-          first_sm: int | jax.Array = 0):
+          first_sm: int | jax.Array = 0, wait_rows: Callable | None = None):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
     compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator. The tiles are dealt to the
     SMs from ``first_sm`` on (``dealt``); with clusters, the rows of ``cluster_n``
-    neighbouring tiles to the clusters, whose CTAs take one tile each."""
+    neighbouring tiles to the clusters, whose CTAs take one tile each. ``wait_rows(m_idx)``
+    runs in every warpgroup before a tile's first load: to wait until its A rows are there."""
     t = self.t
     grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
     tiles = grid[0] * grid[1]
@@ -264,6 +265,8 @@ class TileLoop:
         plgpu.wgmma_wait(0)
         return acc
 
+      if wait_rows is not None:
+        wait_rows(m_idx)
       state = None  # a pipeline of its own
       if chained:
         state = jnp.where(i == 0, int(plgpu.PipelinePipeline.START), jnp.where(

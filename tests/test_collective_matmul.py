@@ -321,7 +321,7 @@ def _reduce_scatter_call(y_shape, n=2, **options):
                                          tiling=dataclasses.replace(TILING, cluster_n=2),
                                          num_sms=2, rank=0, local_gathered=jnp.zeros(
                                              (1, 128, 128), jnp.bfloat16), _skip=("copy",)),
-     "_skip is for the ring schedule"),
+     "_skip and _chunk_waits are for the ring schedule"),
 ])
 def test_shapes_the_tiles_do_not_divide_are_clear_errors(call, match):
   with pytest.raises(ValueError, match=match):
@@ -347,6 +347,30 @@ def _lowers_for_hopper(f, *args) -> str:
   bindings, which `make install` adds (no GPU needed)."""
   pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_ring_lowers_with_row_waits_at_four_ranks():
+  """At 4 ranks (``ROW_WAITS_FROM`` on) the ring's tiles wait for their A rows, a semaphore
+  per step and row tile: plain and FP8 through the sm_90 lowering on a (2, 1, 4) mesh, and
+  the plain kernel with the bench's chunk waits (``_chunk_waits``) too. (Local mode, which
+  the per-rank tests run, has no semaphores: there both ways compute the same.)"""
+  mesh = jax.make_mesh((2, 1, 4), ("data", "pipeline", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  sd = jax.ShapeDtypeStruct
+  b, t, d, f = 2, 1024, 256, 512
+  smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+  for chunk_waits in (None, True):
+    fn = smap(lambda x, w, c=chunk_waits: ag_matmul.all_gather_matmul(
+        x, w, "tensor", num_sms=132, _chunk_waits=c)[0],
+        in_specs=(P(None, "tensor"), P()), out_specs=P())
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, d), jnp.bfloat16),
+                                              sd((d, f), jnp.bfloat16))
+  fn = smap(lambda codes, mult, w: ag_matmul.all_gather_matmul_fp8(
+      codes, mult, w, "tensor", group_size=128, num_sms=132)[0],
+      in_specs=(P(None, "tensor"), P(None, "tensor"), P()), out_specs=P())
+  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, d), jnp.float8_e4m3fn),
+                                            sd((d // 128, b * t), jnp.float32),
+                                            sd((d, f), jnp.bfloat16))
 
 
 def test_the_layers_pull_where_a_cluster_covers_the_row():
@@ -446,23 +470,27 @@ def test_gemm_core_in_clusters_lowers_for_hopper():
 
 
 def test_the_ring_narrows_its_tiles_where_a_step_leaves_a_wave_half_empty():
-  """The ring waits for a whole chunk between steps, so a step takes whole waves of tiles:
-  at TP=4 the 1.3B QKV's step (192 tiles of 256 columns on 132 SMs: two waves for 1.45 of
-  work) takes tiles of 192 columns (256 tiles, two waves of three quarters the work), and
-  at TP=8 (48 tiles, one wave on a third of the SMs) tiles of 128. Where the wide tiles
-  fill their waves (TP=2; MLP-in at TP=4), or a narrower width would save less than
-  ``RING_NARROWING_GAIN`` (the 2.7B QKV at TP=2), they stay; so do the pulled tiles."""
-  def width(x, w, n, sms=132):
-    tiling = ag_matmul.plain_tiling(x, w, n, sms)
+  """A ring that waits for whole chunks between steps (below ``ROW_WAITS_FROM`` ranks)
+  takes whole waves of tiles a step: where 192 tiles of 256 columns would take two waves
+  of 132 SMs for 1.45 of work (the 1.3B QKV's step at TP=4), tiles of 192 (256 tiles, two
+  waves of three quarters the work); where 48 would leave two thirds of the SMs idle (TP=8),
+  tiles of 128; at TP=2 the 2.7B out-projection's backward (320 tiles, 2.4 waves) takes
+  128. Where the wide tiles fill their waves, or a narrower width would save less than
+  ``RING_NARROWING_GAIN`` (the 2.7B QKV at TP=2), they stay; so do the pulled tiles, and
+  the tiles of a ring that waits for row tiles."""
+  def width(tiling):
     assert tiling.cluster_n == 1 and tiling.cta_m == ag_matmul.WIDE.cta_m
     return tiling.cta_n
 
-  assert width((8, 512, 2048), (2048, 1536), 4) == 192
-  assert width((8, 256, 2048), (2048, 768), 8) == 128
-  assert width((8, 1024, 2048), (2048, 3072), 2) == 256
-  assert width((8, 512, 2048), (2048, 2048), 4) == 256
-  assert width((8, 1024, 2560), (2560, 3840), 2) == 256
-  assert width((8, 512, 2048), (2048, 1536), 4, sms=96) == 256  # two full waves of 96
+  assert width(ag_matmul.ring_tiling((8, 512, 2048), (2048, 1536), 132)) == 192
+  assert width(ag_matmul.ring_tiling((8, 256, 2048), (2048, 768), 132)) == 128
+  assert width(ag_matmul.ring_tiling((8, 512, 2048), (2048, 1536), 96)) == 256  # 2 full waves
+  assert ag_matmul.ROW_WAITS_FROM == 3
+  assert width(ag_matmul.plain_tiling((8, 1024, 2560), (2560, 1280), 2, 132)) == 128
+  for x, w in (((8, 1024, 2048), (2048, 3072)), ((8, 1024, 2048), (2048, 4096)),
+               ((8, 1024, 2560), (2560, 3840))):
+    assert width(ag_matmul.plain_tiling(x, w, 2, 132)) == 256
+  assert ag_matmul.plain_tiling((8, 512, 2048), (2048, 1536), 4, 132) == ag_matmul.WIDE
   assert ag_matmul.plain_tiling((8, 512, 2048), (2048, 512), 4, 132).cluster_n == 2
 
 
