@@ -878,6 +878,13 @@ CM_VARIANTS = (
     "TP=4 and out-projection backward at TP=2), and `[tile_n=256]` the tiles before. At "
     "the out-projection's backward the plain `[tile_n=128]` still pulls in clusters of 2, which "
     "then read each remote row tile twice; 192 columns do not divide its 512.",
+    "In `nvlink_row_ready` and `nvlink_row_ready_vs_chunk` (last on 2026-11-27) the all-gather "
+    "ring's tiles (`fused`, `fused_fp8`) wait for their A rows, a semaphore per step and row "
+    "tile, instead of whole chunks, at TP=2 too; `[chunk_waits]` is the ring waiting for whole "
+    "chunks, as before (`_chunk_waits`). Since these runs the ring waits for rows from 3 ranks on "
+    "(`ag_matmul.ROW_WAITS_FROM`; TP=2 keeps the chunk waits) and narrows its tiles only where "
+    "it waits for chunks: in `nvlink_row_ready` the QKV's `fused` ran on 192 columns, "
+    "`[tile_n=256]` on the wide tiles TP=4 takes since.",
 )
 
 
