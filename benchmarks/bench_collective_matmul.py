@@ -124,8 +124,8 @@ def parse_args(argv=None):
                       "the own chunk's copy into the gathered x): fused[skip=copy]")
   p.add_argument("--ag-chunk-waits", action="store_true",
                  help="also time the plain all-gather kernel with its ring's steps waiting for "
-                      "whole chunks, as before row tiles (ag_matmul's _chunk_waits): "
-                      "fused[chunk_waits]")
+                      "whole chunks (ag_matmul's _chunk_waits; the default below "
+                      "ag_matmul.ROW_WAITS_FROM ranks): fused[chunk_waits]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")

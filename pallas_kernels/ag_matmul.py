@@ -304,14 +304,16 @@ def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
 
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, dtype, transpose_w: bool, mult_GR=None, group_size=None,
-          gathered=None, skip=(), chunk_waits: bool = False):
+          gathered=None, skip=(), chunk_waits: bool | None = None):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
   multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (FP8:
   the codes and multipliers, the peers' receive buffers, then the gathered x, decoded as the
   wgmma took it: ``_store_decoded``), and in local mode what was sent to rank r - 1.
-  ``chunk_waits``: each step waits for the whole chunk, every SM's copies of it
-  (``all_gather_matmul``'s ``_chunk_waits``)."""
+  ``chunk_waits``: each step waits for the whole chunk, every SM's copies of it, instead of
+  each tile for its row tile (default: below ``ROW_WAITS_FROM`` ranks)."""
+  if chunk_waits is None:
+    chunk_waits = n < ROW_WAITS_FROM
   t = tiling
   local = gathered is not None
   fp8 = mult_GR is not None
@@ -334,9 +336,16 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     mine, (w_ref,), src, (y_ref,), xg, xd, sent = gemm.split_refs(
         refs, n_arrays, 1, extra, 1, n_arrays, int(fp8), extra)
     src = src or xg  # the peers write the gathered arrays themselves
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, (n - 1) * row_tiles)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local,
+                                       (n - 1) * (1 if chunk_waits else row_tiles))
+    by_rows = sems is not None and not chunk_waits  # what the steps wait for, with peers
+    by_chunks = sems is not None and chunk_waits
     prev = lax.rem(r + n - 1, n)
     peer = sent if sems is None else [plgpu.remote_ref(ref, {axis_name: prev}) for ref in xg]
+
+    def landed(index):  # this warpgroup's copies to rank r - 1 have landed: tell it
+      plgpu.wait_smem_to_gmem(0)
+      pl.semaphore_signal(sems.at[index], device_id={axis_name: prev})
 
     def wait_rows(step, m_idx):  # row tile m_idx of the chunk rank r + 1 sent at ``step``
       pl.semaphore_wait(sems.at[step * row_tiles + m_idx], value=row_signals, decrement=False)
@@ -367,11 +376,9 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                                   [dest[0] for dest in dests])
 
         def epilogue(m_idx, n_idx, wg, acc, c=c, step=step, forward=forward):
-          if forward and sems is not None and not chunk_waits:  # its copies have landed
-            @pl.when((wg == 0) | ((n_idx == 0) if fp8 else False))
-            def _signal():
-              plgpu.wait_smem_to_gmem(0)
-              pl.semaphore_signal(sems.at[step * row_tiles + m_idx], device_id={axis_name: prev})
+          if forward and by_rows:
+            pl.when((wg == 0) | ((n_idx == 0) if fp8 else False))(
+                functools.partial(landed, step * row_tiles + m_idx))
           row0, col0 = t.wg_offsets(wg)
           row = at.gathered(c, m_idx) + row0
           col = n_idx * t.cta_n + col0
@@ -384,14 +391,10 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  before_tile=before_tile if fp8 else None,
                  after_mma=after_mma if dests else None,
                  first_sm=0 if chunk_waits else (step * row_tiles * n_tiles) % num_sms,
-                 wait_rows=None if step == 0 or sems is None or chunk_waits else
-                 functools.partial(wait_rows, step - 1))
-        if forward and sems is not None and chunk_waits:
-          @pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))
-          def _signal(step=step):
-            plgpu.wait_smem_to_gmem(0)
-            pl.semaphore_signal(sems.at[step], device_id={axis_name: prev})
-
+                 wait_rows=functools.partial(wait_rows, step - 1) if by_rows and step else None)
+        if forward and by_chunks:
+          pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))(
+              functools.partial(landed, step))
           pl.semaphore_wait(sems.at[step], value=num_sms * (gemm.COMPUTE_WGS if fp8 else 1),
                             decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -522,9 +525,8 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
                        "(cluster_n = 1)")
     y, *rest = _call_pulled(x_BSK.reshape(b * s, k), w_KN, **args)
   else:
-    chunk_waits = n < ROW_WAITS_FROM if _chunk_waits is None else _chunk_waits
     y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip,
-                     chunk_waits=chunk_waits, **args)
+                     chunk_waits=_chunk_waits, **args)
   return (y.reshape(b, n * s, -1), *(a.reshape(b, n * s, k) for a in rest))
 
 
@@ -558,8 +560,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   y, _, _, x_full, *sent = _call(  # _: the gathered codes, the peers' receive buffers
       codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
-      group_size=group_size, gathered=gathered, transpose_w=transpose_w,
-      chunk_waits=n < ROW_WAITS_FROM)
+      group_size=group_size, gathered=gathered, transpose_w=transpose_w)
   out = [y.reshape(b, n * s, -1), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]
