@@ -73,7 +73,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"_unrolled", "pull_depth", "_skip", "_signal_each_loop"}
+RS_FP8_OPTIONS = {"_unrolled", "pull_depth", "_skip", "_relay_on_sm0"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -105,10 +105,10 @@ def parse_args(argv=None):
                  help="also time the reduce-scatter kernels, plain and FP8, with the "
                       "schedule's loops unrolled (matmul_rs's _unrolled): fused[unrolled], "
                       "fused_fp8[unrolled]")
-  p.add_argument("--rs-signal-each-loop", action="store_true",
-                 help="also time the reduce-scatter kernels, plain and FP8, signalling each "
-                      "sent loop's owner after it rather than every peer once a phase "
-                      "(matmul_rs's _signal_each_loop): fused[each_loop], fused_fp8[each_loop]")
+  p.add_argument("--rs-relay-on-sm0", action="store_true",
+                 help="also time the reduce-scatter kernels, plain and FP8, with SM 0 relaying "
+                      "every signal, one peer after another (matmul_rs's _relay_on_sm0): "
+                      "fused[relay_sm0], fused_fp8[relay_sm0]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -539,7 +539,7 @@ def kernel_options(args) -> tuple[list, list]:
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
-        + [("each_loop", dict(_signal_each_loop=True))] * args.rs_signal_each_loop
+        + [("relay_sm0", dict(_relay_on_sm0=True))] * args.rs_relay_on_sm0
         + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 

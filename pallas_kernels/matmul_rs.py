@@ -21,6 +21,10 @@ kernel 0.025-0.031 ms (``_skip``'s ``signals``, bench_collective_matmul_nvlink_s
 the peers' own loops of a phase come after their sent loops of the next one, so a signal
 sent after all of a phase's sent loops still comes before it is waited for.
 A last one holds every rank until its peers have read its outbox.
+The relaying warpgroup waits for all the others, and its SM's tiles with it: it is the one
+on the SM dealt the phase's last tile, which is about the last to finish anyway, rather
+than always SM 0, which would wait out the other SMs' lag at every phase; and it signals
+every peer behind one fence (``plgpu.semaphore_signal_parallel``).
 
 Why pull and relay: with every warpgroup signalling its peer itself (a release at system
 scope), the signals of a GPU's 264 compute warpgroups were served one after the other and
@@ -304,7 +308,7 @@ class _Epilogues:
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
           fp8=None, received=None, skip=(), probe=(), unrolled: bool = False,
-          signal_each_loop: bool = False):
+          relay_on_sm0: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -342,26 +346,39 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     phase_tiles = out_rows // t.cta_m // phases
     cols = d // t.cta_n
 
+    def first_sm(q, p):  # loop (q, p)'s tiles are dealt on from where the last one's ended
+      return lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms)
+
+    def last_sm(q, p):  # the SM dealt loop (q, p)'s last tile (``gemm.dealt``)
+      return lax.rem(first_sm(q, p) + phase_tiles * cols - 1, num_sms)
+
     def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
       row = m_idx * t.cta_m
       return (row // s) * t_len + c * s + row % s
 
-    def relay(slot: int | jax.Array, times: int | jax.Array, owners):
+    def relay(slot: int | jax.Array, owners, last_loop):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
       reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
-      warpgroup 0 of SM 0) waits until every warpgroup has counted ``times`` times and
-      signals ``owners`` once. A signal to a peer is a release at system scope: given by
-      every warpgroup at once, the signals held each SM for up to ~200 us, one after the
-      other (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU
-      scope, and the relay's signal carries what it saw."""
+      warpgroup 0 of the SM dealt the last tile of the schedule's loop ``last_loop``,
+      ``(q, p)``) waits until every warpgroup has counted and signals ``owners`` once,
+      all behind one fence. A signal to a peer is a release at system scope: given by every
+      warpgroup at once, the signals held each SM for up to ~200 us, one after the other
+      (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU scope, and
+      the relay's signal carries what it saw."""
       count = sems.at[phases + 1 + slot]
       plgpu.semaphore_signal(count, memory_scope="gpu")
+      relay_sm = 0 if relay_on_sm0 else last_sm(*last_loop)
 
-      @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.WG) == 0))
+      @pl.when((lax.axis_index(gemm.SM) == relay_sm) & (lax.axis_index(gemm.WG) == 0))
       def _relay():
-        plgpu.semaphore_wait(count, value=times * signals, decrement=False, memory_scope="gpu")
-        for owner in owners:
-          pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
+        plgpu.semaphore_wait(count, value=signals, decrement=False, memory_scope="gpu")
+        if relay_on_sm0:
+          for owner in owners:
+            pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
+          return
+        plgpu.semaphore_signal_parallel(*(
+            plgpu.SemaphoreSignal(sems.at[slot], device_id={axis_name: owner})
+            for owner in owners))
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
 
@@ -395,13 +412,11 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                a_refs=lambda m_idx: [y_ref.at[pl.ds(
                    y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own or probe else None,
-               first_sm=lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms))
-      if not own and signal_each_loop:
-        signal(p, q, [c])
+               first_sm=first_sm(q, p))
 
-    def signal(p, times, owners):
-      """This rank's partials of phase p for ``owners`` are in its outbox (``times``: the
-      relays of phase p so far, this one included)."""
+    def signal_phase(p):
+      """After the phase's last sent loop: this rank's partials of phase p are in its
+      outbox, which one signal tells every peer."""
       if sems is None or "signals" in skip:
         return
 
@@ -409,11 +424,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       def _signal():
         with jax.named_scope("signal"):
           plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-          relay(p, times, owners)
-
-    def signal_phase(p):  # after the phase's last sent loop: one signal to every peer
-      if not signal_each_loop:
-        signal(p, 1, [lax.rem(r + q, n) for q in range(1, n)])
+          relay(p, [lax.rem(r + q, n) for q in range(1, n)], (n - 1, p))
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
@@ -444,7 +455,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         @pl.when(computes)
         def _release():
           with jax.named_scope("release"):
-            relay(phases, 1, [lax.rem(r + q, n) for q in range(1, n)])
+            relay(phases, [lax.rem(r + q, n) for q in range(1, n)], (n, phases - 1))
             pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -471,7 +482,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
                           _probe: tuple[str, ...] = (), _unrolled: bool = False,
-                          _signal_each_loop: bool = False):
+                          _relay_on_sm0: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -491,8 +502,9 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
   remote reads cost the tiles beside them). ``_unrolled``: the schedule's loops unrolled
   one after the other, as the kernel had them before 2026-11-27 (a timing comparison).
-  ``_signal_each_loop``: a signal after each sent loop, to its one owner, as before
-  2026-11-27 (a timing comparison)."""
+  ``_relay_on_sm0``: SM 0 relays every signal, to one peer after another, as before
+  2026-11-28, rather than the SM dealt the loop's last tile, behind one fence (a timing
+  comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -515,7 +527,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
               transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              unrolled=_unrolled, signal_each_loop=_signal_each_loop)
+              unrolled=_unrolled, relay_on_sm0=_relay_on_sm0)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -539,12 +539,13 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
 
 
 def test_reduce_scatter_lowers_at_four_ranks():
-  """At 4 ranks a phase has 3 sent loops: the kernel lowers with one signal to every peer
-  after them (the default) and with a signal to each loop's owner (``_signal_each_loop``)."""
+  """At 4 ranks a phase has 3 sent loops, then one signal to every peer: the kernel lowers
+  with it relayed by the SM dealt the phase's last tile, behind one fence (the default),
+  and by SM 0, one peer after another (``_relay_on_sm0``)."""
   sd = jax.ShapeDtypeStruct
-  for each_loop in (False, True):
-    fn = jax.shard_map(lambda y, w, each_loop=each_loop: matmul_rs.matmul_reduce_scatter(
-        y, w, "x", num_sms=132, _signal_each_loop=each_loop), mesh=testing.mesh_1d(4),
+  for on_sm0 in (False, True):
+    fn = jax.shard_map(lambda y, w, on_sm0=on_sm0: matmul_rs.matmul_reduce_scatter(
+        y, w, "x", num_sms=132, _relay_on_sm0=on_sm0), mesh=testing.mesh_1d(4),
         in_specs=(P(None, None, "x"), P("x")), out_specs=P(None, "x"), check_vma=False)
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
                                               sd((1024, 256), jnp.bfloat16))
