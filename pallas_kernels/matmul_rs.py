@@ -502,9 +502,9 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
   remote reads cost the tiles beside them). ``_unrolled``: the schedule's loops unrolled
   one after the other, as the kernel had them before 2026-11-27 (a timing comparison).
-  ``_relay_on_sm0``: SM 0 relays every signal, to one peer after another, as before
-  the last runs of 2026-11-27, rather than the SM dealt the loop's last tile, behind one fence (a timing
-  comparison)."""
+  ``_relay_on_sm0``: SM 0 relays every signal, to one peer after another, as before the
+  last runs of 2026-11-27, rather than the SM dealt the loop's last tile, behind one fence
+  (a timing comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
