@@ -437,7 +437,18 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
   from taco_jax.pallas_kernels import gemm
   t = "tensor"
   out = {}
-  w_t_spec = transposed(w_spec)
+
+  def fused(plain, fp8, spec, out_specs):
+    """``fused`` and ``fused_fp8`` (suffixed with a ``spec`` other than the default) on the
+    mesh; at the default tiles also on w stored transposed (``TRANSPOSED``)."""
+    sfx = "" if spec == "default" else f"[{spec}]"
+    for name, fn in (("fused", plain), ("fused_fp8", fp8)):
+      out[name + sfx] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec), out_specs=out_specs),
+                         False)
+    for name, fn in (("fused", plain), ("fused_fp8", fp8)) if spec == "default" else ():
+      out[name + TRANSPOSED] = (smap(functools.partial(fn, transpose_w=True), mesh=mesh,
+                                     in_specs=(a_spec, transposed(w_spec)),
+                                     out_specs=out_specs), False)
   if kind == "ag":
     gathered = P(None, None)
     out["xla"] = smap(lambda x, w: ag.all_gather_matmul_reference(x, w, t), mesh=mesh,
@@ -462,15 +473,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
             codes.reshape(b, s, k), ag.multipliers(alpha, scale), w, t,
             group_size=FP8["group_size"], tiling=tl, num_sms=sms, transpose_w=transpose_w)
 
-      out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
-                                 out_specs=(out_spec, P())), False)
-      out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
-                                     out_specs=(out_spec, P())), False)
-      if spec == "default":
-        for name, fn in (("fused", plain), ("fused_fp8", fp8)):
-          out[name + TRANSPOSED] = (smap(functools.partial(fn, transpose_w=True), mesh=mesh,
-                                         in_specs=(a_spec, w_t_spec),
-                                         out_specs=(out_spec, P())), False)
+      fused(plain, fp8, spec, (out_spec, P()))
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()),
                                 out_specs=(P(), gathered)), True)
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()),
@@ -498,15 +501,7 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
         return (rs.matmul_reduce_scatter(y, w, t, tiling=tl, num_sms=sms, fp8=FP8,
                                          **options),)
 
-      out["fused" + sfx] = (smap(plain, mesh=mesh, in_specs=(a_spec, w_spec),
-                                 out_specs=(out_spec,)), False)
-      out["fused_fp8" + sfx] = (smap(fp8, mesh=mesh, in_specs=(a_spec, w_spec),
-                                     out_specs=(out_spec,)), False)
-      if spec == "default":
-        for name, fn in (("fused", plain), ("fused_fp8", fp8)):
-          out[name + TRANSPOSED] = (smap(functools.partial(fn, transpose_w=True), mesh=mesh,
-                                         in_specs=(a_spec, w_t_spec), out_specs=(out_spec,)),
-                                    False)
+      fused(plain, fp8, spec, (out_spec,))
       for kwargs, name in _options(rs_options, spec):
         out[f"fused[{name}]"] = (smap(functools.partial(plain, **kwargs),
                                       mesh=mesh, in_specs=(a_spec, w_spec),
