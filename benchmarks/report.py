@@ -843,8 +843,8 @@ CM_VARIANTS = (
     "(`nvlink_phase_signal`): the reduce-scatter kernels, plain and FP8, signalling each sent "
     "loop's owner after the loop, as before that run, beside `fused` / `fused_fp8` signalling "
     "every peer once a phase (`matmul_rs`'s `_signal_each_loop`, removed since).",
-    "In `nvlink_relay*` (last on 2026-11-27) `[relay_sm0]` is the reduce-scatter kernel, plain "
-    "and FP8, with SM 0 relaying each phase's signal to the peers one after another, as before "
+    "In `nvlink_last_sm_relay*` (last on 2026-11-27) `[relay_sm0]` is the reduce-scatter "
+    "kernel, plain and FP8, with SM 0 relaying each phase's signal to the peers one after another, as before "
     "that run (`_relay_on_sm0`), beside `fused` / `fused_fp8` relaying from the SM dealt the "
     "phase's last tile, to every peer behind one fence.",
     "In `nvlink_probe*` each `[probe=...]` variant (`_probe` of `matmul_reduce_scatter`, results "
