@@ -800,7 +800,9 @@ CM_VARIANTS = (
     "`[push]` (the `nvlink_push` runs of 2026-11-27, 2 and 4 H200s): the reduce-scatter kernels, "
     "plain and FP8, pushing every partial into its owner's outbox (`matmul_rs`'s `push`, reverted "
     "after these runs: slower at TP=2, and at TP=4 faster plain but not FP8, whose MLP-out result "
-    "came back with NaNs).",
+    "came back with NaNs). In `nvlink_last_sm_relay_2gpu` `[push]` and `[pull]` are the kernels "
+    "pushing (with a branch per peer around each store and a signal a phase, commit e9101c8, "
+    "reverted after that run) and pulling, as they do by default at TP=2.",
     "`[phases=P]` (the `nvlink_phases` run): the plain reduce-scatter kernel with P row-tile "
     "phases, beside `fused` with its default (`matmul_rs.default_phases`: 4 at these shapes).",
     "`[mix]` (the `nvlink` run of 2026-11-23): the reduce-scatter kernels with each peer phase "
@@ -844,9 +846,9 @@ CM_VARIANTS = (
     "loop's owner after the loop, as before that run, beside `fused` / `fused_fp8` signalling "
     "every peer once a phase (`matmul_rs`'s `_signal_each_loop`, removed since).",
     "In `nvlink_last_sm_relay*` (last on 2026-11-27) `[relay_sm0]` is the reduce-scatter "
-    "kernel, plain and FP8, with SM 0 relaying each phase's signal to the peers one after another, as before "
-    "that run (`_relay_on_sm0`), beside `fused` / `fused_fp8` relaying from the SM dealt the "
-    "phase's last tile, to every peer behind one fence.",
+    "kernel, plain and FP8, with SM 0 relaying each phase's signal to the peers one after "
+    "another, as before that run (`_relay_on_sm0`), beside `fused` / `fused_fp8` relaying from "
+    "the SM dealt the phase's last tile, to every peer behind one fence.",
     "In `nvlink_probe*` each `[probe=...]` variant (`_probe` of `matmul_reduce_scatter`, results "
     "right) makes every sent tile read and drop partials as an own tile reads them: `sent_reads` "
     "its first two blocks from the peer, `sent_local_reads` the same from its own GPU, "
