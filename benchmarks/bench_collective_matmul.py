@@ -17,8 +17,6 @@ count), the same random inputs go through:
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
   does, unread (``matmul_rs``'s ``_probe``); ``fused[unrolled]`` and
   ``fused_fp8[unrolled]`` (``--rs-unrolled``): the schedule's loops unrolled;
-  ``fused[push]`` and ``fused[pull]`` (``--rs-push``): the partials pushed into their
-  owners' outboxes or pulled by the owners, whichever the kernel's default;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -75,7 +73,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"_unrolled", "pull_depth", "_skip", "_relay_on_sm0", "push"}
+RS_FP8_OPTIONS = {"_unrolled", "pull_depth", "_skip", "_relay_on_sm0"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -111,11 +109,6 @@ def parse_args(argv=None):
                  help="also time the reduce-scatter kernels, plain and FP8, with SM 0 relaying "
                       "every signal, one peer after another (matmul_rs's _relay_on_sm0): "
                       "fused[relay_sm0], fused_fp8[relay_sm0]")
-  p.add_argument("--rs-push", action="store_true",
-                 help="also time the reduce-scatter kernels, plain and FP8, pushing each "
-                      "partial into its owner's outbox and pulled by the owners (matmul_rs's "
-                      "push), whichever their default: fused[push], fused[pull] and their "
-                      "fused_fp8")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -542,7 +535,6 @@ def kernel_options(args) -> tuple[list, list]:
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
         + [("relay_sm0", dict(_relay_on_sm0=True))] * args.rs_relay_on_sm0
-        + [(x, dict(push=x == "push")) for x in ("push", "pull") if args.rs_push]
         + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 

@@ -298,36 +298,26 @@ def dealt(tiles: int, first_sm: int | jax.Array = 0):
   return loop
 
 
-def staged(value, out_smem, wg, slot: int):
-  """A ``[epi_m, epi_n]`` value written to staging slot ``slot`` of warpgroup ``wg``
-  (``out_smem_type``) once the slot's previous store has read it: the slot, for one TMA
-  store to issue."""
+def stage_out(value, out_smem, wg, slot: int, dest) -> None:
+  """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
   plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   out_smem[wg, slot] = value
   plgpu.commit_smem()
-  return out_smem.at[wg, slot]
+  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
 
 
-def stage_out(value, out_smem, wg, slot: int, dest) -> None:
-  """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through a staging slot (``staged``)."""
-  plgpu.copy_smem_to_gmem(staged(value, out_smem, wg, slot), dest)
-
-
-def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling, store=None):
+def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
   """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
   slots (``out_smem_type``) to gmem ``out_ref`` from (``row``, ``col``) on, one
   ``[epi_m, epi_n]`` sub-tile at a time: one sub-tile's TMA store overlaps the staging of
-  the next. ``store(src, rows, cols)``, if given, issues each staged sub-tile's one TMA
-  store instead (``out_ref`` then unused)."""
+  the next."""
   t = tiling
-  if store is None:
-    def store(src, rows, cols):
-      plgpu.copy_smem_to_gmem(src, out_ref.at[rows, cols])
   parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
   for k, (i, j) in enumerate(parts):
-    src = staged(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n],
-                 out_smem, wg, k % 2)
-    store(src, pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n))
+    stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
+              wg, k % 2, out_ref.at[pl.ds(row + i * t.epi_m, t.epi_m),
+                                    pl.ds(col + j * t.epi_n, t.epi_n)])
 
 
 def store_alone(value, out_smem, out_ref, row, col, wg, tiling: Tiling):

@@ -26,14 +26,6 @@ on the SM dealt the phase's last tile, which is about the last to finish anyway,
 than always SM 0, which would wait out the other SMs' lag at every phase; and it signals
 every peer behind one fence (``plgpu.semaphore_signal_parallel``).
 
-Pushed (``push``; the default from ``PUSH_FROM`` ranks on), each partial tile goes from the
-epilogue straight into slot r of its owner's outbox (``plgpu.remote_ref``), the phase's
-signal waits for those stores to land, and the owner reads its partials from its own
-outbox. Pulled, the link carries every partial while the owner computes its own chunk, 1/n
-of its tiles; pushed, while the senders compute the peers' chunks, (n - 1)/n of them. The
-pushes need no release at the end: an owner ends only once every push into it has landed,
-and XLA holds every GPU at a barrier before each of these kernels.
-
 Why pull and relay: with every warpgroup signalling its peer itself (a release at system
 scope), the signals of a GPU's 264 compute warpgroups were served one after the other and
 held SMs for up to ~200 us; the relay is what took the kernel from the matmul's time plus
@@ -97,7 +89,6 @@ FP8_TILING = gemm.Tiling(stages=3, epi_n=32)  # G = tile_n = 128; the codes' buf
 
 
 MAX_PHASES = 4
-PUSH_FROM = 3  # ranks from which the partials are pushed by default (module docstring)
 PULL_DEPTH = 2  # receive slots per warpgroup: the peers' partial blocks in flight
 # what shared memory holds beside the pipeline's three stages at the default tiles: with
 # 4 slots the kernels need 240 KB (plain) and 228 KB (FP8) of the 227 KB a block may have
@@ -175,15 +166,13 @@ class _Epilogues:
         dual_scale=fp8["dual_scale"], lam=fp8["lam"], fixed_order=False)
     return codes, group_multiplier(alpha, scale)
 
-  def send(self, acc, wg, row, col, store):
-    """Sends this tile's partials, at (row, col) of the destination's ``[rows, D]`` values
-    or codes (and ``[D / G, rows]`` multipliers): ``store(src, a, rows, cols)`` issues the
-    one TMA store of shared-memory ``src`` into the destination's array a (0: values or
-    codes, 1: multipliers) at ``[rows, cols]``."""
+  def send(self, acc, wg, row, col, dests):
+    """``dests``: (codes or values, multipliers or None) refs of ``[rows, D]`` (and
+    ``[D / G, rows]``) into which this tile's partials go at (row, col)."""
     t = self.t
     if not self.fp8:
-      gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], None, row, col, wg, t,
-                       store=lambda src, rows, cols: store(src, 0, rows, cols))
+      for values, _ in dests:
+        gemm.store_tiles(acc.astype(self.dtype), self.s["out_smem"], values, row, col, wg, t)
       return
     codes_smem, mult_smem = self.s["codes_smem"], self.s["mult_smem"]
     slabs = len(self._slabs())
@@ -193,13 +182,15 @@ class _Epilogues:
       # the copies that last read this slot (two slabs ago) must be done; with an odd
       # number of slabs, a tile's first slab takes the slot of the last tile's last slab
       reused_at_once = i == 0 and slabs % 2
-      plgpu.wait_smem_to_gmem(0 if reused_at_once else 2, wait_read_only=True)
+      plgpu.wait_smem_to_gmem(0 if reused_at_once else 2 * len(dests), wait_read_only=True)
       codes_smem[wg, slot] = codes
       mult_smem[wg, slot, 0] = mult
       plgpu.commit_smem()
       rows = pl.ds(row + i * t.epi_m, t.epi_m)
-      store(codes_smem.at[wg, slot], 0, rows, pl.ds(col, t.tile_n))
-      store(mult_smem.at[wg, slot], 1, pl.ds(col // t.tile_n, 1), rows)
+      for dest_codes, dest_mult in dests:
+        plgpu.copy_smem_to_gmem(codes_smem.at[wg, slot], dest_codes.at[rows, pl.ds(col, t.tile_n)])
+        plgpu.copy_smem_to_gmem(mult_smem.at[wg, slot],
+                                dest_mult.at[pl.ds(col // t.tile_n, 1), rows])
 
   @functools.cached_property
   def _reads(self) -> list[tuple[int, int, int]]:
@@ -317,7 +308,7 @@ class _Epilogues:
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
           fp8=None, received=None, skip=(), probe=(), unrolled: bool = False,
-          relay_on_sm0: bool = False, push: bool = False):
+          relay_on_sm0: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -342,13 +333,9 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     # of this rank's own warpgroups (``relay``)
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
 
-    push_to_peers = push and not local
-
     def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
         return received_refs[a].at[p]
-      if push_to_peers:  # p pushed it into slot p of this rank's
-        return outbox[a].at[p]
       if "remote" in skip:
         return outbox[a].at[r]
       return plgpu.remote_ref(outbox[a], {axis_name: p}).at[r]
@@ -395,21 +382,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
 
-    def send_store(q, src, a, rows, cols):
-      """The TMA store of a partial of chunk r + q (``_Epilogues.send``): into slot c of
-      this rank's outbox, or pushed into slot r of c's."""
-      if not push_to_peers:
-        plgpu.copy_smem_to_gmem(src, outbox[a].at[lax.rem(r + q, n)].at[rows, cols])
-        return
-      # a remote store's peer must follow from the rank alone (Mosaic GPU builds its TMA
-      # descriptors on the host): each peer of a rolled loop gets a branch, around the store
-      # only (the FP8 kernels' encode is long code)
-      for sent_q in range(1, n):
-        @pl.when(q == sent_q)
-        def _push(sent_q=sent_q):
-          owner = {axis_name: lax.rem(r + sent_q, n)}
-          plgpu.copy_smem_to_gmem(src, plgpu.remote_ref(outbox[a], owner).at[r].at[rows, cols])
-
     def tile_loop(allocs, q, p, own: bool):
       """Loop (q, p) of the schedule: phase p of chunk r + q, sent (q < n) or this rank's
       own (q = n). Its tiles are dealt on from where the loops before it ended
@@ -428,7 +400,8 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         if own:
           epi.finish(acc, wg, r, row, col, peer, out_ref)
           return
-        epi.send(acc, wg, row, col, functools.partial(send_store, q))
+        dest = tuple(a.at[c] for a in outbox) + ((None,) * (fp8 is None))
+        epi.send(acc, wg, row, col, [dest])
         if probe:
           epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
 
@@ -450,7 +423,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       @pl.when(computes)
       def _signal():
         with jax.named_scope("signal"):
-          plgpu.wait_smem_to_gmem(0)  # pulled, the stores are local: they land at once
+          plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
           relay(p, [lax.rem(r + q, n) for q in range(1, n)], (n - 1, p))
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
@@ -478,8 +451,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           def _own():
             tile_loop(allocs, n, p - 1, own=True)
 
-      # the reads have landed: peers may go (pushed, no peer reads this rank's outbox)
-      if sems is not None and not push_to_peers and "release" not in skip:
+      if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
         def _release():
           with jax.named_scope("release"):
@@ -510,7 +482,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
                           _probe: tuple[str, ...] = (), _unrolled: bool = False,
-                          _relay_on_sm0: bool = False, push: bool | None = None):
+                          _relay_on_sm0: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -532,10 +504,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   one after the other, as the kernel had them before 2026-11-27 (a timing comparison).
   ``_relay_on_sm0``: SM 0 relays every signal, to one peer after another, as before the
   last runs of 2026-11-27, rather than the SM dealt the loop's last tile, behind one fence
-  (a timing comparison). ``push``: the partials pushed into their owners' outboxes rather
-  than pulled by them (module docstring; default: from ``PUSH_FROM`` ranks on, but for
-  ``_probe`` and ``_skip`` ``"remote"``, which time the pulls); local mode runs the same
-  either way."""
+  (a timing comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -549,11 +518,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                  or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
     raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
                      f"peers")
-  if push is None:
-    push = n >= PUSH_FROM and not _probe and "remote" not in _skip
-  if push and (_probe or "remote" in _skip):
-    raise ValueError("matmul_reduce_scatter: _probe and _skip 'remote' time the pulls; "
-                     "a pushed kernel has none (push=False)")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -563,7 +527,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
               transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              unrolled=_unrolled, relay_on_sm0=_relay_on_sm0, push=push)
+              unrolled=_unrolled, relay_on_sm0=_relay_on_sm0)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

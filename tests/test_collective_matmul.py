@@ -316,8 +316,6 @@ def _reduce_scatter_call(y_shape, n=2, **options):
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
     (_reduce_scatter_call((2, 128, 128), _skip=("signals",)),
      "'signals' needs 'waits' and 'release'"),
-    (_reduce_scatter_call((2, 128, 128), push=True, _skip=("remote",)),
-     "a pushed kernel has none"),
     (lambda: ag_matmul.all_gather_matmul(jnp.zeros((1, 64, 128), jnp.bfloat16),
                                          jnp.zeros((128, 256), jnp.bfloat16), "t",
                                          tiling=dataclasses.replace(TILING, cluster_n=2),
@@ -408,13 +406,12 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
   args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-unrolled",
-                           "--rs-push", "--rs-skip", "waits+release", "--ag-skip", "copy"])
+                           "--rs-skip", "waits+release", "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
       ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
       ({"_unrolled": True}, "stages=3+unrolled"),
-      ({"push": True}, "stages=3+push"), ({"push": False}, "stages=3+pull"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
@@ -531,32 +528,24 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
                                   sd((width, d) if transposed else (d, width), jnp.bfloat16))
     fp8 = None
   assert "mosaic_gpu" in text
-  # four phases, and one (the own loop waits right after sending); w [F, D] or [D, F]; the
-  # partials pulled by their owners (the default at 2 ranks) or pushed into their outboxes
-  for phases, transposed, push in ((None, False, False), (1, False, False),
-                                   (None, True, False), (None, False, True)):
-    fn = smap(lambda y, w, phases=phases, transposed=transposed, push=push:
-              matmul_rs.matmul_reduce_scatter(y, w, "tensor", num_sms=132, fp8=fp8,
-                                              phases=phases, transpose_w=transposed, push=push),
+  # four phases, and one (the own loop waits right after sending); w [F, D] or [D, F]
+  for phases, transposed in ((None, False), (1, False), (None, True)):
+    fn = smap(lambda y, w, phases=phases, transposed=transposed: matmul_rs.matmul_reduce_scatter(
+        y, w, "tensor", num_sms=132, fp8=fp8, phases=phases, transpose_w=transposed),
         in_specs=(P(None, None, "tensor"), P(None, "tensor") if transposed else P("tensor")),
         out_specs=P(None, "tensor"))
     w = sd((d, 2 * f) if transposed else (2 * f, d), jnp.bfloat16)
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
-@pytest.mark.parametrize("compressed", [False, True])
-def test_reduce_scatter_lowers_at_four_ranks(compressed):
+def test_reduce_scatter_lowers_at_four_ranks():
   """At 4 ranks a phase has 3 sent loops, then one signal to every peer: the kernel lowers
-  pushing its partials (the default there: a branch per peer around each store in the
-  rolled loop, as Mosaic GPU builds TMA descriptors on the host) and pulled, with the
-  signal relayed by the SM dealt the phase's last tile, behind one fence, or by SM 0, one
-  peer after another (``_relay_on_sm0``)."""
+  with it relayed by the SM dealt the phase's last tile, behind one fence (the default),
+  and by SM 0, one peer after another (``_relay_on_sm0``)."""
   sd = jax.ShapeDtypeStruct
-  fp8 = dict(FP8, group_size=128) if compressed else None
-  assert matmul_rs.PUSH_FROM <= 4
-  for options in (dict(), dict(push=False), dict(push=False, _relay_on_sm0=True)):
-    fn = jax.shard_map(lambda y, w, options=options: matmul_rs.matmul_reduce_scatter(
-        y, w, "x", num_sms=132, fp8=fp8, **options), mesh=testing.mesh_1d(4),
+  for on_sm0 in (False, True):
+    fn = jax.shard_map(lambda y, w, on_sm0=on_sm0: matmul_rs.matmul_reduce_scatter(
+        y, w, "x", num_sms=132, _relay_on_sm0=on_sm0), mesh=testing.mesh_1d(4),
         in_specs=(P(None, None, "x"), P("x")), out_specs=P(None, "x"), check_vma=False)
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
                                               sd((1024, 256), jnp.bfloat16))
