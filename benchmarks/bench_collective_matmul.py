@@ -15,8 +15,8 @@ count), the same random inputs go through:
   with D of the peers' partial blocks in flight per warpgroup instead of
   ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``); ``fused[unrolled]`` and
-  ``fused_fp8[unrolled]`` (``--rs-unrolled``): the schedule's loops unrolled;
+  does, unread (``matmul_rs``'s ``_probe``); ``fused[relay_sm0]`` and
+  ``fused_fp8[relay_sm0]`` (``--rs-relay-on-sm0``): SM 0 relaying every signal;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -73,7 +73,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"_unrolled", "pull_depth", "_skip", "_relay_on_sm0"}
+RS_FP8_OPTIONS = {"pull_depth", "_skip", "_relay_on_sm0"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -101,10 +101,6 @@ def parse_args(argv=None):
                  help="comma-separated pull depths to time the reduce-scatter kernels, plain "
                       "and FP8, with besides their default (matmul_rs.PULL_DEPTH): "
                       "fused[pull=D], fused_fp8[pull=D]")
-  p.add_argument("--rs-unrolled", action="store_true",
-                 help="also time the reduce-scatter kernels, plain and FP8, with the "
-                      "schedule's loops unrolled (matmul_rs's _unrolled): fused[unrolled], "
-                      "fused_fp8[unrolled]")
   p.add_argument("--rs-relay-on-sm0", action="store_true",
                  help="also time the reduce-scatter kernels, plain and FP8, with SM 0 relaying "
                       "every signal, one peer after another (matmul_rs's _relay_on_sm0): "
@@ -533,7 +529,6 @@ def kernel_options(args) -> tuple[list, list]:
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
-        + [("unrolled", dict(_unrolled=True))] * args.rs_unrolled
         + [("relay_sm0", dict(_relay_on_sm0=True))] * args.rs_relay_on_sm0
         + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits

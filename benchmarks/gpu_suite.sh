@@ -31,7 +31,7 @@
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per
 #                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
-#                                                    # RS_SKIP, AG_SKIP, RS_PROBE, RS_UNROLLED=1,
+#                                                    # RS_SKIP, AG_SKIP, RS_PROBE,
 #                                                    # RS_RELAY_SM0=1, AG_CHUNK_WAITS=1,
 #                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
@@ -351,7 +351,7 @@ for job in "$@"; do
         --layers "${LAYERS:-qkv,up,proj,down,qkv_dx,proj_dx}" \
         --rs-phases "${RS_PHASES:-}" --rs-pull-depth "${RS_PULL:-}" \
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
-        --core-tilings "${CORE_TILINGS:-default}" ${RS_UNROLLED:+--rs-unrolled} \
+        --core-tilings "${CORE_TILINGS:-default}" \
         ${RS_RELAY_SM0:+--rs-relay-on-sm0} ${AG_CHUNK_WAITS:+--ag-chunk-waits} \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;
     peer_copy)  # issue 15: the in-kernel copies' rate on all GPUs (16 MiB shards), and on

@@ -854,8 +854,8 @@ CM_VARIANTS = (
     "its first two blocks from the peer, `sent_local_reads` the same from its own GPU, "
     "`sent_all_reads` all four, the slots refilled as they empty.",
     "In `nvlink_rolled*` `[unrolled]` is the reduce-scatter kernel, plain and FP8, with its "
-    "schedule's tile loops unrolled one after the other (`_unrolled`, as before 2026-11-27); the "
-    "unbracketed kernels run them as two nested loops.",
+    "schedule's tile loops unrolled one after the other (`_unrolled`, as before 2026-11-27, "
+    "removed later); the unbracketed kernels run them as two nested loops.",
     "In `nvlink_decode_parts` the unbracketed FP8 all-gather kernels take pipeline steps of 64, 4 "
     "deep (the default until that run); `[tile_k=128+stages=2]` steps of 128, 2 deep, and "
     "`[...+decode_parts=2]` each step decoded and multiplied in two halves "

@@ -307,8 +307,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          fp8=None, received=None, skip=(), probe=(), unrolled: bool = False,
-          relay_on_sm0: bool = False):
+          fp8=None, received=None, skip=(), probe=(), relay_on_sm0: bool = False):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -431,25 +430,20 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     def _scope(allocs):
       # ``schedule``'s order, as loops rather than unrolled, so that the kernel holds two
       # tile loops (sent, own) whatever n and the phases: unrolled, the FP8 kernel at TP=4
-      # took XLA more than 300 s to compile into the training step
-      if unrolled:  # the loops one after the other, as before (``_unrolled``)
-        for q, p in schedule(n, phases):
-          tile_loop(allocs, q, p, own=q == n)
-          if q == n - 1:
-            signal_phase(p)
-      else:
-        @pl.loop(0, phases + 1)
-        def _phase(p):
-          @pl.when(p < phases)
-          def _sends():
-            @pl.loop(1, n)
-            def _send(q):
-              tile_loop(allocs, q, p, own=False)
-            signal_phase(p)
+      # took XLA more than 300 s to compile into the training step, and the FP8 kernel ran
+      # 16-17% slower at TP=2 (bench_collective_matmul_nvlink_rolled_2gpu_20261127)
+      @pl.loop(0, phases + 1)
+      def _phase(p):
+        @pl.when(p < phases)
+        def _sends():
+          @pl.loop(1, n)
+          def _send(q):
+            tile_loop(allocs, q, p, own=False)
+          signal_phase(p)
 
-          @pl.when(p > 0)
-          def _own():
-            tile_loop(allocs, n, p - 1, own=True)
+        @pl.when(p > 0)
+        def _own():
+          tile_loop(allocs, n, p - 1, own=True)
 
       if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
@@ -481,8 +475,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
-                          _probe: tuple[str, ...] = (), _unrolled: bool = False,
-                          _relay_on_sm0: bool = False):
+                          _probe: tuple[str, ...] = (), _relay_on_sm0: bool = False):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -500,11 +493,9 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   each sent tile read its first partial blocks from the peers as an own tile does, and wait
   for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
-  remote reads cost the tiles beside them). ``_unrolled``: the schedule's loops unrolled
-  one after the other, as the kernel had them before 2026-11-27 (a timing comparison).
-  ``_relay_on_sm0``: SM 0 relays every signal, to one peer after another, as before the
-  last runs of 2026-11-27, rather than the SM dealt the loop's last tile, behind one fence
-  (a timing comparison)."""
+  remote reads cost the tiles beside them). ``_relay_on_sm0``: SM 0 relays every signal, to
+  one peer after another, as before the last runs of 2026-11-27, rather than the SM dealt
+  the loop's last tile, behind one fence (a timing comparison)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -527,7 +518,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
               transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              unrolled=_unrolled, relay_on_sm0=_relay_on_sm0)
+              relay_on_sm0=_relay_on_sm0)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -169,8 +169,8 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, dict(transpose_w=True)), (3, TALL, 1, 128, 3, {}),
-    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",), _unrolled=True))],
-    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed_unrolled"])
+    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
+    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -180,9 +180,8 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
   detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
   also reads and drops what an own tile reads, through the same slots: the results do not
-  change; that case runs the schedule's loops unrolled (``_unrolled``, a timing
-  comparison), the others as nested loops. Two ranks take each weight as the backward pass
-  holds it, ``[D, F]`` (``transpose_w``)."""
+  change. Two ranks take each weight as the backward pass holds it, ``[D, F]``
+  (``transpose_w``)."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -405,13 +404,14 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench._tiling(gemm.Tiling(), "split=m+stages=3") == gemm.Tiling(split="m", stages=3)
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
-  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads", "--rs-unrolled",
-                           "--rs-skip", "waits+release", "--ag-skip", "copy"])
+  args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads",
+                           "--rs-relay-on-sm0", "--rs-skip", "waits+release", "--ag-skip",
+                           "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
       ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
-      ({"_unrolled": True}, "stages=3+unrolled"),
+      ({"_relay_on_sm0": True}, "stages=3+relay_sm0"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
