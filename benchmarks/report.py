@@ -676,11 +676,12 @@ def _cm_cases() -> tuple[dict, list[str]]:
   """The multi-GPU kernel benchmark runs' cases as ``{link label: {tp: cases}}``, and the
   files they came from. A run may time some layers only (``--layers``): a later run's case
   replaces an earlier one of the same model and layer (by the time the run wrote, so that
-  runs of one day come in the order they ran), the other cases stay."""
+  runs of one day come in the order they ran), the other cases stay. A run on fewer GPUs
+  than its TP timed the one-GPU variants only, and is left out."""
   merged, names = {}, []
   runs = sorted(_load("bench_collective_matmul_*.json"), key=lambda r: _ran_at(*r))
   for name, d in runs:
-    if d.get("gpus", d["tp"]) >= 2 and d["tp"] >= 2 and "cases" in d:
+    if d.get("gpus", d["tp"]) >= d["tp"] >= 2 and "cases" in d:
       by_case = merged.setdefault(name.split("_")[3], {}).setdefault(d["tp"], {})
       by_case.update({(c["model"], c["layer"]): c for c in d["cases"]})
       names.append(name)
@@ -845,6 +846,12 @@ CM_VARIANTS = (
     "(`nvlink_phase_signal`): the reduce-scatter kernels, plain and FP8, signalling each sent "
     "loop's owner after the loop, as before that run, beside `fused` / `fused_fp8` signalling "
     "every peer once a phase (`matmul_rs`'s `_signal_each_loop`, removed since).",
+    "In `nvlink_decoded_slots*` (last on 2026-11-27) `fused_fp8` / `gemm_fp8` write the "
+    "decoded gathered x through alternating staging slots, `[decoded_wait_all]` each part once "
+    "every earlier store has read the second slot, as before and since (`_decoded_wait_all`; "
+    "the change was reverted after these runs: the same times). `_tp4_shapes` ran the TP=4 "
+    "shapes on 2 GPUs: only the one-GPU variants; `rank0` / `rank0_fp8` are rank 0's kernels "
+    "in local mode, the FP8 one without the encode.",
     "In `nvlink_last_sm_relay*` (last on 2026-11-27) `[relay_sm0]` is the reduce-scatter "
     "kernel, plain and FP8, with SM 0 relaying each phase's signal to the peers one after "
     "another, as before that run (`_relay_on_sm0`), beside `fused` / `fused_fp8` relaying from "

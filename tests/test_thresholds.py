@@ -126,7 +126,8 @@ def test_readme_and_thresholds_are_generated_from_the_results():
 def test_kernel_runs_of_one_link_and_tp_merge_case_by_case(tmp_path, monkeypatch):
   """A later run that timed some layers replaces those layers' cases, not the whole run:
   the earlier run's other layers still set the thresholds. Runs of one day come in the
-  order they ran (the time each wrote), whatever their names."""
+  order they ran (the time each wrote), whatever their names. A run on fewer GPUs than its
+  TP (one-GPU variants only) replaces nothing."""
   import json
 
   def case(layer, kind, plain_ms, fp8_ms):
@@ -136,13 +137,17 @@ def test_kernel_runs_of_one_link_and_tp_merge_case_by_case(tmp_path, monkeypatch
   runs = {"nvlink_4gpu_20261126": ("2026-11-26T09:00:00", [case("proj", "rs", 2.0, 1.0),
                                                           case("qkv", "ag", 1.0, 2.0)]),
           "nvlink_0_4gpu_20261126": ("2026-11-26T10:00:00", [case("qkv", "ag", 2.0, 1.0)]),
-          "nvlink_4gpu_20261120": (None, [case("down", "rs", 1.0, 2.0)])}  # the oldest
+          "nvlink_4gpu_20261120": (None, [case("down", "rs", 1.0, 2.0)]),  # the oldest
+          # TP=4's shapes on 2 GPUs, the latest: one-GPU variants only, so left out
+          "nvlink_1_2gpu_20261126": ("2026-11-26T11:00:00", [case("qkv", "ag", 3.0, 3.0)])}
   for name, (date, cases) in runs.items():
-    run = dict(tp=4, gpus=4, cases=cases, **({"date": date} if date else {}))
+    run = dict(tp=4, gpus=int(name.split("_")[-2][0]), cases=cases,
+               **({"date": date} if date else {}))
     (tmp_path / f"bench_collective_matmul_{name}.json").write_text(json.dumps(run))
   monkeypatch.setattr(report, "RESULTS", tmp_path)
   cases, names = report._cm_cases()
   assert names[0] == "bench_collective_matmul_nvlink_4gpu_20261120.json"  # by date
+  assert not any("2gpu" in name for name in names)
   merged = {c["layer"]: c["variants"]["fused_fp8"]["ms"] for c in cases["nvlink"][4]}
   assert merged == {"down": 2.0, "proj": 1.0, "qkv": 1.0}  # qkv from the later run
   # the reduce-scatter's cases disagree at one size and work (down lost, proj won): never
