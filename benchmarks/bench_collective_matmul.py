@@ -17,9 +17,6 @@ count), the same random inputs go through:
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
   does, unread (``matmul_rs``'s ``_probe``); ``fused[relay_sm0]`` and
   ``fused_fp8[relay_sm0]`` (``--rs-relay-on-sm0``): SM 0 relaying every signal;
-  ``fused_fp8[decoded_wait_all]`` and ``gemm_fp8[decoded_wait_all]``
-  (``--ag-decoded-wait-all``): the FP8 all-gather writing each decoded part once every
-  earlier store has read its staging slot;
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -77,8 +74,6 @@ def _ag_fp8() -> dict:
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
 RS_FP8_OPTIONS = {"pull_depth", "_skip", "_relay_on_sm0"}
-# the all-gather options (``kernel_options``) that only the FP8 kernel takes
-AG_FP8_OPTIONS = {"_decoded_wait_all"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -123,11 +118,6 @@ def parse_args(argv=None):
   p.add_argument("--ag-skip", default="",
                  help="the same for the plain all-gather kernel, fused and alone ('copy': "
                       "the own chunk's copy into the gathered x): fused[skip=copy]")
-  p.add_argument("--ag-decoded-wait-all", action="store_true",
-                 help="also time the FP8 all-gather kernel writing each decoded part of the "
-                      "gathered x once every earlier store has read its staging slot "
-                      "(ag_matmul's _decoded_wait_all): fused_fp8[decoded_wait_all], "
-                      "gemm_fp8[decoded_wait_all]")
   p.add_argument("--ag-chunk-waits", action="store_true",
                  help="also time the plain all-gather kernel with its ring's steps waiting for "
                       "whole chunks (ag_matmul's _chunk_waits; the default below "
@@ -470,15 +460,14 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
         return ag.all_gather_matmul(x, w, t, tiling=tl, num_sms=sms, transpose_w=transpose_w,
                                     **options)
 
-      def fp8(x, w, spec=spec, sms=_sms(spec, sms), transpose_w=False, **options):
+      def fp8(x, w, spec=spec, sms=_sms(spec, sms), transpose_w=False):
         w_shape = gemm.weight_kn(w.shape, transpose_w)
         tl = _tiling(ag.fp8_tiling(x.shape, w_shape, FP8["group_size"]), spec)
         b, s, k = x.shape
         codes, alpha, scale = encode(x.reshape(b * s, k), hadamard=False, **_ag_fp8())
         return ag.all_gather_matmul_fp8(
             codes.reshape(b, s, k), ag.multipliers(alpha, scale), w, t,
-            group_size=FP8["group_size"], tiling=tl, num_sms=sms, transpose_w=transpose_w,
-            **options)
+            group_size=FP8["group_size"], tiling=tl, num_sms=sms, transpose_w=transpose_w)
 
       fused(plain, fp8, spec, (out_spec, P()))
       out["gemm" + sfx] = (smap(plain, mesh=one, in_specs=(P(), P()),
@@ -486,13 +475,11 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
       out["gemm_fp8" + sfx] = (smap(fp8, mesh=one, in_specs=(P(), P()),
                                     out_specs=(P(), gathered)), True)
       for kwargs, name in _options(ag_options, spec):
-        fp8_only = bool(kwargs.keys() & AG_FP8_OPTIONS)
-        fn = functools.partial(fp8 if fp8_only else plain, **kwargs)
-        sfx8 = "_fp8" if fp8_only else ""
-        out[f"fused{sfx8}[{name}]"] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec),
-                                            out_specs=(out_spec, P())), False)
-        out[f"gemm{sfx8}[{name}]"] = (smap(fn, mesh=one, in_specs=(P(), P()),
-                                           out_specs=(P(), gathered)), True)
+        fn = functools.partial(plain, **kwargs)
+        out[f"fused[{name}]"] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec),
+                                      out_specs=(out_spec, P())), False)
+        out[f"gemm[{name}]"] = (smap(fn, mesh=one, in_specs=(P(), P()),
+                                     out_specs=(P(), gathered)), True)
   else:
     out["xla"] = smap(lambda y, w: (rs.matmul_reduce_scatter_reference(y, w, t),), mesh=mesh,
                       in_specs=(a_spec, w_spec), out_specs=(out_spec,))
@@ -544,8 +531,7 @@ def kernel_options(args) -> tuple[list, list]:
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + [("relay_sm0", dict(_relay_on_sm0=True))] * args.rs_relay_on_sm0
         + skips("rs_skip"))
-  return rs, (skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
-              + [("decoded_wait_all", dict(_decoded_wait_all=True))] * args.ag_decoded_wait_all)
+  return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 
 
 def _options(options, spec: str):

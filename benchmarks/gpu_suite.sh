@@ -33,7 +33,6 @@
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
 #                                                    # RS_SKIP, AG_SKIP, RS_PROBE,
 #                                                    # RS_RELAY_SM0=1, AG_CHUNK_WAITS=1,
-#                                                    # AG_DECODED_WAIT_ALL=1,
 #                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
 #   bash benchmarks/gpu_suite.sh peer_copy         # issue 15: in-kernel copies' link rate vs
@@ -354,7 +353,6 @@ for job in "$@"; do
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
         --core-tilings "${CORE_TILINGS:-default}" \
         ${RS_RELAY_SM0:+--rs-relay-on-sm0} ${AG_CHUNK_WAITS:+--ag-chunk-waits} \
-        ${AG_DECODED_WAIT_ALL:+--ag-decoded-wait-all} \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;
     peer_copy)  # issue 15: the in-kernel copies' rate on all GPUs (16 MiB shards), and on
       # GPUs 0 and 1 (32 MiB: the TP=2 messages) where there are more than 2

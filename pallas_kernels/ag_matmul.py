@@ -288,46 +288,30 @@ def _block_copier(t: gemm.Tiling, n_tiles: int, row_of, dests):
   return after_mma
 
 
-def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref,
-                   wait_all: bool = False):
+def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
   """The ``decoded`` hook that writes each decoded A part of a row tile to the rows
   ``row_of(m_idx)`` of the gathered x ``xd_ref``: of each A block, the tile of the row that
   forwards it (``_takes_block``, as ``_block_copier``), so every block once, straight from
   the registers the wgmma read, instead of a pass over the gathered codes after the
-  kernel. Where a step's two parts are one epilogue sub-tile each, part p goes through
-  staging slot p, so that it waits only for the store before it to have read the other
-  slot, not for that store; the epilogue's stores (``gemm.store_tiles``) alternate the
-  slots from the first on, and an even number of them keeps that order across tiles.
-  Otherwise, or with ``wait_all`` (a timing comparison), every part goes through the
-  second slot once every earlier store has read its slot (``gemm.store_alone``)."""
-  alternate = (not wait_all and t.decode_parts == 2 and t.tile_m == t.epi_m
-               and t.tile_k // 2 == t.epi_n and t.tile_n // t.epi_n % 2 == 0)
-
+  kernel."""
   def decoded(m_idx, n_idx, wg, k_idx, cols, value):
-    row, col = row_of(m_idx) + t.wg_offsets(wg)[0], k_idx * t.tile_k + cols.start
-
     @pl.when(_takes_block(k_idx, n_idx, n_tiles))
     def _store():
-      if alternate:
-        gemm.stage_out(value, out_smem, wg, cols.start // t.epi_n,
-                       xd_ref.at[pl.ds(row, t.epi_m), pl.ds(col, t.epi_n)])
-      else:
-        gemm.store_alone(value, out_smem, xd_ref, row, col, wg, t)
+      gemm.store_alone(value, out_smem, xd_ref, row_of(m_idx) + t.wg_offsets(wg)[0],
+                       k_idx * t.tile_k + cols.start, wg, t)
   return decoded
 
 
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, dtype, transpose_w: bool, mult_GR=None, group_size=None,
-          gathered=None, skip=(), chunk_waits: bool | None = None,
-          decoded_wait_all: bool = False):
+          gathered=None, skip=(), chunk_waits: bool | None = None):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
   multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (FP8:
   the codes and multipliers, the peers' receive buffers, then the gathered x, decoded as the
   wgmma took it: ``_store_decoded``), and in local mode what was sent to rank r - 1.
   ``chunk_waits``: each step waits for the whole chunk, every SM's copies of it, instead of
-  each tile for its row tile (default: below ``ROW_WAITS_FROM`` ranks).
-  ``decoded_wait_all``: ``_store_decoded``'s."""
+  each tile for its row tile (default: below ``ROW_WAITS_FROM`` ranks)."""
   if chunk_waits is None:
     chunk_waits = n < ROW_WAITS_FROM
   t = tiling
@@ -403,7 +387,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         loop.run(allocs, m=rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
                  decode=mults.decoder(dtype, scratch) if fp8 else None,
                  decoded=(_store_decoded(t, n_tiles, functools.partial(at.gathered, c),
-                                         out_smem, xd[0], decoded_wait_all) if fp8 else None),
+                                         out_smem, xd[0]) if fp8 else None),
                  before_tile=before_tile if fp8 else None,
                  after_mma=after_mma if dests else None,
                  first_sm=0 if chunk_waits else (step * row_tiles * n_tiles) % num_sms,
@@ -549,7 +533,7 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
 def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
                           dtype=jnp.bfloat16, tiling: gemm.Tiling | None = None, num_sms: int,
                           out_dtype=None, transpose_w: bool = False, rank=None,
-                          local_gathered=None, _decoded_wait_all: bool = False):
+                          local_gathered=None):
   """The compressed kernel: ``codes_BSK`` are x's FP8 codes and ``mult_GR`` ``[K / G,
   B S]`` their groups' multipliers (``multipliers``); x is decoded to ``dtype`` tile by tile
   before each wgmma. Returns ``y [B, T, N]`` and the gathered x ``[B, T, K]``, which the
@@ -557,9 +541,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``transpose_w``: as
   ``all_gather_matmul``'s. ``rank`` and ``local_gathered`` (gathered codes and multipliers):
   local mode, which also returns what was sent to rank r - 1 (codes ``[B, T, K]`` and
-  multipliers). ``_decoded_wait_all``: each decoded part written once every earlier store
-  has read its staging slot, as before the last runs of 2026-11-27 (``_store_decoded``; a
-  timing comparison)."""
+  multipliers)."""
   w_shape = gemm.weight_kn(w_KN.shape, transpose_w)
   tiling = tiling or fp8_tiling(codes_BSK.shape, w_shape, group_size)
   reason = misfit(codes_BSK.shape, w_shape, tiling, group_size)
@@ -578,8 +560,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   y, _, _, x_full, *sent = _call(  # _: the gathered codes, the peers' receive buffers
       codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
-      group_size=group_size, gathered=gathered, transpose_w=transpose_w,
-      decoded_wait_all=_decoded_wait_all)
+      group_size=group_size, gathered=gathered, transpose_w=transpose_w)
   out = [y.reshape(b, n * s, -1), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]

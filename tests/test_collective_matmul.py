@@ -406,16 +406,14 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
       132, 132, 112]
   args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads",
                            "--rs-relay-on-sm0", "--rs-skip", "waits+release", "--ag-skip",
-                           "copy", "--ag-decoded-wait-all"])
+                           "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
       ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
       ({"_relay_on_sm0": True}, "stages=3+relay_sm0"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
-  assert list(bench._options(ag, "default")) == [
-      ({"_skip": ("copy",)}, "skip=copy"), ({"_decoded_wait_all": True}, "decoded_wait_all")]
-  assert bench.AG_FP8_OPTIONS == {"_decoded_wait_all"}  # timed on the FP8 kernel alone
+  assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
 
 
