@@ -438,10 +438,11 @@ def _variants(kind, smap, mesh, one, a_spec, w_spec, out_spec, sms, tilings, ag,
     """``fused`` and ``fused_fp8`` (suffixed with a ``spec`` other than the default) on the
     mesh; at the default tiles also on w stored transposed (``TRANSPOSED``)."""
     sfx = "" if spec == "default" else f"[{spec}]"
-    for name, fn in (("fused", plain), ("fused_fp8", fp8)):
+    kernels = (("fused", plain), ("fused_fp8", fp8))
+    for name, fn in kernels:
       out[name + sfx] = (smap(fn, mesh=mesh, in_specs=(a_spec, w_spec), out_specs=out_specs),
                          False)
-    for name, fn in (("fused", plain), ("fused_fp8", fp8)) if spec == "default" else ():
+    for name, fn in kernels if spec == "default" else ():
       out[name + TRANSPOSED] = (smap(functools.partial(fn, transpose_w=True), mesh=mesh,
                                      in_specs=(a_spec, transposed(w_spec)),
                                      out_specs=out_specs), False)

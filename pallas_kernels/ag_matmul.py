@@ -326,10 +326,12 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   mults = _Multipliers(t, k, group_size) if fp8 else None
   n_arrays = 2 if fp8 else 1  # A rows (+ multipliers)
   row_tiles = rows // t.cta_m
+  # the warpgroups of a tile that copy to rank r - 1: warpgroup 0 its share of the A blocks
+  # and (FP8) each compute warpgroup its rows' multipliers
+  copiers = gemm.COMPUTE_WGS if fp8 else 1
   # the signals that say a row tile of a chunk has landed: one from warpgroup 0 of each of
-  # the row's output tiles, which sends a share of its A blocks, and (FP8) one from each
-  # other compute warpgroup of the row's first tile, which sends its rows' multipliers
-  row_signals = n_tiles + (gemm.COMPUTE_WGS - 1 if fp8 else 0)
+  # the row's output tiles, and (FP8) one from each other copier of the row's first tile
+  row_signals = n_tiles + copiers - 1
 
   def body(*refs, out_smem, **scratch):
     extra = n_arrays if local else 0
@@ -393,10 +395,9 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                  first_sm=0 if chunk_waits else (step * row_tiles * n_tiles) % num_sms,
                  wait_rows=functools.partial(wait_rows, step - 1) if by_rows and step else None)
         if forward and by_chunks:
-          pl.when(lax.axis_index(gemm.WG) < (gemm.COMPUTE_WGS if fp8 else 1))(
+          pl.when(lax.axis_index(gemm.WG) < copiers)(
               functools.partial(landed, step))
-          pl.semaphore_wait(sems.at[step], value=num_sms * (gemm.COMPUTE_WGS if fp8 else 1),
-                            decrement=False)
+          pl.semaphore_wait(sems.at[step], value=num_sms * copiers, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   gathered_types = [jax.ShapeDtypeStruct((t_rows, k), a_RK.dtype)]
