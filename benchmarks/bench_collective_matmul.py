@@ -9,14 +9,13 @@ count), the same random inputs go through:
   ``ag_matmul.plain_tiling``: pulled where a cluster covers the row, else the ring, its tiles
   narrowed where a step would leave a wave half empty; ``[cluster_n=1]``: the ring);
   ``fused_fp8``: the codec's encode kernel, then the compressed kernel (its own time
-  is reported apart as ``fp8_kernel``); ``fused[phases=P]``
-  (``--rs-phases``): the plain reduce-scatter kernel with P row-tile phases instead of
+  is reported apart as ``fp8_kernel``); ``fused[phases=P]`` and ``fused_fp8[phases=P]``
+  (``--rs-phases``): the reduce-scatter kernels with P row-tile phases instead of
   ``matmul_rs.default_phases``; ``fused[pull=D]`` and ``fused_fp8[pull=D]`` (``--rs-pull-depth``):
   with D of the peers' partial blocks in flight per warpgroup instead of
   ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``); ``fused[relay_sm0]`` and
-  ``fused_fp8[relay_sm0]`` (``--rs-relay-on-sm0``): SM 0 relaying every signal;
+  does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -73,7 +72,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"pull_depth", "_skip", "_relay_on_sm0"}
+RS_FP8_OPTIONS = {"phases", "pull_depth", "_skip"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -95,16 +94,13 @@ def parse_args(argv=None):
                       "'default,stages=3,tile_n=64' (each 'k=v+k=v'; 'sms=N': on N SMs); "
                       "with cluster_n > 1 the all-gather kernel pulls")
   p.add_argument("--rs-phases", default="",
-                 help="comma-separated phase counts to time the plain reduce-scatter kernel "
-                      "with besides its default (matmul_rs.default_phases): fused[phases=P]")
+                 help="comma-separated phase counts to time the reduce-scatter kernels, plain "
+                      "and FP8, with besides their default (matmul_rs.default_phases): "
+                      "fused[phases=P], fused_fp8[phases=P]")
   p.add_argument("--rs-pull-depth", default="",
                  help="comma-separated pull depths to time the reduce-scatter kernels, plain "
                       "and FP8, with besides their default (matmul_rs.PULL_DEPTH): "
                       "fused[pull=D], fused_fp8[pull=D]")
-  p.add_argument("--rs-relay-on-sm0", action="store_true",
-                 help="also time the reduce-scatter kernels, plain and FP8, with SM 0 relaying "
-                      "every signal, one peer after another (matmul_rs's _relay_on_sm0): "
-                      "fused[relay_sm0], fused_fp8[relay_sm0]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -530,7 +526,6 @@ def kernel_options(args) -> tuple[list, list]:
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
-        + [("relay_sm0", dict(_relay_on_sm0=True))] * args.rs_relay_on_sm0
         + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 

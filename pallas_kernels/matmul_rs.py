@@ -307,7 +307,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          fp8=None, received=None, skip=(), probe=(), relay_on_sm0: bool = False):
+          fp8=None, received=None, skip=(), probe=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -366,15 +366,11 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       the relay's signal carries what it saw."""
       count = sems.at[phases + 1 + slot]
       plgpu.semaphore_signal(count, memory_scope="gpu")
-      relay_sm = 0 if relay_on_sm0 else last_sm(*last_loop)
+      relays = (lax.axis_index(gemm.SM) == last_sm(*last_loop)) & (lax.axis_index(gemm.WG) == 0)
 
-      @pl.when((lax.axis_index(gemm.SM) == relay_sm) & (lax.axis_index(gemm.WG) == 0))
+      @pl.when(relays)
       def _relay():
         plgpu.semaphore_wait(count, value=signals, decrement=False, memory_scope="gpu")
-        if relay_on_sm0:
-          for owner in owners:
-            pl.semaphore_signal(sems.at[slot], device_id={axis_name: owner})
-          return
         plgpu.semaphore_signal_parallel(*(
             plgpu.SemaphoreSignal(sems.at[slot], device_id={axis_name: owner})
             for owner in owners))
@@ -475,7 +471,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
-                          _probe: tuple[str, ...] = (), _relay_on_sm0: bool = False):
+                          _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -493,9 +489,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   each sent tile read its first partial blocks from the peers as an own tile does, and wait
   for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
-  remote reads cost the tiles beside them). ``_relay_on_sm0``: SM 0 relays every signal, to
-  one peer after another, as before the last runs of 2026-11-27, rather than the SM dealt
-  the loop's last tile, behind one fence (a timing comparison)."""
+  remote reads cost the tiles beside them)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -517,8 +511,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              relay_on_sm0=_relay_on_sm0)
+              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

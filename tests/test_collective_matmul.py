@@ -405,13 +405,11 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert [bench._sms(e, 132) for e in ("default", "stages=3", "cluster_n=4+sms=112")] == [
       132, 132, 112]
   args = bench.parse_args(["--rs-pull-depth", "3", "--rs-probe", "sent_reads",
-                           "--rs-relay-on-sm0", "--rs-skip", "waits+release", "--ag-skip",
-                           "copy"])
+                           "--rs-skip", "waits+release", "--ag-skip", "copy"])
   rs, ag = bench.kernel_options(args)
   assert [(kw, name) for kw, name in bench._options(rs, "stages=3")] == [
       ({"pull_depth": 3}, "stages=3+pull=3"),
       ({"_probe": ("sent_reads",)}, "stages=3+probe=sent_reads"),
-      ({"_relay_on_sm0": True}, "stages=3+relay_sm0"),
       ({"_skip": ("waits", "release")}, "stages=3+skip=waits+release")]
   assert list(bench._options(ag, "default")) == [({"_skip": ("copy",)}, "skip=copy")]
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
@@ -539,16 +537,14 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
 
 
 def test_reduce_scatter_lowers_at_four_ranks():
-  """At 4 ranks a phase has 3 sent loops, then one signal to every peer: the kernel lowers
-  with it relayed by the SM dealt the phase's last tile, behind one fence (the default),
-  and by SM 0, one peer after another (``_relay_on_sm0``)."""
+  """At 4 ranks a phase has 3 sent loops, then one signal to every peer, relayed by the SM
+  dealt the phase's last tile behind one fence: the kernel lowers for sm_90."""
   sd = jax.ShapeDtypeStruct
-  for on_sm0 in (False, True):
-    fn = jax.shard_map(lambda y, w, on_sm0=on_sm0: matmul_rs.matmul_reduce_scatter(
-        y, w, "x", num_sms=132, _relay_on_sm0=on_sm0), mesh=testing.mesh_1d(4),
-        in_specs=(P(None, None, "x"), P("x")), out_specs=P(None, "x"), check_vma=False)
-    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
-                                              sd((1024, 256), jnp.bfloat16))
+  fn = jax.shard_map(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "x", num_sms=132),
+                     mesh=testing.mesh_1d(4), in_specs=(P(None, None, "x"), P("x")),
+                     out_specs=P(None, "x"), check_vma=False)
+  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
+                                            sd((1024, 256), jnp.bfloat16))
 
 
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
