@@ -15,8 +15,7 @@ count), the same random inputs go through:
   with D of the peers' partial blocks in flight per warpgroup instead of
   ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``); ``fused[sync=...]`` and ``fused_fp8[sync=...]``
-  (``--rs-sync``): other ways to synchronize (``matmul_rs``'s ``_sync``);
+  does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it;
@@ -73,7 +72,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"phases", "pull_depth", "_skip", "_sync"}
+RS_FP8_OPTIONS = {"phases", "pull_depth", "_skip"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -112,11 +111,6 @@ def parse_args(argv=None):
                       "leave out ('waits', 'release', 'signals', 'remote', or several joined "
                       "by '+': matmul_rs's _skip), each timed unchecked, as fused[skip=...] "
                       "and fused_fp8[skip=...]: what each costs (the result is wrong)")
-  p.add_argument("--rs-sync", default="",
-                 help="comma-separated ways for the reduce-scatter kernels, plain and FP8, to "
-                      "synchronize ('lines', 'gate', 'warm', or several joined by '+': "
-                      "matmul_rs's _sync), each checked and timed as fused[sync=...] and "
-                      "fused_fp8[sync=...]")
   p.add_argument("--ag-skip", default="",
                  help="the same for the plain all-gather kernel, fused and alone ('copy': "
                       "the own chunk's copy into the gathered x): fused[skip=copy]")
@@ -532,8 +526,7 @@ def kernel_options(args) -> tuple[list, list]:
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
-        + skips("rs_skip")
-        + [(f"sync={x}", dict(_sync=tuple(x.split("+")))) for x in listed("rs_sync")])
+        + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 
 

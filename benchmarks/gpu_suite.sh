@@ -32,7 +32,7 @@
 #                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
 #                                                    # RS_SKIP, AG_SKIP, RS_PROBE,
-#                                                    # RS_SYNC, AG_CHUNK_WAITS=1,
+#                                                    # AG_CHUNK_WAITS=1,
 #                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
 #   bash benchmarks/gpu_suite.sh peer_copy         # issue 15: in-kernel copies' link rate vs
@@ -351,7 +351,6 @@ for job in "$@"; do
         --layers "${LAYERS:-qkv,up,proj,down,qkv_dx,proj_dx}" \
         --rs-phases "${RS_PHASES:-}" --rs-pull-depth "${RS_PULL:-}" \
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
-        --rs-sync "${RS_SYNC:-}" \
         --core-tilings "${CORE_TILINGS:-default}" \
         ${AG_CHUNK_WAITS:+--ag-chunk-waits} \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;

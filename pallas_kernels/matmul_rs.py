@@ -89,10 +89,6 @@ FP8_TILING = gemm.Tiling(stages=3, epi_n=32)  # G = tile_n = 128; the codes' buf
 
 
 MAX_PHASES = 4
-# semaphores (int32s) between the kernel's groups of semaphores with ``_sync``'s "lines": the
-# peers' signals, this GPU's counts and the gates each on cache lines of their own
-LINE = 64
-SYNC_OPTIONS = ("lines", "gate", "warm")
 PULL_DEPTH = 2  # receive slots per warpgroup: the peers' partial blocks in flight
 # what shared memory holds beside the pipeline's three stages at the default tiles: with
 # 4 slots the kernels need 240 KB (plain) and 228 KB (FP8) of the 227 KB a block may have
@@ -311,7 +307,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          fp8=None, received=None, skip=(), probe=(), sync=()):
+          fp8=None, received=None, skip=(), probe=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -332,11 +328,9 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   def body(*refs, **scratch):
     (y_ref, w_ref), received_refs, (out_ref,), outbox = gemm.split_refs(
         refs, 2, n_slots if local else 0, 1, n_slots)
-    # per phase and for the release at the end: the peers' relayed signals (and one that
-    # warms the way to the peers, ``_sync``'s "warm"), the counts of this rank's own
-    # warpgroups (``relay``) and the gates (``wait_peers``)
-    stride = LINE if {"lines", "gate"} & set(sync) else phases + 2
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 3 * stride)
+    # per phase and for the release at the end: the peers' relayed signals, then the counts
+    # of this rank's own warpgroups (``relay``)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
 
     def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
@@ -370,7 +364,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       warpgroup at once, the signals held each SM for up to ~200 us, one after the other
       (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU scope, and
       the relay's signal carries what it saw."""
-      count = sems.at[stride + slot]
+      count = sems.at[phases + 1 + slot]
       plgpu.semaphore_signal(count, memory_scope="gpu")
       relays = (lax.axis_index(gemm.SM) == last_sm(*last_loop)) & (lax.axis_index(gemm.WG) == 0)
 
@@ -383,28 +377,13 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
 
-    def wait_peers(slot, watcher_sm):
-      """Until every peer has signalled ``slot``. With ``_sync``'s "gate", one warpgroup
-      (compute warpgroup 0 of ``watcher_sm``) polls that semaphore, at system scope, and
-      opens a gate of this GPU on a line of its own, which the others poll at GPU scope."""
-      if "gate" not in sync:
-        pl.semaphore_wait(sems.at[slot], value=n - 1, decrement=False)
-        return
-      gate = sems.at[2 * stride + slot]
-
-      @pl.when((lax.axis_index(gemm.SM) == watcher_sm) & (lax.axis_index(gemm.WG) == 0))
-      def _watch():
-        pl.semaphore_wait(sems.at[slot], value=n - 1, decrement=False)
-        plgpu.semaphore_signal(gate, memory_scope="gpu")
-      plgpu.semaphore_wait(gate, value=1, decrement=False, memory_scope="gpu")
-
     def tile_loop(allocs, q, p, own: bool):
       """Loop (q, p) of the schedule: phase p of chunk r + q, sent (q < n) or this rank's
       own (q = n). Its tiles are dealt on from where the loops before it ended
       (``gemm.dealt``)."""
       if own and sems is not None and "waits" not in skip:  # the peers' phase p is written
         with jax.named_scope("wait_peers"):
-          wait_peers(p, first_sm(n, p))
+          pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
       c = lax.rem(r + q, n)
 
       def at(m_idx, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
@@ -449,12 +428,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       # tile loops (sent, own) whatever n and the phases: unrolled, the FP8 kernel at TP=4
       # took XLA more than 300 s to compile into the training step, and the FP8 kernel ran
       # 16-17% slower at TP=2 (bench_collective_matmul_nvlink_rolled_2gpu_20261127)
-      if sems is not None and "warm" in sync:
-        @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.WG) == 0))
-        def _warm():  # a signal no one waits for, before any that the peers wait for
-          for q in range(1, n):
-            pl.semaphore_signal(sems.at[phases + 1], device_id={axis_name: lax.rem(r + q, n)})
-
       @pl.loop(0, phases + 1)
       def _phase(p):
         @pl.when(p < phases)
@@ -473,7 +446,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         def _release():
           with jax.named_scope("release"):
             relay(phases, [lax.rem(r + q, n) for q in range(1, n)], (n, phases - 1))
-            wait_peers(phases, 0)
+            pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype), *slot_types]
@@ -498,7 +471,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
                           n=None, received=None, _skip: tuple[str, ...] = (),
-                          _probe: tuple[str, ...] = (), _sync: tuple[str, ...] = ()):
+                          _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -516,11 +489,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   each sent tile read its first partial blocks from the peers as an own tile does, and wait
   for them unread; ``"sent_local_reads"`` the same from this GPU's outbox;
   ``"sent_all_reads"`` reads all an own tile reads, the slots refilled as they empty (what
-  remote reads cost the tiles beside them). ``_sync`` (timing experiments, the result stays
-  right): ``"lines"`` puts the peers' signals, this GPU's counts and the gates on cache lines
-  of their own; ``"gate"`` (with them) has one warpgroup per GPU poll each semaphore the
-  peers signal and open a gate that the others poll; ``"warm"`` sends every peer a signal no
-  one waits for as the kernel starts."""
+  remote reads cost the tiles beside them)."""
   if rank is None:
     n = lax.axis_size(axis_name)
   tiling = tiling or (TILING if fp8 is None else FP8_TILING)
@@ -534,8 +503,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                  or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
     raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
                      f"peers")
-  if not set(_sync) <= set(SYNC_OPTIONS):
-    raise ValueError(f"matmul_reduce_scatter: _sync {_sync} is not among {SYNC_OPTIONS}")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -544,8 +511,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe,
-              sync=_sync)
+              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result
