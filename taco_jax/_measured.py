@@ -70,7 +70,8 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_row_ready_vs_chunk_2gpu_20261127.json',
  'bench_collective_matmul_nvlink_last_sm_relay_2gpu_20261127.json',
  'bench_collective_matmul_nvlink_decoded_slots_2gpu_20261127.json',
- 'bench_collective_matmul_nvlink_last_sm_relay_4gpu_20261127.json']
+ 'bench_collective_matmul_nvlink_last_sm_relay_4gpu_20261127.json',
+ 'bench_collective_matmul_nvlink_phases_fp8_2gpu_20261128.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
@@ -81,6 +82,6 @@ MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_s
                       'reduce_scatter': 1048576}}}
 
 KERNEL_PAYS = {'nvlink': {2: {'all_gather': None,
-                'reduce_scatter': {'max_work': 4096, 'min_bytes': 67108864}},
+                'reduce_scatter': {'max_work': 3072, 'min_bytes': 67108864}},
             4: {'all_gather': {'max_work': 2560, 'min_bytes': 16777216},
                 'reduce_scatter': {'max_work': 2560, 'min_bytes': 67108864}}}}
