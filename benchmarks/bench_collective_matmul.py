@@ -13,8 +13,7 @@ count), the same random inputs go through:
   (``--rs-phases``): the reduce-scatter kernels with P row-tile phases instead of
   ``matmul_rs.default_phases``; ``fused[pull=D]`` and ``fused_fp8[pull=D]`` (``--rs-pull-depth``):
   with D of the peers' partial blocks in flight per warpgroup instead of
-  ``matmul_rs.PULL_DEPTH``; ``fused[owners=N]`` and ``fused_fp8[owners=N]``
-  (``--rs-owner-sms``): N SMs computing the own tiles beside the others' sent ones;
+  ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
   does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
@@ -73,7 +72,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"phases", "pull_depth", "owner_sms", "_skip"}
+RS_FP8_OPTIONS = {"phases", "pull_depth", "_skip"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -102,11 +101,6 @@ def parse_args(argv=None):
                  help="comma-separated pull depths to time the reduce-scatter kernels, plain "
                       "and FP8, with besides their default (matmul_rs.PULL_DEPTH): "
                       "fused[pull=D], fused_fp8[pull=D]")
-  p.add_argument("--rs-owner-sms", default="",
-                 help="comma-separated SM counts to time the reduce-scatter kernels, plain "
-                      "and FP8, with that many SMs computing the own tiles while the rest "
-                      "compute the sent ones (matmul_rs's owner_sms; 'N+phases=P': in P "
-                      "phases): fused[owners=N], fused_fp8[owners=N]")
   p.add_argument("--rs-probe", default="",
                  help="comma-separated probes of the plain reduce-scatter kernel "
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
@@ -531,16 +525,9 @@ def kernel_options(args) -> tuple[list, list]:
     return [(f"skip={x}", dict(_skip=tuple(x.split("+")))) for x in listed(flag)]
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
-        + [(f"owners={x}", _owners(x)) for x in listed("rs_owner_sms")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
         + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
-
-
-def _owners(entry: str) -> dict:
-  """``--rs-owner-sms``'s entry 'N' or 'N+phases=P' as the kernel's keyword arguments."""
-  count, *rest = entry.split("+")
-  return dict(owner_sms=int(count), **{k: int(v) for k, v in (x.split("=") for x in rest)})
 
 
 def _options(options, spec: str):

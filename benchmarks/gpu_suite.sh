@@ -31,7 +31,6 @@
 #   bash benchmarks/gpu_suite.sh collective_matmul   # issue 15: fused kernels vs XLA (~3 min per
 #                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
-#                                                    # RS_OWNERS,
 #                                                    # RS_SKIP, AG_SKIP, RS_PROBE,
 #                                                    # AG_CHUNK_WAITS=1,
 #                                                    # CORE_TILINGS e.g.
@@ -351,7 +350,6 @@ for job in "$@"; do
         --tilings "${TILINGS:-default}" --models "${MODELS:-1.3b,2.7b}" \
         --layers "${LAYERS:-qkv,up,proj,down,qkv_dx,proj_dx}" \
         --rs-phases "${RS_PHASES:-}" --rs-pull-depth "${RS_PULL:-}" \
-        --rs-owner-sms "${RS_OWNERS:-}" \
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
         --core-tilings "${CORE_TILINGS:-default}" \
         ${AG_CHUNK_WAITS:+--ag-chunk-waits} \

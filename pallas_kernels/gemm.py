@@ -208,22 +208,20 @@ class TileLoop:
           decode: Callable | None = None, decoded: Callable | None = None,
           after_mma: Callable | None = None,
           before_tile: Callable | None = None, acc_dtype=jnp.float32,
-          first_sm: int | jax.Array = 0, wait_rows: Callable | None = None,
-          sms: tuple[int, int] | None = None):
+          first_sm: int | jax.Array = 0, wait_rows: Callable | None = None):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
     compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator. The tiles are dealt to the
-    SMs from ``first_sm`` on (``dealt``; ``sms``: only ``(first, count)`` of them); with
-    clusters, the rows of ``cluster_n``
+    SMs from ``first_sm`` on (``dealt``); with clusters, the rows of ``cluster_n``
     neighbouring tiles to the clusters, whose CTAs take one tile each. ``wait_rows(m_idx)``
     runs in every warpgroup before a tile's first load: to wait until its A rows are there."""
     t = self.t
     grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
     tiles = grid[0] * grid[1]
-    chained = self.chains(tiles, lax.axis_size(SM) if sms is None else sms[1])
+    chained = self.chains(tiles, lax.axis_size(SM))
 
-    @dealt(tiles, first_sm, sms)
+    @dealt(tiles, first_sm)
     def _tile(idx, i, count):
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
       if t.cluster_n > 1:
@@ -285,22 +283,18 @@ class TileLoop:
         pl.when(when)(functools.partial(pipeline, *refs, w_block, allocations=allocs))
 
 
-def dealt(tiles: int, first_sm: int | jax.Array = 0, sms: tuple[int, int] | None = None):
+def dealt(tiles: int, first_sm: int | jax.Array = 0):
   """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
   SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
   the share's size. A kernel that runs several loops one after the other (the
   reduce-scatter's phases) starts each where the last one's deal ended, so that no SM takes
   the remainder of every loop: at a tile count just above a multiple of the SMs, that
-  remainder would make every loop take one more wave. ``sms``: deal over SMs ``first ..
-  first + count - 1`` only (``first_sm`` counted from the first), which alone call it."""
+  remainder would make every loop take one more wave."""
   def loop(body):
-    if sms is None:
-      dealers, sm = lax.axis_size(SM), lax.axis_index(SM)
-    else:
-      dealers, sm = sms[1], lax.axis_index(SM) - sms[0]
-    place = lax.rem(sm + (dealers - first_sm % dealers), dealers)  # this SM's place
-    count = tiles // dealers + lax.convert_element_type(place < tiles % dealers, place.dtype)
-    lax.fori_loop(0, count, lambda i, _: body(i * dealers + place, i, count), None)
+    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+    place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
+    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
+    lax.fori_loop(0, count, lambda i, _: body(i * sms + place, i, count), None)
   return loop
 
 

@@ -21,11 +21,6 @@ kernel 0.025-0.031 ms (``_skip``'s ``signals``, bench_collective_matmul_nvlink_s
 the peers' own loops of a phase come after their sent loops of the next one, so a signal
 sent after all of a phase's sent loops still comes before it is waited for.
 A last one holds every rank until its peers have read its outbox.
-With ``owner_sms``, the loops run on two sets of SMs at once instead of one after the other:
-``owner_sms`` SMs compute the own phases, each once the peers' signal for it has come, while
-the rest compute the sent loops. The owners' reads then use the link through the whole
-kernel, not only in the own loops (at TP=4 a quarter of the tiles, whose reads carry all of
-it).
 The relaying warpgroup waits for all the others, and its SM's tiles with it: it is the one
 on the SM dealt the phase's last tile, which is about the last to finish anyway, rather
 than always SM 0, which would wait out the other SMs' lag at every phase; and it signals
@@ -312,7 +307,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          owner_sms: int = 0, fp8=None, received=None, skip=(), probe=()):
+          fp8=None, received=None, skip=(), probe=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -327,10 +322,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   slot_types = slot_shapes(n, out_rows, d, dtype, fp8 and dict(fp8, group_size=t.tile_n))
   n_slots = len(slot_types)
   signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup of every SM sends
-  # with ``owner_sms``, the SMs that take the sent loops and those that take the own loops,
-  # as (first SM, count); else every SM takes every loop
-  senders = (0, num_sms - owner_sms) if owner_sms else None
-  owners = (num_sms - owner_sms, owner_sms) if owner_sms else None
   epilogues = functools.partial(_Epilogues, t, n=n, dtype=dtype, out_dtype=out_dtype, fp8=fp8,
                                 depth=pull_depth)
 
@@ -354,30 +345,22 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     phase_tiles = out_rows // t.cta_m // phases
     cols = d // t.cta_n
 
-    def dealers(own: bool):  # the SMs that take own or sent loops: (first, count)
-      return (owners if own else senders) if owner_sms else (0, num_sms)
-
     def first_sm(q, p):  # loop (q, p)'s tiles are dealt on from where the last one's ended
-      if not owner_sms:
-        return lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms)
-      own = isinstance(q, int) and q == n  # a traced q is a sent loop's
-      index = p if own else (n - 1) * p + q - 1  # among the loops its SMs take
-      return lax.rem(index * (phase_tiles * cols), dealers(own)[1])
+      return lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms)
 
     def last_sm(q, p):  # the SM dealt loop (q, p)'s last tile (``gemm.dealt``)
-      first, count = dealers(isinstance(q, int) and q == n)
-      return first + lax.rem(first_sm(q, p) + phase_tiles * cols - 1, count)
+      return lax.rem(first_sm(q, p) + phase_tiles * cols - 1, num_sms)
 
     def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
       row = m_idx * t.cta_m
       return (row // s) * t_len + c * s + row % s
 
-    def relay(slot: int | jax.Array, peers, last_loop, counted: int = signals):
+    def relay(slot: int | jax.Array, owners, last_loop):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
       reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
       warpgroup 0 of the SM dealt the last tile of the schedule's loop ``last_loop``,
-      ``(q, p)``) waits until all ``counted`` warpgroups have counted and signals ``peers``
-      once, all behind one fence. A signal to a peer is a release at system scope: given by every
+      ``(q, p)``) waits until every warpgroup has counted and signals ``owners`` once,
+      all behind one fence. A signal to a peer is a release at system scope: given by every
       warpgroup at once, the signals held each SM for up to ~200 us, one after the other
       (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU scope, and
       the relay's signal carries what it saw."""
@@ -387,10 +370,10 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
       @pl.when(relays)
       def _relay():
-        plgpu.semaphore_wait(count, value=counted, decrement=False, memory_scope="gpu")
+        plgpu.semaphore_wait(count, value=signals, decrement=False, memory_scope="gpu")
         plgpu.semaphore_signal_parallel(*(
-            plgpu.SemaphoreSignal(sems.at[slot], device_id={axis_name: peer})
-            for peer in peers))
+            plgpu.SemaphoreSignal(sems.at[slot], device_id={axis_name: owner})
+            for owner in owners))
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
 
@@ -424,7 +407,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                a_refs=lambda m_idx: [y_ref.at[pl.ds(
                    y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
                w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own or probe else None,
-               first_sm=first_sm(q, p), sms=dealers(own) if owner_sms else None)
+               first_sm=first_sm(q, p))
 
     def signal_phase(p):
       """After the phase's last sent loop: this rank's partials of phase p are in its
@@ -436,8 +419,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       def _signal():
         with jax.named_scope("signal"):
           plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-          relay(p, [lax.rem(r + q, n) for q in range(1, n)], (n - 1, p),
-                dealers(False)[1] * gemm.COMPUTE_WGS)
+          relay(p, [lax.rem(r + q, n) for q in range(1, n)], (n - 1, p))
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
@@ -446,22 +428,18 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       # tile loops (sent, own) whatever n and the phases: unrolled, the FP8 kernel at TP=4
       # took XLA more than 300 s to compile into the training step, and the FP8 kernel ran
       # 16-17% slower at TP=2 (bench_collective_matmul_nvlink_rolled_2gpu_20261127)
-      def sent_phase(p):
-        @pl.loop(1, n)
-        def _send(q):
-          tile_loop(allocs, q, p, own=False)
-        signal_phase(p)
+      @pl.loop(0, phases + 1)
+      def _phase(p):
+        @pl.when(p < phases)
+        def _sends():
+          @pl.loop(1, n)
+          def _send(q):
+            tile_loop(allocs, q, p, own=False)
+          signal_phase(p)
 
-      if owner_sms:  # each SM its kind of loop, the phases in order
-        sender = lax.axis_index(gemm.SM) < senders[1]
-        pl.when(sender)(lambda: pl.loop(0, phases)(sent_phase))
-        pl.when(jnp.logical_not(sender))(
-            lambda: pl.loop(0, phases)(lambda p: tile_loop(allocs, n, p, own=True)))
-      else:
-        @pl.loop(0, phases + 1)
-        def _phase(p):
-          pl.when(p < phases)(lambda: sent_phase(p))
-          pl.when(p > 0)(lambda: tile_loop(allocs, n, p - 1, own=True))
+        @pl.when(p > 0)
+        def _own():
+          tile_loop(allocs, n, p - 1, own=True)
 
       if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
@@ -491,9 +469,8 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, transpose_w: bool = False,
-                          owner_sms: int = 0, rank=None, n=None, received=None,
-                          _skip: tuple[str, ...] = (),
+                          pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
+                          n=None, received=None, _skip: tuple[str, ...] = (),
                           _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
@@ -501,9 +478,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
   blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``transpose_w``: w is given
-  ``[D, F]`` and multiplied transposed (``gemm.TileLoop``). ``owner_sms``: that many SMs
-  compute this rank's own tiles, phase after phase, while the others compute the peers'
-  (module docstring); 0: every SM takes every loop in ``schedule``'s order. Local mode: ``rank``,
+  ``[D, F]`` and multiplied transposed (``gemm.TileLoop``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -528,9 +503,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                  or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
     raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
                      f"peers")
-  if not 0 <= owner_sms < num_sms:
-    raise ValueError(f"matmul_reduce_scatter: owner_sms={owner_sms} is not between 0 and "
-                     f"{num_sms - 1} (num_sms={num_sms})")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -539,7 +511,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              transpose_w=transpose_w, owner_sms=owner_sms, fp8=fp8, received=received, skip=_skip, probe=_probe)
+              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

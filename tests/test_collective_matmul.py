@@ -169,10 +169,8 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, dict(transpose_w=True)), (3, TALL, 1, 128, 3, {}),
-    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",))),
-    (2, TILING, 2, 64, 2, dict(owner_sms=1))],
-    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed",
-         "2_ranks_owner_sms"])
+    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
+    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -183,8 +181,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
   also reads and drops what an own tile reads, through the same slots: the results do not
   change. Two ranks take each weight as the backward pass holds it, ``[D, F]``
-  (``transpose_w``), or compute their own tiles on one SM of the three while the other two
-  compute the sent ones (``owner_sms``)."""
+  (``transpose_w``)."""
   f, d = 128, 128
   if n == 2:
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -313,7 +310,6 @@ def _reduce_scatter_call(y_shape, n=2, **options):
     (_reduce_scatter_call((2, 128, 128), phases=3),
      "3 phases do not divide the chunk's 2 row tiles"),
     (_reduce_scatter_call((2, 128, 128), pull_depth=4), "pull_depth=4 is not between 1 and 3"),
-    (_reduce_scatter_call((2, 128, 128), owner_sms=1), "owner_sms=1 is not between 0 and 0"),
     (_reduce_scatter_call((2, 128, 128), _probe=("sent_writes",)),
      "_probe .* is for the plain kernel with peers"),
     # the timing experiments' parts left out (``_skip``): only where they cannot hang
@@ -542,15 +538,13 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
 
 def test_reduce_scatter_lowers_at_four_ranks():
   """At 4 ranks a phase has 3 sent loops, then one signal to every peer, relayed by the SM
-  dealt the phase's last tile behind one fence: the kernel lowers for sm_90, with every SM
-  taking every loop and with 33 SMs taking the own loops (``owner_sms``)."""
+  dealt the phase's last tile behind one fence: the kernel lowers for sm_90."""
   sd = jax.ShapeDtypeStruct
-  for owner_sms in (0, 33):
-    fn = jax.shard_map(lambda y, w, o=owner_sms: matmul_rs.matmul_reduce_scatter(
-        y, w, "x", num_sms=132, owner_sms=o), mesh=testing.mesh_1d(4),
-        in_specs=(P(None, None, "x"), P("x")), out_specs=P(None, "x"), check_vma=False)
-    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
-                                              sd((1024, 256), jnp.bfloat16))
+  fn = jax.shard_map(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "x", num_sms=132),
+                     mesh=testing.mesh_1d(4), in_specs=(P(None, None, "x"), P("x")),
+                     out_specs=P(None, "x"), check_vma=False)
+  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
+                                            sd((1024, 256), jnp.bfloat16))
 
 
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
