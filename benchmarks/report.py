@@ -854,8 +854,9 @@ CM_VARIANTS = (
     "in local mode, the FP8 one without the encode.",
     "In `nvlink_last_sm_relay*` (last on 2026-11-27) `[relay_sm0]` is the reduce-scatter "
     "kernel, plain and FP8, with SM 0 relaying each phase's signal to the peers one after "
-    "another, as before that run (`_relay_on_sm0`, removed since), beside `fused` / `fused_fp8` relaying from "
-    "the SM dealt the phase's last tile, to every peer behind one fence.",
+    "another, as before that run (`_relay_on_sm0`, removed since), beside `fused` / "
+    "`fused_fp8` relaying from the SM dealt the phase's last tile, to every peer behind one "
+    "fence.",
     "In `nvlink_probe*` each `[probe=...]` variant (`_probe` of `matmul_reduce_scatter`, results "
     "right) makes every sent tile read and drop partials as an own tile reads them: `sent_reads` "
     "its first two blocks from the peer, `sent_local_reads` the same from its own GPU, "
