@@ -331,6 +331,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     # per phase and for the release at the end: the peers' relayed signals, then the counts
     # of this rank's own warpgroups (``relay``)
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2 * (phases + 1))
+    peers = [lax.rem(r + q, n) for q in range(1, n)]  # whom every relayed signal goes to
 
     def peer(a, p):  # array a of what rank p sent this rank: slot r of p's outbox
       if local:
@@ -419,7 +420,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       def _signal():
         with jax.named_scope("signal"):
           plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-          relay(p, [lax.rem(r + q, n) for q in range(1, n)], (n - 1, p))
+          relay(p, peers, (n - 1, p))
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
@@ -445,7 +446,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         @pl.when(computes)
         def _release():
           with jax.named_scope("release"):
-            relay(phases, [lax.rem(r + q, n) for q in range(1, n)], (n, phases - 1))
+            relay(phases, peers, (n, phases - 1))
             pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
