@@ -108,6 +108,9 @@ def test_kernel_policy_is_by_work_where_the_sizes_do_not_separate():
   assert report.kernel_thresholds(cases) == {
       "all_gather": {"max_work": 2048, "min_bytes": 16 * MIB}}
   assert report.kernel_thresholds(cases[1:]) == {"all_gather": None}
+  # faster by less than the margin (the runs' spread): a tie, which keeps the plain kernel
+  tie = case("proj_dx", 2048, 0.2991, 0.2991 * (1 - report.KERNEL_WIN_MARGIN / 2))
+  assert report.kernel_thresholds([tie]) == {"all_gather": None}
   assert report._last_win([(1, True), (2, True), (2, False), (4, True)]) == 1  # a tie
   assert report._last_win([(1, False), (2, True)]) is None and report._last_win([]) is None
 
