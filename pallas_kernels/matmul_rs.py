@@ -356,11 +356,11 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       row = m_idx * t.cta_m
       return (row // s) * t_len + c * s + row % s
 
-    def relay(slot: int | jax.Array, owners, last_loop):
+    def relay(slot: int | jax.Array, last_loop):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
       reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
       warpgroup 0 of the SM dealt the last tile of the schedule's loop ``last_loop``,
-      ``(q, p)``) waits until every warpgroup has counted and signals ``owners`` once,
+      ``(q, p)``) waits until every warpgroup has counted and signals every peer once,
       all behind one fence. A signal to a peer is a release at system scope: given by every
       warpgroup at once, the signals held each SM for up to ~200 us, one after the other
       (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU scope, and
@@ -374,7 +374,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         plgpu.semaphore_wait(count, value=signals, decrement=False, memory_scope="gpu")
         plgpu.semaphore_signal_parallel(*(
             plgpu.SemaphoreSignal(sems.at[slot], device_id={axis_name: owner})
-            for owner in owners))
+            for owner in peers))
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
 
@@ -420,7 +420,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       def _signal():
         with jax.named_scope("signal"):
           plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-          relay(p, peers, (n - 1, p))
+          relay(p, (n - 1, p))
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
@@ -446,7 +446,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         @pl.when(computes)
         def _release():
           with jax.named_scope("release"):
-            relay(phases, peers, (n, phases - 1))
+            relay(phases, (n, phases - 1))
             pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
