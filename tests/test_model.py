@@ -27,9 +27,9 @@ def _tokens(b, t, seed=0):
 def test_shapes_and_dtypes(dtype):
   cfg = dataclasses.replace(CFG, dtype=dtype)
   model = GPT(cfg, rngs=nnx.Rngs(0))
-  logits = model(_tokens(2, 16))
+  logits = nnx.jit(lambda m, t: m(t))(model, _tokens(2, 16))  # one program: op by op is slow
   assert logits.shape == (2, 16, 256) and logits.dtype == jnp.float32
-  loss, aux = loss_fn(model, _tokens(2, 17))
+  loss, aux = nnx.jit(loss_fn)(model, _tokens(2, 17))
   assert loss.shape == () and loss.dtype == jnp.float32 and aux['loss'] == loss
   assert abs(float(loss) - math.log(256)) < 0.5  # near-uniform at init
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -50,7 +50,7 @@ def test_causal():
   model = GPT(CFG, rngs=nnx.Rngs(0))
   h = model.embed(_tokens(1, 16))
   t = 7
-  g = jax.grad(lambda h: model.trunk(h)[0, t].sum())(h)
+  g = jax.jit(jax.grad(lambda h: model.trunk(h)[0, t].sum()))(h)
   per_pos = np.abs(np.asarray(g[0])).sum(-1)
   assert np.all(per_pos[t + 1:] == 0)
   assert np.all(per_pos[:t + 1] > 0)
