@@ -1,10 +1,8 @@
-"""Trainer: loss falls, Ctrl-C + resume == uninterrupted, non-finite stop, CLI and sampling,
-the optimizer's weight-decay mask."""
+"""Trainer: loss falls, Ctrl-C + resume == uninterrupted, non-finite stop, checkpoints and
+sampling, the optimizer's weight-decay mask. (The CLI, run from another directory, is the
+README's: tests/test_readme.py.)"""
 import json
-import os
-import pathlib
 import signal
-import subprocess
 import sys
 
 import jax
@@ -26,8 +24,6 @@ from taco_jax.tp.mesh import make_mesh
 from taco_jax.train import checkpoint, optim, pgle, trainer
 from taco_jax.train.trainer import NonFiniteLossError, train
 from taco_jax.train.metrics import read_jsonl
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope='module')
@@ -134,29 +130,6 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, cache_di
   ckpt = checkpoint.Checkpoints(tmp_path)
   assert ckpt.latest_step() == 2
   ckpt.close()
-
-
-def test_cli_from_another_directory_then_sample(tmp_path, cache_dir):
-  """`--config=configs/tiny.py` resolves to the installed configs when run elsewhere."""
-  workdir = tmp_path / 'wd'
-  overrides = ['n_layers=1', 'd_model=32', 'n_heads=2', 'd_ff=64', 'max_seq_len=16']
-  args = [f'--config.model.{o}' for o in overrides] + [
-      '--config.data.seq_len=16', '--config.data.batch_size=4',
-      '--config.data.max_corpus_bytes=2000000', f'--config.data.cache_dir={cache_dir}',
-      '--config.train.steps=3', '--config.optim.warmup_steps=1', '--config.train.eval_batches=1',
-      '--config.train.progress_bar=False', '--cpu_devices=2']
-  env = {**os.environ, 'PYTHONPATH': str(REPO)}
-  proc = subprocess.run([sys.executable, '-m', 'taco_jax.train', '--config=configs/tiny.py',
-                         f'--workdir={workdir}', *args], cwd=tmp_path, env=env,
-                        capture_output=True, text=True, timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  assert json.loads(proc.stdout[proc.stdout.index('{'):])['step'] == 3
-  model, step = sample.load_model(workdir)
-  assert step == 3 and model.cfg.max_seq_len == 16
-  out = sample.generate(model, data.encode('def'), 20, temperature=1.0, top_k=5)
-  assert len(out) == 23 and list(out[:3]) == list(data.encode('def'))
-  assert sample.generate(model, [1, 2], 3, temperature=0).tolist() == \
-      sample.generate(model, [1, 2], 3, temperature=0).tolist()  # greedy is deterministic
 
 
 def test_decay_mask_spares_stacked_norms():
@@ -335,6 +308,12 @@ def test_checkpoints_of_the_old_single_device_trainer_load(tmp_path):
   assert step == 3
   jax.tree.map(np.testing.assert_array_equal, nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                nnx.to_pure_dict(params))
+  # generation runs past the model's context (the README's `sample` command runs the CLI)
+  prompt = data.encode('def')
+  out = sample.generate(model, prompt, model.cfg.max_seq_len + 4, temperature=1.0, top_k=5)
+  assert len(out) == len(prompt) + model.cfg.max_seq_len + 4 and list(out[:3]) == list(prompt)
+  assert sample.generate(model, [1, 2], 3, temperature=0).tolist() == \
+      sample.generate(model, [1, 2], 3, temperature=0).tolist()  # greedy is deterministic
 
 
 def test_moved_modules_name_their_new_place():
