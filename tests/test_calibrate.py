@@ -36,7 +36,7 @@ def _config(tmp_path):
 def run(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("calibrate")
   config = _config(tmp)
-  settings = calibrate.grid(group_sizes=(32, 64, 128))
+  settings = calibrate.grid(group_sizes=(32, 64))
   rep = calibrate.calibrate(config, steps=2, out=tmp / "calibrated_tiny.py", settings=settings,
                             config_path="configs/parallel_tiny.py",
                             compiler_options=FAST_COMPILE)
