@@ -30,6 +30,10 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           GEMM core (`fused`'s free communication): what the kernel layers would take if
           their transfers cost nothing, so ceiling_<ideal_cm variant> = (off - ideal_cm) /
           (off - ideal) is the most they can recover with our matmuls
+  _xchg   the attention's out-projection all-to-alls its input over "tensor" and
+          all-gathers its weight instead of reduce-scattering its output
+          (`parallel.tp_exchange`, `layers.exchange_matmul`): 1/tp of the bytes, sent
+          between XLA's kernels and plain, with or without _cm
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
@@ -130,7 +134,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "push", "wcopy", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll",
+MODIFIERS = ("cm", "push", "wcopy", "xchg", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll",
              "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_pgle
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -154,6 +158,7 @@ class Variant:
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
   push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
   wcopy: bool = False           # _wcopy: XLA transposes the backward kernels' weights
+  tp_exchange: bool = False     # _xchg: parallel.tp_exchange
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -200,7 +205,7 @@ def parse_variant(name: str) -> Variant:
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
-                 push="push" in mods, wcopy="wcopy" in mods,
+                 push="push" in mods, wcopy="wcopy" in mods, tp_exchange="xchg" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -318,6 +323,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
       plan = dataclasses.replace(plan, dp_params=None)
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
                                           tp_overlap=variant.tp_overlap,
+                                          tp_exchange=variant.tp_exchange,
                                           interleave=variant.interleave,
                                           schedule=variant.schedule,
                                           virtual_stages=variant.virtual_stages,

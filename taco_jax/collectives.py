@@ -10,6 +10,7 @@ the baseline and the compressed run share one code path. With a ``CompressionCon
   reduce-scatter over rows, fp32 result recompressed -> compressed all-gather).
 * ppermute: compress -> ppermute the wire rows -> decompress (ranks that receive
   nothing hold zero bytes, which decode to zeros).
+* all-to-all: plain only (``all_to_all``).
 
 FP8 codes are never summed by a collective (every rank has its own scales). Wire format
 (``codec.to_wire``, ``pallas_kernels.wire``): one uint8 buffer per message, each row its
@@ -93,9 +94,10 @@ _free: list = []  # see `free_communication`: the axes whose collectives are sta
 
 @contextlib.contextmanager
 def free_communication(axis_name: AxisName):
-  """While tracing inside, ``all_gather``, ``reduce_scatter`` and ``all_reduce`` over
-  exactly ``axis_name`` send nothing: they are local stand-ins with the outputs' shapes (the
-  local shard broadcast, the local slice, the input), compressed or not; other axes and
+  """While tracing inside, ``all_gather``, ``reduce_scatter``, ``all_reduce`` and
+  ``all_to_all`` over exactly ``axis_name`` send nothing: they are local stand-ins with the
+  outputs' shapes (the local shard broadcast, the local slice, the input, the own chunk
+  repeated), compressed or not; other axes and
   ``ppermute`` are untouched. The program computes nonsense with the same FLOPs: the step
   time of free communication over that axis (``benchmarks.bench_train``'s "ideal")."""
   _free.append(_axes(axis_name))
@@ -320,6 +322,21 @@ def _all_reduce(x, axis_name, compression, algorithm, n):
   part = _reduce_scatter(rows, axis_name, 0, compression, jnp.float32, n)
   out = _all_gather(part, axis_name, 0, True, compression, "invarying", n, x.dtype)
   return out[:r].reshape(x.shape)
+
+
+def all_to_all(x, axis_name: AxisName, *, split_axis: int, concat_axis: int):
+  """Tiled ``lax.all_to_all``: rank i's chunk j of ``split_axis`` goes to rank j, which
+  concatenates what it receives along ``concat_axis`` in rank order. Plain only (bf16 on
+  the wire); differentiates as the lax op (its transpose swaps the two axes). Under
+  `free_communication` a stand-in of the output's shape: this rank's own chunk, repeated."""
+  fn = "all_to_all"
+  n = axis_size(axis_name, fn, x.shape)
+  split_axis = _check_dim(fn, axis_name, n, x.shape, split_axis, "split_axis")
+  concat_axis = _check_dim(fn, axis_name, 1, x.shape, concat_axis, "concat_axis")
+  if communication_is_free(axis_name):
+    own = jax.lax.slice_in_dim(x, 0, x.shape[split_axis] // n, axis=split_axis)
+    return jnp.concatenate([own] * n, axis=concat_axis)
+  return jax.lax.all_to_all(x, axis_name, split_axis, concat_axis, tiled=True)
 
 
 def ppermute(x, axis_name: AxisName, perm, *, compression: Compression = None):

@@ -207,6 +207,31 @@ def test_error_not_divisible(compression):
     _shard_map_call(lambda x: tc.reduce_scatter(x, "x", compression=compression), (6, 128))
 
 
+def test_all_to_all_is_the_lax_collective_and_its_transpose():
+  """`all_to_all` sends rank i's chunk j of the split axis to rank j, concatenated in rank
+  order along the other axis: the tiled lax op, value and gradient (an all-to-all back)."""
+  mesh, n = mesh_1d(4), 4
+  p = pattern((2, 16, 8), jnp.float32)
+  ours, ranks = run(mesh, "x", lambda x: tc.all_to_all(x, "x", split_axis=1, concat_axis=2), p)
+  xs = rank_inputs(p, n)
+  for y, r in zip(ours, ranks):
+    np.testing.assert_array_equal(y, np.concatenate([_chunks(x, n, 1)[r] for x in xs], axis=2))
+
+  def grad(x):
+    return jax.grad(lambda x: jnp.sum(
+        tc.all_to_all(x, "x", split_axis=1, concat_axis=2) ** 2))(x)
+  grads, _ = run(mesh, "x", grad, p)
+  for g, x in zip(grads, (xs[r] for r in ranks)):
+    np.testing.assert_allclose(g, 2 * x, rtol=1e-6)  # d/dx sum(all_to_all(x)^2) = 2x
+
+
+def test_all_to_all_errors():
+  with pytest.raises(ValueError, match=r"all_to_all: dimension 0 of shape \(6, 128\) has size 6"):
+    _shard_map_call(lambda x: tc.all_to_all(x, "x", split_axis=0, concat_axis=1), (6, 128))
+  with pytest.raises(ValueError, match=r"all_to_all: concat_axis=2 is out of range"):
+    _shard_map_call(lambda x: tc.all_to_all(x, "x", split_axis=0, concat_axis=2), (8, 128))
+
+
 @pytest.mark.parametrize("min_bytes", [0, 1 << 30])  # compressed / below the threshold
 def test_compressed_collective_rejects_integers_at_any_size(min_bytes):
   """A codec takes floating-point input only: a compressed collective refuses integers
@@ -295,13 +320,15 @@ def test_size_one_axis_is_the_identity_compressed_or_not():
 
 def test_free_communication_stands_in_locally_with_the_same_shapes():
   """`free_communication("x")`: the collectives over "x" send nothing (no collective in the
-  program) and return the local stand-ins: the shard broadcast, the local slice, the input."""
+  program) and return the local stand-ins: the shard broadcast, the local slice, the input,
+  the own chunk repeated."""
   mesh = mesh_1d(8)
   x = pattern((2, 16, 128), jnp.float32)
 
   def body(x):
     return (tc.all_gather(x, "x", axis=1, compression=E4M3),
-            tc.reduce_scatter(x, "x", scatter_dimension=1), tc.all_reduce(x, "x"))
+            tc.reduce_scatter(x, "x", scatter_dimension=1), tc.all_reduce(x, "x"),
+            tc.all_to_all(x, "x", split_axis=1, concat_axis=2))
 
   f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P("x"), check_vma=False))
   with tc.free_communication("x"):
@@ -309,7 +336,8 @@ def test_free_communication_stands_in_locally_with_the_same_shapes():
   text = lowered.as_text()
   assert not any(op in text for op in ("all_gather", "reduce_scatter", "all_reduce",
                                        "all_to_all"))
-  gathered, scattered, reduced = lowered.compile()(x)
+  gathered, scattered, reduced, exchanged = lowered.compile()(x)
+  np.testing.assert_array_equal(exchanged, np.tile(x[:, :2], (8, 1, 8)))
   np.testing.assert_array_equal(gathered, np.tile(x, (8, 8, 1)))
   np.testing.assert_array_equal(scattered, np.tile(x[:, :2], (8, 1, 1)))
   np.testing.assert_array_equal(reduced, np.tile(x, (8, 1, 1)))

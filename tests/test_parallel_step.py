@@ -393,6 +393,39 @@ def test_init_params_are_the_single_device_ones_to_rounding():
     np.testing.assert_array_max_ulp(x.astype(np.float32), r.astype(np.float32), maxulp=1)
 
 
+def test_exchange_matches_single_device_and_sends_the_attention_input(reference):
+  """`parallel.tp_exchange`: the attention's out-projection all-to-alls its input and
+  all-gathers its weight instead of reduce-scattering its output (`layers.exchange_matmul`).
+  The loss and gradients are the single-device ones to fp32 roundoff, with the kernel
+  layers (on CPU their XLA path) and under remat with the TP outputs saved; the attention's
+  reduce-scatter of the residual stream is gone from every block, its input's all-to-all
+  in its place."""
+  ref_params, ref_loss, ref_grads = reference
+  cfg = dataclasses.replace(CFG, remat=True)
+  mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
+  params = layout_lib.shard_params(CFG, ref_params, mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  x_bsd = (BATCH // MICRO, SEQ // 4, CFG.d_model)
+  tensor = lambda colls, kind: [c for c in colls  # noqa: E731
+                                if c.kind == kind and c.axes == {"tensor"}]
+  got = {}
+  for exchange in (False, True):
+    spec = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO, save_tp_outputs=True, tp_overlap="kernel",
+                                 tp_exchange=exchange, scan_layers=False)
+    got[exchange] = loss, grads, colls = _loss_grads_collectives(spec, mesh, params, tokens)
+    np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
+    for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
+      assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), (exchange, path)
+  plain_rs, exchanged_rs = (sum(c.shape == x_bsd for c in tensor(got[e][2], "reduce-scatter"))
+                            for e in (False, True))
+  assert plain_rs - exchanged_rs == CFG.n_layers * MICRO, (plain_rs, exchanged_rs)
+  # what the attention sends instead: its input, d_model / tp wide (the CPU compiler
+  # lowers other collectives to all-to-alls too, of other widths)
+  attention_input = lambda e: [c for c in tensor(got[e][2], "all-to-all")  # noqa: E731
+                               if c.shape[-1] == CFG.d_model // 4]
+  assert attention_input(True) and not attention_input(False)
+
+
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   """With `model.remat` the backward layer scan recomputes each block, its TP collectives
   included; `save_tp_outputs=True` keeps their outputs instead (`step.remat_policy`), so

@@ -50,6 +50,7 @@ class TPContext:
   dtype: object = jnp.bfloat16               # compute dtype of the matmuls
   plan: CompressionPlan = CompressionPlan()  # codec per collective (default: all plain)
   overlap: str = "none"                      # parallel.tp_overlap: none | ring | kernel
+  exchange: bool = False                     # parallel.tp_exchange (`RowParallelLinear`)
 
   def __post_init__(self):
     if self.overlap not in TP_OVERLAP:
@@ -139,10 +140,20 @@ class RowParallelLinear(nnx.Module):
     self.kernel = nnx.Param(normal_init(init_std)(rngs.params(), (d_local, d_out), jnp.float32))
     self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32))
 
+  @property
+  def exchanges(self) -> bool:
+    """Whether this layer sends its input instead of its output (``parallel.tp_exchange``):
+    where the local input is narrower than the output, an all-to-all of the input sends
+    fewer bytes than the output's reduce-scatter (the attention's out-projection: 1/tp)."""
+    d_local, d_out = self.kernel.shape
+    return self.ctx.exchange and self.ctx.tp > 1 and d_local < d_out
+
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     y_BTF = y_BTF.astype(ctx.dtype)
-    if ctx.overlap == "ring" and ctx.tp > 1:
+    if self.exchanges:
+      x_BSD = exchange_matmul(y_BTF, w)
+    elif ctx.overlap == "ring" and ctx.tp > 1:
       x_BSD = overlap.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp"))
     elif ctx.overlap == "kernel" and ctx.tp > 1:
       x_BSD = checkpoint_name(
@@ -151,6 +162,20 @@ class RowParallelLinear(nnx.Module):
     else:
       x_BSD = scatter_seq(jnp.einsum("...i,io->...o", y_BTF, w), ctx)
     return x_BSD + self.bias[...].astype(ctx.dtype)
+
+
+def exchange_matmul(y_BTF, w_FD):
+  """The row-parallel product with sequence parallelism by an exchange of inputs: this
+  rank's sequence shard of ``y @ w`` from every rank's columns of y for it (all-to-all
+  over "tensor", [B, T, F/tp] -> [B, S, F]) times the whole weight (all-gathered; its
+  gradient reduce-scattered). It sends (tp - 1) / tp of y's local bytes where the
+  reduce-scatter of the product sends (tp - 1) / tp of ``[B, T, D]``: F / tp / D as much,
+  1/tp at the attention's out-projection. Both outputs carry ``TP_OUTPUT``, so that the
+  recomputation under ``parallel.save_tp_outputs`` does not communicate again."""
+  y_BSF = checkpoint_name(collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ,
+                                                 concat_axis=2), TP_OUTPUT)
+  w_full = checkpoint_name(collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
+  return jnp.einsum("...i,io->...o", y_BSF, w_full)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,6 +108,10 @@ class ParallelSpec:
   # how the TP layers communicate (parallel.tp_overlap): "none", the collectives between
   # the matmuls; "ring", ring collective matmuls; "kernel", fused collective-matmul kernels
   tp_overlap: str = "none"
+  # row-parallel layers whose local input is narrower than their output (the attention's
+  # out-projection) all-to-all their input instead of reduce-scattering their output
+  # (parallel.tp_exchange; `layers.exchange_matmul`)
+  tp_exchange: bool = False
   # sub-batches per micro-batch whose blocks run side by side, so that one's TP collectives
   # can overlap another's matmuls (parallel.interleave; see `_trunk`)
   interleave: int = 1
@@ -155,7 +159,8 @@ class ParallelSpec:
   @property
   def ctx(self) -> layers.TPContext:
     return layers.TPContext(tp=self.tp, dtype=self.cfg.compute_dtype,
-                            plan=self.plan, overlap=self.tp_overlap)
+                            plan=self.plan, overlap=self.tp_overlap,
+                            exchange=self.tp_exchange)
 
 
 def _raise(what: str, errs: list[str]) -> None:

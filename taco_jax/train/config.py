@@ -138,8 +138,9 @@ def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
   return ParallelSpec(model_config(c.model), p.dp, p.pp, p.tp, p.microbatches,
                       plan_from_config(c.compression), schedule=p.schedule,
                       virtual_stages=p.virtual_stages, tp_overlap=p.tp_overlap,
-                      interleave=p.interleave, save_tp_outputs=p.save_tp_outputs,
-                      save_dots=p.save_dots, scan_layers=p.scan_layers,
+                      tp_exchange=p.tp_exchange, interleave=p.interleave,
+                      save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
+                      scan_layers=p.scan_layers,
                       shard_optimizer=p.shard_optimizer,
                       overlap_grad_reduce=p.overlap_grad_reduce)
 
