@@ -444,15 +444,15 @@ def profile_section() -> str:
   for name, d in runs:
     for v, devs in d["variants"].items():
       mean = lambda k: sum(x[k] for x in devs.values()) / len(devs)  # noqa: E731
-      rows.append([d["label"], d["config"]["model"], d["layout"], v, mean("compute_ms"),
-                   mean("nccl_ms"), mean("nccl_exposed_ms")])
-  d = runs[-1][1]
-  return (f"### Where the step's time goes (`benchmarks/profile_step.py`, {d['num_devices']}x "
-          f"{d['device']})\n\n"
+      rows.append([d["label"], d["num_devices"], d["config"]["model"], d["layout"], v,
+                   mean("compute_ms"), mean("nccl_ms"), mean("nccl_exposed_ms")])
+  devices = " / ".join(sorted({d["device"] for _, d in runs}))
+  return (f"### Where the step's time goes (`benchmarks/profile_step.py`, {devices})\n\n"
           "Device trace of a step, ms per step, mean over the GPUs: `compute` = time some "
           "compute kernel runs, `NCCL` = time some NCCL kernel runs, `exposed` = NCCL time "
           "with no compute kernel beside it on that GPU.\n\n"
-          + _table(["run", "model", "dp,pp,tp", "variant", "compute", "NCCL", "exposed"], rows)
+          + _table(["run", "GPUs", "model", "dp,pp,tp", "variant", "compute", "NCCL", "exposed"],
+                   rows)
           + "\n")
 
 
