@@ -134,13 +134,14 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
-MODIFIERS = ("cm", "push", "wcopy", "xchg", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero", "unroll",
-             "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")  # in order: off_cm_save_pgle
+# in order, e.g. off_cm_save_pgle
+MODIFIERS = ("cm", "push", "wcopy", "xchg", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero",
+             "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
-# what a kernel variant's pair of collectives-between-matmuls variants lacks
-KERNEL_ONLY_MODIFIERS = ("cm", "push", "wcopy", *GRAPHS_MODIFIERS)
+# a variant with these is measured against the collectives' step of its other modifiers
+PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "xchg", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -506,10 +507,11 @@ def summarize(rows) -> list[dict]:
         s[f"speedup_on_vs_off{mods}"] = t[v.name] / t[on]
         if exposed:
           s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
-      # a kernel variant against the collectives-between-matmuls pair of its other modifiers
-      pair = "".join(f"_{m}" for m in mods.split("_")[1:] if m not in KERNEL_ONLY_MODIFIERS)
+      # a kernel or exchange variant against the collectives-between-matmuls pair of its
+      # other modifiers
+      pair = "".join(f"_{m}" for m in mods.split("_")[1:] if m not in PAIRED_WITH_COLLECTIVES)
       off, ideal = f"off{pair}", f"ideal{pair}"
-      if v.kernels and off in t and ideal in t and t[off] > t[ideal]:
+      if (v.kernels or v.tp_exchange) and off in t and ideal in t and t[off] > t[ideal]:
         name = "ceiling" if v.base == "ideal" else "recovered"
         s[f"{name}_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
       if v.kernels and v.base != "ideal" and "gspmd" in t:

@@ -47,6 +47,11 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert s["recovered_off_cm_push_fgraphs"] == pytest.approx(0.4)  # its pair is off too
   assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
   assert bench_train.parse_variant("on_cm_wcopy_save_fgraphs").wcopy
+  assert bench_train.parse_variant("on_cm_xchg_save_fgraphs").tp_exchange
+  (s,) = bench_train.summarize(_rows(off_save=200.0, ideal_save=150.0, off_xchg_save=190.0,
+                                     on_cm_xchg_save_fgraphs=170.0))
+  assert s["recovered_off_xchg_save"] == pytest.approx(0.2)  # against the collectives
+  assert s["recovered_on_cm_xchg_save_fgraphs"] == pytest.approx(0.6)
   (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, gspmd=210.0, off_cm_fgraphs=175.0,
                                      ideal_cm_fgraphs=160.0))
   assert s["ceiling_ideal_cm_fgraphs"] == pytest.approx(0.8)  # (200 - 160) / 50

@@ -135,6 +135,19 @@ def test_train_lowers_loss_and_resumes_on_another_mesh(tmp_path, tmp_path_factor
   assert json.loads((tmp_path / "summary.json").read_text())["mesh"]["tensor"] == 4
 
 
+def test_tp_exchange_reaches_the_attention_out_projection_only():
+  """`parallel.tp_exchange` goes from the config to the layers, where only a row-parallel
+  layer whose local input is narrower than its output (the attention's) exchanges it."""
+  from flax import nnx
+  from taco_jax.models.gpt import Block
+  from taco_jax.tp.layers import TensorParallelFactory
+  c = _config(dp=2, pp=2, tp=2, tp_exchange=True)
+  ctx = parallel_spec(c).ctx
+  assert ctx.exchange and not parallel_spec(_config(dp=2, pp=2, tp=2)).ctx.exchange
+  block = Block(parallel_spec(c).cfg, rngs=nnx.Rngs(0), linear=TensorParallelFactory(ctx))
+  assert block.attn_out.exchanges and not block.mlp_out.exchanges
+
+
 @pytest.mark.slow  # covered: test_parallel_step's remat-policy tests, test_train's meshes
 def test_entry_point_runs_remat_policies_on_a_mesh(tmp_path, tmp_path_factory):
   c = _config(str(tmp_path_factory.mktemp("corpus")), dp=2, pp=2, tp=2, microbatches=2,
