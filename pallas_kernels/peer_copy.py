@@ -57,6 +57,55 @@ def reference(gathered, rank, peers: str):
   return jnp.stack([gathered[(rank + 1 + i) % n] for i in range(sources(n, peers))])
 
 
+SEMAPHORES = 2
+DONE, COUNT = range(SEMAPHORES)  # the peers' signals; this GPU's SMs finished (pull)
+
+
+def share(total: int, num_sms: int):
+  """How many of ``total`` blocks, dealt round-robin, this SM copies: its items are
+  ``sm, sm + num_sms, ...``."""
+  return (total - lax.axis_index(gemm.SM) + num_sms - 1) // num_sms
+
+
+def copy_blocks(mine, depth: int, load, store, loaded) -> None:
+  """This SM's ``mine`` blocks through ``depth`` shared-memory slots: ``load(item, slot)``
+  starts block ``item``'s load into ``slot`` (arriving on barrier ``loaded[slot]``),
+  ``store(item, slot)`` its store from there; a slot is refilled with the block ``depth``
+  on once its store has read it. Returns once this SM's stores have landed."""
+  for item in range(depth):  # the first depth blocks in flight
+    @pl.when(item < mine)
+    def _first(item=item):
+      load(item, item)
+
+  @pl.loop(0, mine)
+  def _copy(item):
+    slot = lax.rem(item, depth)
+    plgpu.barrier_wait(loaded.at[slot])
+    store(item, slot)
+
+    @pl.when((item >= 1) & (item - 1 + depth < mine))
+    def _refill():  # the previous block's slot, once its store has read it
+      plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+      load(item - 1 + depth, lax.rem(item - 1, depth))
+
+  plgpu.wait_smem_to_gmem(0)
+
+
+def release_sources(sems, num_sms: int, sources, axis_name) -> None:
+  """A pulling kernel's way out: once all ``num_sms`` SMs' reads have landed (each SM
+  signals after `copy_blocks`), SM 0 tells each of ``sources`` that it may go, then waits
+  until as many ranks have told it the same (the reads are symmetric: as many ranks read
+  this one as it reads), so no rank's input is freed while a peer still reads it."""
+  plgpu.semaphore_signal(sems.at[COUNT], memory_scope="gpu")
+
+  @pl.when(lax.axis_index(gemm.SM) == 0)
+  def _release():
+    plgpu.semaphore_wait(sems.at[COUNT], value=num_sms, decrement=False, memory_scope="gpu")
+    for source in sources:
+      pl.semaphore_signal(sems.at[DONE], device_id={axis_name: source})
+    pl.semaphore_wait(sems.at[DONE], value=len(sources), decrement=False)
+
+
 def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all",
               block_rows: int = 64, depth: int = 4, num_sms: int, rank=None,
               local_peers=None):
@@ -80,15 +129,14 @@ def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all
     raise ValueError(f"peer_copy: {depth} blocks of {block_bytes} bytes exceed shared memory")
   local = local_peers is not None
   total = p_count * (rows // block_rows)
-  done, count = range(2)  # the peers' signals; this GPU's SMs finished (pull)
 
   def body(*refs, smem, loaded):
     (src_ref,), given, (dst_ref,) = gemm.split_refs(refs, 1, int(local), 1)
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2)
+    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, SEMAPHORES)
     targets = [lax.rem(r + 1 + i, n) for i in range(p_count)]    # pull from / receive from
     receivers = [lax.rem(r - 1 - i + n, n) for i in range(p_count)]  # push to
     sm = lax.axis_index(gemm.SM)
-    mine = (total - sm + num_sms - 1) // num_sms  # items sm, sm + num_sms, ...
+    mine = share(total, num_sms)
 
     def source_ref(s):  # where the blocks of source s are read
       if local:
@@ -120,39 +168,15 @@ def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all
       per_source(item, lambda s, rows_j: plgpu.copy_smem_to_gmem(
           smem.at[slot], dest_ref(s).at[rows_j]))
 
-    for item in range(depth):  # the first depth blocks in flight
-      @pl.when(item < mine)
-      def _first(item=item):
-        load(item, item)
-
-    @pl.loop(0, mine)
-    def _copy(item):
-      slot = lax.rem(item, depth)
-      plgpu.barrier_wait(loaded.at[slot])
-      store(item, slot)
-
-      @pl.when((item >= 1) & (item - 1 + depth < mine))
-      def _refill():  # the previous block's slot, once its store has read it
-        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-        load(item - 1 + depth, lax.rem(item - 1, depth))
-
-    plgpu.wait_smem_to_gmem(0)  # this SM's stores have landed
+    copy_blocks(mine, depth, load, store, loaded)
     if sems is None:
       return
     if mode == "push":  # in every receiver
       for receiver in receivers:
-        pl.semaphore_signal(sems.at[done], device_id={axis_name: receiver})
-      pl.semaphore_wait(sems.at[done], value=num_sms * p_count, decrement=False)
+        pl.semaphore_signal(sems.at[DONE], device_id={axis_name: receiver})
+      pl.semaphore_wait(sems.at[DONE], value=num_sms * p_count, decrement=False)
       return
-    plgpu.semaphore_signal(sems.at[count], memory_scope="gpu")
-
-    @pl.when(sm == 0)
-    def _release():  # every SM's reads landed: tell the sources they may go
-      plgpu.semaphore_wait(sems.at[count], value=num_sms, decrement=False, memory_scope="gpu")
-      for target in targets:
-        pl.semaphore_signal(sems.at[done], device_id={axis_name: target})
-      # the pattern is symmetric: as many ranks read this one as it reads
-      pl.semaphore_wait(sems.at[done], value=p_count, decrement=False)
+    release_sources(sems, num_sms, targets, axis_name)
 
   out_type = jax.ShapeDtypeStruct((p_count, rows, cols), shard.dtype)
   f = plgpu.kernel(

@@ -1,13 +1,14 @@
 """The probes of what bounds compression on NVLink: benchmarks/bench_transport.py (the
 settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
-its report section), and benchmarks/bench_peer_copy.py (a smoke run: NCCL's stand-ins
-checked, the copy kernel left to the GPU)."""
+its report section), and benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
+NCCL's stand-ins checked, the kernels left to the GPU)."""
 import json
 
 import pytest
 
-from benchmarks import bench_peer_copy, bench_transport, probe_fused_decode, report as report_lib
+from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, probe_fused_decode,
+                        report as report_lib)
 
 
 def test_setting_env():
@@ -66,3 +67,13 @@ def test_peer_copy_smoke_checks_nccls_stand_ins_and_skips_the_kernel(tmp_path):
     kernels = [k for k in case["variants"] if not k.startswith("xla_")]
     assert kernels == ["pull[sms=4+depth=2+rows=64]", "push[sms=4+depth=2+rows=64]"]
     assert all("GPU only" in case["variants"][k]["skipped"] for k in kernels)
+
+
+def test_exchange_smoke_checks_xlas_all_to_all_and_skips_the_kernel(tmp_path):
+  cases = json.loads(bench_exchange.main(["--smoke", "--out-dir", str(tmp_path)]).read_text())[
+      "cases"]
+  assert [(c["way"], c["shape"], c["misfit"]) for c in cases] == [
+      ("forward", [2, 512, 8], None), ("backward", [2, 64, 64], None)]
+  for case in cases:
+    assert case["variants"]["xla_all_to_all"]["ok"]
+    assert "GPU only" in case["variants"]["kernel"]["skipped"]

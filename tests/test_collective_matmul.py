@@ -774,3 +774,49 @@ def test_peer_copy_lowers_for_hopper_and_refuses_bad_input():
                           (dict(depth=8), "exceed shared memory"), (dict(n=1), "2 or more")):
     with pytest.raises(ValueError, match=message):
       peer_copy.peer_copy(shard, "x", **{"n": 4, "num_sms": 4, **kwargs})
+
+
+# --- the exchange (`parallel.tp_exchange` with the kernel layers) ---------------------------
+
+
+@pytest.mark.parametrize("n,split_axis,num_sms", [(2, 1, 3), (4, 1, 5), (2, 2, 2), (4, 2, 3)])
+def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms):
+  """One rank's block loop in local mode equals the tiled all-to-all, both ways (rows to
+  columns, as the forward pass sends, and back), its own chunk included, with several
+  batch rows and column blocks per chunk and unequal shares per SM. Under the race
+  detector."""
+  from taco_jax.pallas_kernels import exchange
+  rows, cols = exchange.ROWS, 2 * exchange.COLS if split_axis == 1 else 16
+  shape = (2, n * rows, cols) if split_axis == 1 else (2, rows, n * cols)
+  x_all = _bf16(jax.random.key(n + split_axis), (n, *shape))
+  rank = n - 1
+  want = exchange.reference(x_all, rank, split_axis)
+  with _interpret(detect_races=True):
+    got = exchange.all_to_all(x_all[rank], "x", n=n, split_axis=split_axis, num_sms=num_sms,
+                              rank=rank, local_x=x_all)
+  assert got.shape == want.shape
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  lax_out = jax.jit(jax.shard_map(
+      lambda x: jax.lax.all_to_all(x[0], "x", split_axis, 3 - split_axis, tiled=True)[None],
+      mesh=testing.mesh_1d(n), in_specs=P("x"), out_specs=P("x")))(x_all)
+  np.testing.assert_array_equal(np.asarray(lax_out[rank], np.float32),
+                                np.asarray(want, np.float32))
+
+
+def test_exchange_lowers_for_hopper_and_refuses_bad_input():
+  """Both ways, the kernel lowers for sm_90 with its peer reads and semaphores, on a
+  (2, 1, 2) mesh with TP as one of its axes; shapes its blocks do not tile are refused."""
+  from taco_jax.pallas_kernels import exchange
+  mesh = jax.make_mesh((2, 1, 2), ("data", "pipeline", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:4])
+  for split_axis, shape in ((1, (2, 256, 512)), (2, (2, 128, 1024))):
+    fn = jax.shard_map(lambda x, a=split_axis: exchange.all_to_all(
+        x, "tensor", n=2, split_axis=a, num_sms=132), mesh=mesh,
+        in_specs=P("data"), out_specs=P("data"), check_vma=False)
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+  for shape, split_axis, message in (((2, 96, 256), 1, "do not tile"),
+                                     ((2, 128, 256), 3, "along 1 or 2"),
+                                     ((2, 128, 255), 2, "does not divide")):
+    with pytest.raises(ValueError, match=message):
+      exchange.all_to_all(jnp.zeros(shape, jnp.bfloat16), "x", n=2, split_axis=split_axis,
+                          num_sms=4)

@@ -396,8 +396,9 @@ def test_init_params_are_the_single_device_ones_to_rounding():
 def test_exchange_matches_single_device_and_sends_the_attention_input(reference):
   """`parallel.tp_exchange`: the attention's out-projection all-to-alls its input and
   all-gathers its weight instead of reduce-scattering its output (`layers.exchange_matmul`).
-  The loss and gradients are the single-device ones to fp32 roundoff, with the kernel
-  layers (on CPU their XLA path) and under remat with the TP outputs saved; the attention's
+  The loss and gradients are the single-device ones to fp32 roundoff, between XLA's
+  collectives and with the kernel layers (on CPU their XLA path: `fused.exchange`'s custom
+  VJP), under remat with the TP outputs saved; the attention's
   reduce-scatter of the residual stream is gone from every block, its input's all-to-all
   in its place."""
   ref_params, ref_loss, ref_grads = reference
@@ -409,21 +410,24 @@ def test_exchange_matches_single_device_and_sends_the_attention_input(reference)
   tensor = lambda colls, kind: [c for c in colls  # noqa: E731
                                 if c.kind == kind and c.axes == {"tensor"}]
   got = {}
-  for exchange in (False, True):
-    spec = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO, save_tp_outputs=True, tp_overlap="kernel",
+  for overlap, exchange in (("kernel", False), ("kernel", True), ("none", True)):
+    spec = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO, save_tp_outputs=True, tp_overlap=overlap,
                                  tp_exchange=exchange, scan_layers=False)
-    got[exchange] = loss, grads, colls = _loss_grads_collectives(spec, mesh, params, tokens)
+    got[overlap, exchange] = loss, grads, colls = _loss_grads_collectives(spec, mesh, params,
+                                                                          tokens)
     np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
     for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
       assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), (exchange, path)
-  plain_rs, exchanged_rs = (sum(c.shape == x_bsd for c in tensor(got[e][2], "reduce-scatter"))
+  plain_rs, exchanged_rs = (sum(c.shape == x_bsd for c in tensor(got["kernel", e][2],
+                                                                 "reduce-scatter"))
                             for e in (False, True))
   assert plain_rs - exchanged_rs == CFG.n_layers * MICRO, (plain_rs, exchanged_rs)
   # what the attention sends instead: its input, d_model / tp wide (the CPU compiler
   # lowers other collectives to all-to-alls too, of other widths)
-  attention_input = lambda e: [c for c in tensor(got[e][2], "all-to-all")  # noqa: E731
-                               if c.shape[-1] == CFG.d_model // 4]
-  assert attention_input(True) and not attention_input(False)
+  attention_input = lambda *k: [c for c in tensor(got[k][2], "all-to-all")  # noqa: E731
+                                if c.shape[-1] == CFG.d_model // 4]
+  assert attention_input("kernel", True) and attention_input("none", True)
+  assert not attention_input("kernel", False)
 
 
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():

@@ -9,6 +9,8 @@ one fused kernel:
       dy @ w.T, dw = x_full.T @ dy.
   matmul_scatter(y_BTF, w_FD)  forward: matmul + reduce-scatter; backward: the all-gather +
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
+  exchange(y_BTF)              ``parallel.tp_exchange``'s all-to-all [B, T, F/tp] ->
+      [B, T/tp, F] (``pallas_kernels.exchange``); backward: the all-to-all back.
 
 The backward kernels read w as it is stored and multiply by its transpose
 (``transpose_w``), so no step copies its weights transposed.
@@ -44,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax.pallas_kernels import ag_matmul, gemm, matmul_rs
+from taco_jax.pallas_kernels import ag_matmul, exchange as exchange_kernel, gemm, matmul_rs
 from taco_jax.pallas_kernels.common import warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
@@ -274,3 +276,38 @@ def _matmul_scatter_bwd(axis_name, fwd, bwd, res, dout):
 
 
 matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
+
+
+# --- the exchange of parallel.tp_exchange --------------------------------------------------
+
+
+def _all_to_all(x, axis_name, split_axis: int):
+  """The exchange one way (split along 1: rows to columns; 2: back): the kernel where it
+  runs, else XLA's all-to-all (the reason said once); a stand-in under free communication."""
+  n = collectives.axis_size(axis_name, "exchange", x.shape)
+  problem = (platform_problem(_mesh_devices(n))
+             or exchange_kernel.misfit(x.shape, n, split_axis))
+  if problem is None and not collectives.communication_is_free(axis_name):
+    return exchange_kernel.all_to_all(x, axis_name, n=n, split_axis=split_axis,
+                                      num_sms=gemm.num_sms())
+  if problem is not None:
+    _say_once(problem, f"all-to-all {x.shape}")
+  return collectives.all_to_all(x, axis_name, split_axis=split_axis, concat_axis=3 - split_axis)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def exchange(y_BTF, axis_name):
+  """``collectives.all_to_all(y, split_axis=1, concat_axis=2)`` over ``axis_name``: every
+  rank's columns of this rank's sequence shard; plain."""
+  return _all_to_all(y_BTF, axis_name, 1)
+
+
+def _exchange_fwd(y, axis_name):
+  return exchange(y, axis_name), None
+
+
+def _exchange_bwd(axis_name, _, dy):
+  return (_all_to_all(dy, axis_name, 2),)
+
+
+exchange.defvjp(_exchange_fwd, _exchange_bwd)

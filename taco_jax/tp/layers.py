@@ -152,7 +152,7 @@ class RowParallelLinear(nnx.Module):
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     y_BTF = y_BTF.astype(ctx.dtype)
     if self.exchanges:
-      x_BSD = exchange_matmul(y_BTF, w)
+      x_BSD = exchange_matmul(y_BTF, w, ctx)
     elif ctx.overlap == "ring" and ctx.tp > 1:
       x_BSD = overlap.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp"))
     elif ctx.overlap == "kernel" and ctx.tp > 1:
@@ -164,16 +164,20 @@ class RowParallelLinear(nnx.Module):
     return x_BSD + self.bias[...].astype(ctx.dtype)
 
 
-def exchange_matmul(y_BTF, w_FD):
+def exchange_matmul(y_BTF, w_FD, ctx: TPContext):
   """The row-parallel product with sequence parallelism by an exchange of inputs: this
   rank's sequence shard of ``y @ w`` from every rank's columns of y for it (all-to-all
   over "tensor", [B, T, F/tp] -> [B, S, F]) times the whole weight (all-gathered; its
   gradient reduce-scattered). It sends (tp - 1) / tp of y's local bytes where the
   reduce-scatter of the product sends (tp - 1) / tp of ``[B, T, D]``: F / tp / D as much,
-  1/tp at the attention's out-projection. Both outputs carry ``TP_OUTPUT``, so that the
+  1/tp at the attention's out-projection. With the kernel layers the exchange is a kernel
+  of its own (`fused.exchange`). Both outputs carry ``TP_OUTPUT``, so that the
   recomputation under ``parallel.save_tp_outputs`` does not communicate again."""
-  y_BSF = checkpoint_name(collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ,
-                                                 concat_axis=2), TP_OUTPUT)
+  if ctx.overlap == "kernel":
+    y_BSF = fused.exchange(y_BTF, TENSOR)
+  else:
+    y_BSF = collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ, concat_axis=2)
+  y_BSF = checkpoint_name(y_BSF, TP_OUTPUT)
   w_full = checkpoint_name(collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
   return jnp.einsum("...i,io->...o", y_BSF, w_full)
 
