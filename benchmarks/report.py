@@ -995,6 +995,32 @@ def peer_copy_section() -> str:
       "(NCCL_NVLS_ENABLE=0).", parts)
 
 
+def exchange_section() -> str:
+  """bench_exchange: parallel.tp_exchange's all-to-all, our kernel against NCCL's."""
+  rows = []
+  for name, d in _load("bench_exchange_*.json"):
+    if d["platform"] != "gpu":
+      continue
+    for case in d["cases"]:
+      v = case["variants"]
+      xla, kernel = v.get("xla_all_to_all", {}), v.get("kernel", {})
+      ratio = xla["ms"] / kernel["ms"] if "ms" in xla and "ms" in kernel else None
+      rows.append([name.removesuffix(".json"), f"{d['gpus']}x {d['device']}", case["model"],
+                   case["way"],
+                   "x".join(map(str, case["shape"])), case["received_mib"], xla.get("ms"),
+                   kernel.get("ms"), ratio, xla.get("gb_s"), kernel.get("gb_s")])
+  return _section(
+      "The exchange's all-to-all (`benchmarks/bench_exchange.py`)",
+      "`parallel.tp_exchange`'s all-to-all of the attention's input (`forward`: rows to "
+      "columns) and of its gradient (`backward`), one GPU group as the TP axis: NCCL's "
+      "(`lax.all_to_all`, NCCL_NVLS_ENABLE=0) and our kernel (`pallas_kernels/exchange.py`), "
+      "ms of device time (CUPTI, median of 20; the kernel's with the cross-GPU barrier XLA "
+      "runs before it), every result checked bit for bit first; GB/s that a rank receives.",
+      [_table(["run", "GPUs", "model", "way", "x per rank", "MiB received", "NCCL ms",
+               "kernel ms", "NCCL / kernel", "NCCL GB/s", "kernel GB/s"], rows) + "\n"]
+      if rows else [])
+
+
 def _spec_of(variant: str) -> dict:
   """``{"sms": 132, "depth": 2, "rows": 64}`` of ``pull[sms=132+depth=2+rows=64]``."""
   return spec_fields(variant[variant.index("[") + 1:variant.rindex("]")])
@@ -1003,7 +1029,7 @@ def _spec_of(variant: str) -> dict:
 def readme_text(old: str) -> str:
   body = "\n".join(s for s in (codec_section(), collectives_section(), transport_section(),
                                 fused_decode_section(), collective_matmul_section(),
-                                peer_copy_section(),
+                                peer_copy_section(), exchange_section(),
                                 train_section(),
                                 bench_train_section(), profile_section(),
                                 accuracy_section(), dp_codec_section(),

@@ -77,3 +77,12 @@ def test_exchange_smoke_checks_xlas_all_to_all_and_skips_the_kernel(tmp_path):
   for case in cases:
     assert case["variants"]["xla_all_to_all"]["ok"]
     assert "GPU only" in case["variants"]["kernel"]["skipped"]
+
+
+def test_exchange_section_rows_from_the_gpu_runs_only():
+  """The README's exchange table: one row per GPU case, NCCL's time over the kernel's."""
+  text = report_lib.exchange_section()
+  rows = [r for r in text.splitlines() if r.startswith("| bench_exchange_")]
+  assert rows and all("cpu" not in r for r in rows)
+  cells = rows[0].split(" | ")
+  assert float(cells[-3]) == pytest.approx(float(cells[6]) / float(cells[7]), rel=0.01)
