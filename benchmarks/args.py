@@ -72,6 +72,19 @@ def write_results(benchmark: str, args, results: dict) -> pathlib.Path:
   return path
 
 
+def run_on_devices(benchmark: str, args, run) -> pathlib.Path:
+  """The main of a benchmark that writes as it goes: 8 fake CPU devices for --smoke, the
+  watchdog (`start_watchdog`), then ``run(args)``'s results written (`write_results`) and
+  their path printed and returned."""
+  if args.smoke:
+    from taco_jax.train.cli import use_cpu_devices
+    use_cpu_devices(8)
+  start_watchdog()
+  path = write_results(benchmark, args, run(args))
+  print(f"wrote {path}")
+  return path
+
+
 def write_report(benchmark: str, args, report: dict, summary: str) -> pathlib.Path:
   """Writes `report` (with its num_devices, platform and ISO date) as JSON to
   `results_path`, prints `summary` and where it went; returns the path."""

@@ -15,7 +15,6 @@ CPU (--smoke): XLA's side and the checks' plumbing on fake devices.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import pathlib
 import sys
@@ -23,9 +22,9 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import (add_output_args, parse_with_smoke, start_watchdog,  # noqa: E402
+from benchmarks.args import (add_output_args, parse_with_smoke, run_on_devices,  # noqa: E402
                              write_results)
-from benchmarks.bench_collective_matmul import timed_or_error  # noqa: E402
+from benchmarks.bench_peer_copy import checked_then_timed, one_group  # noqa: E402
 
 AXIS = "tensor"
 MIB = 2 ** 20
@@ -49,15 +48,9 @@ def run(args) -> dict:
   from taco_jax.pallas_kernels import exchange, gemm
   from benchmarks.train_parallel import SIZES
 
-  on_gpu = jax.default_backend() == "gpu"
-  devs = jax.devices()
-  n = len(devs)
-  mesh = jax.make_mesh((n,), (AXIS,), devices=devs)
-  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
-                           check_vma=False)
-  results = dict(n=n, gpus=n, device=devs[0].device_kind, platform=jax.default_backend(),
-                 num_sms=gemm.num_sms(), nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"),
-                 batch=args.batch, seq=args.seq, cases=[])
+  mesh, smap, results = one_group(AXIS)
+  n, on_gpu = results["n"], results["platform"] == "gpu"
+  results.update(batch=args.batch, seq=args.seq)
   for model in args.models.split(","):
     d = SIZES[model][1]  # d_model
     for way, split, shape in (("forward", 1, (args.batch, args.seq, d // n)),
@@ -75,19 +68,14 @@ def run(args) -> dict:
         variants["kernel"] = jax.jit(smap(lambda x, s=split: exchange.all_to_all(
             x, AXIS, n=n, split_axis=s, num_sms=gemm.num_sms())))
       for name, fn in variants.items():
-        check = case["variants"][name] = {}
         if not on_gpu and name == "kernel":
-          check["skipped"] = "the kernel runs on a GPU only"
+          case["variants"][name] = dict(skipped="the kernel runs on a GPU only")
           continue
-        try:
-          check["ok"] = bool(jnp.array_equal(fn(x), want))
-        except Exception as e:  # noqa: BLE001 (reported, not timed)
-          check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-        if check["ok"] and on_gpu:
-          check.update(timed_or_error(fn, (x,), args.iters, n))
-          if "ms" in check:
-            check["gb_s"] = received / (check["ms"] * 1e-3) / 1e9
-        _write(args, results)
+        check = case["variants"][name] = checked_then_timed(fn, (x,), want, args.iters, n,
+                                                            on_gpu)
+        if "ms" in check:
+          check["gb_s"] = received / (check["ms"] * 1e-3) / 1e9
+        write_results("bench_exchange", args, results)
       timed = {k: v["ms"] for k, v in case["variants"].items() if "ms" in v}
       print(f"{model} {way} {shape}: " + ", ".join(f"{k} {ms:.4f} ms" for k, ms in timed.items())
             + "".join(f" {k} FAILED: {v.get('error', 'wrong result')[:300]}"
@@ -96,19 +84,8 @@ def run(args) -> dict:
   return results
 
 
-def _write(args, results):
-  return write_results("bench_exchange", args, results)
-
-
 def main(argv=None):
-  args = parse_args(argv)
-  if args.smoke:
-    from taco_jax.train.cli import use_cpu_devices
-    use_cpu_devices(8)
-  start_watchdog()
-  path = _write(args, run(args))
-  print(f"wrote {path}")
-  return path
+  return run_on_devices("bench_exchange", parse_args(argv), run)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import sys
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import (add_output_args, parse_with_smoke, start_watchdog,  # noqa: E402
+from benchmarks.args import (add_output_args, parse_with_smoke, run_on_devices,  # noqa: E402
                              write_results)
 from benchmarks.bench_collective_matmul import timed_or_error  # noqa: E402
 
@@ -62,17 +62,11 @@ def run(args) -> dict:
   import jax.numpy as jnp
   from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from taco_jax.pallas_kernels import gemm, peer_copy
+  from taco_jax.pallas_kernels import peer_copy
 
-  on_gpu = jax.default_backend() == "gpu"
-  devs = jax.devices()
-  n = len(devs)
-  mesh = jax.make_mesh((n,), (AXIS,), devices=devs)
-  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
-                           check_vma=False)
-  results = dict(n=n, gpus=n, device=devs[0].device_kind, platform=jax.default_backend(),
-                 num_sms=gemm.num_sms(), cols=args.cols,
-                 nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), cases=[])
+  mesh, smap, results = one_group(AXIS)
+  n, on_gpu = results["n"], results["platform"] == "gpu"
+  results["cols"] = args.cols
   peers_list = [q for q in _listed(args.peers) if n > 2 or q == "all"]  # n = 2: one is all
 
   def expected(peers):  # each rank's dst, from every rank's shard gathered by XLA
@@ -108,17 +102,13 @@ def run(args) -> dict:
                                    num_sms=sms)
         variants[f"{mode}[sms={sms}+depth={depth}+rows={block_rows}]"] = jax.jit(smap(kernel))
       for name, fn in variants.items():
-        check = case["variants"][name] = {}
         if not on_gpu and name.startswith(("pull", "push")):
-          check["skipped"] = "the copy kernel runs on a GPU only"
+          case["variants"][name] = dict(skipped="the copy kernel runs on a GPU only")
           continue
-        try:
-          reference = base_want(shards) if name == "xla_all_gather" else want
-          check["ok"] = bool(jnp.array_equal(fn(shards), reference))
-        except Exception as e:  # noqa: BLE001 (reported, not timed)
-          check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
-        if check["ok"] and on_gpu:
-          check.update(timed_or_error(fn, (shards,), args.iters, n))
+        reference = base_want(shards) if name == "xla_all_gather" else want
+        check = case["variants"][name] = checked_then_timed(fn, (shards,), reference,
+                                                            args.iters, n, on_gpu)
+        if "ms" in check:
           own = [ms for k, ms in check.get("kernels", {}).items()
                  if "peer_copy" in k or name.startswith("xla")]
           if own:
@@ -127,6 +117,37 @@ def run(args) -> dict:
         _write(args, results)
       print(_line(case), flush=True)
   return results
+
+
+def one_group(axis: str):
+  """All local devices as one group on mesh axis ``axis``: ``(mesh, smap, results)``, with
+  ``smap(f)`` the shard_map of f over it (sharded along the first dimension, in and out) and
+  ``results`` the JSON's head (devices, platform, SMs, NCCL_NVLS_ENABLE; no cases yet)."""
+  import jax
+  from jax.sharding import PartitionSpec as P
+  from taco_jax.pallas_kernels import gemm
+  devs = jax.devices()
+  mesh = jax.make_mesh((len(devs),), (axis,), devices=devs)
+  smap = functools.partial(jax.shard_map, mesh=mesh, in_specs=P(axis), out_specs=P(axis),
+                           check_vma=False)
+  return mesh, smap, dict(n=len(devs), gpus=len(devs), device=devs[0].device_kind,
+                          platform=jax.default_backend(), num_sms=gemm.num_sms(),
+                          nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), cases=[])
+
+
+def checked_then_timed(fn, args, want, iters: int, n: int, on_gpu: bool) -> dict:
+  """``{"ok": ...}`` of ``fn(*args)`` against ``want``, bit for bit (with the error where it
+  raised: reported, not fatal); where right on a GPU, its device time too
+  (`timed_or_error`: ``ms``, ``kernels``, or ``timing_error``)."""
+  import jax.numpy as jnp
+  check = {}
+  try:
+    check["ok"] = bool(jnp.array_equal(fn(*args), want))
+  except Exception as e:  # noqa: BLE001 (reported, not timed)
+    check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+  if check["ok"] and on_gpu:
+    check.update(timed_or_error(fn, args, iters, n))
+  return check
 
 
 def _line(case) -> str:
@@ -141,14 +162,7 @@ def _write(args, results):
 
 
 def main(argv=None):
-  args = parse_args(argv)
-  if args.smoke:
-    from taco_jax.train.cli import use_cpu_devices
-    use_cpu_devices(8)
-  start_watchdog()
-  path = _write(args, run(args))
-  print(f"wrote {path}")
-  return path
+  return run_on_devices("bench_peer_copy", parse_args(argv), run)
 
 
 if __name__ == "__main__":
