@@ -7,7 +7,10 @@ region watched by `taco_jax.monitor` as its site:
   ColumnParallelLinear  x_BSD --gather_from_sp--> x_BTD @ w[:, shard] + b[shard] -> y_BTF/tp
                         (forward: all-gather over sequence; backward: reduce-scatter)
   RowParallelLinear     y_BTF/tp @ w[shard, :] --reduce_scatter_to_sp--> x_BSD + b
-                        (forward: reduce-scatter over sequence; backward: all-gather)
+                        (forward: reduce-scatter over sequence; backward: all-gather);
+                        with `TPContext.exchange` (``parallel.tp_exchange``), where its
+                        input is the narrower: y all-to-all'd to y_BSF @ all-gathered w
+                        (`exchange_matmul`)
   vocab_parallel_embed  masked lookup in the local V/tp rows --reduce_scatter_to_sp--> h_BSD
   vocab_parallel_xent   h_BSD --gather_from_sp--> local logits_BTV/tp (with the ring: one
                         ring gather_matmul, like the column layers); max / sum-exp /
