@@ -37,6 +37,9 @@
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
 #   bash benchmarks/gpu_suite.sh peer_copy         # issue 15: in-kernel copies' link rate vs
 #                                                  # NCCL, all GPUs and 2 of them (<= 7 min)
+#   bash benchmarks/gpu_suite.sh exchange          # parallel.tp_exchange on all GPUs as TP:
+#                                                  # its kernel vs NCCL, then the 1.3B steps
+#                                                  # with and without it (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -362,6 +365,18 @@ for job in "$@"; do
         CUDA_VISIBLE_DEVICES=0,1 BENCH_WATCHDOG_S=150 timeout 180 python3 \
           benchmarks/bench_peer_copy.py --shard-mib 32 --label "${LABEL:-nvlink}" --out-dir "$out"
       fi ;;
+    exchange)  # parallel.tp_exchange, TP = every GPU: the exchange kernel against NCCL's
+      # all-to-all, then the collectives' step, its ideal, the kernel layers without and
+      # with the exchange (the kernel's now) in one process; a cold kernel step compiled in
+      # more than 80 s on 2026-11-28, so builds may take 200
+      n=$(nvidia-smi -L | wc -l)
+      BENCH_WATCHDOG_S=80 timeout 90 python3 benchmarks/bench_exchange.py \
+        --label "${LABEL:-nvlink}" --out-dir "$out"
+      v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
+      BENCH_WATCHDOG_S=450 timeout 460 python3 benchmarks/bench_train.py \
+        --label "${LABEL:-nvlink}_xchg_kernel" --layouts "1,1,$n" --attention cudnn \
+        --link nvlink --deadline-s 440 --build-timeout-s 200 --out-dir "$out" \
+        --variants "$v,on_cm_xchg_save_dots_unroll_fgraphs" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)
