@@ -804,16 +804,19 @@ def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms):
 
 
 def test_exchange_lowers_for_hopper_and_refuses_bad_input():
-  """Both ways, the kernel lowers for sm_90 with its peer reads and semaphores, on a
-  (2, 1, 2) mesh with TP as one of its axes; shapes its blocks do not tile are refused."""
+  """Both ways, the kernel lowers for sm_90 with its peer reads and semaphores, on (2, 1, 2)
+  and (2, 1, 4) meshes with TP as one of their axes; shapes its blocks do not tile are
+  refused."""
   from taco_jax.pallas_kernels import exchange
-  mesh = jax.make_mesh((2, 1, 2), ("data", "pipeline", "tensor"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:4])
-  for split_axis, shape in ((1, (2, 256, 512)), (2, (2, 128, 1024))):
-    fn = jax.shard_map(lambda x, a=split_axis: exchange.all_to_all(
-        x, "tensor", n=2, split_axis=a, num_sms=132), mesh=mesh,
-        in_specs=P("data"), out_specs=P("data"), check_vma=False)
-    assert "mosaic_gpu" in _lowers_for_hopper(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16))
+  for tp in (2, 4):
+    mesh = jax.make_mesh((2, 1, tp), ("data", "pipeline", "tensor"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=jax.devices()[:2 * tp])
+    for split_axis, shape in ((1, (2, 64 * tp, 512)), (2, (2, 128, 256 * tp))):
+      fn = jax.shard_map(lambda x, a=split_axis, tp=tp: exchange.all_to_all(
+          x, "tensor", n=tp, split_axis=a, num_sms=132), mesh=mesh,
+          in_specs=P("data"), out_specs=P("data"), check_vma=False)
+      assert "mosaic_gpu" in _lowers_for_hopper(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16))
   for shape, split_axis, message in (((2, 96, 256), 1, "do not tile"),
                                      ((2, 128, 256), 3, "along 1 or 2"),
                                      ((2, 128, 255), 2, "does not divide")):
