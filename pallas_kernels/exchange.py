@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.pallas_kernels import gemm
-from taco_jax.pallas_kernels.peer_copy import (SEMAPHORES, copy_blocks, release_sources,
-                                               share)
+from taco_jax.pallas_kernels.peer_copy import (SEMAPHORES, check_slots, copy_blocks,
+                                               release_sources, share)
 
 ROWS, COLS = 64, 256  # a block: TMA boxes span at most 256 elements a dimension
 DEPTH = 3
@@ -88,6 +88,7 @@ def all_to_all(x, axis_name, *, n: int, split_axis: int, num_sms: int, depth: in
     at_src = lambda ref, bi, j, rs, cs: ref.at[bi, rs, j, cs]  # noqa: E731
     at_dst = lambda ref, bi, j, rs, cs: ref.at[bi, j, rs, cs]  # noqa: E731
   block_cols = min(cols, COLS)
+  check_slots("exchange.all_to_all", depth, ROWS * block_cols * x.dtype.itemsize)
   row_blocks, col_blocks = rows // ROWS, cols // block_cols
   per_source = b * row_blocks * col_blocks
   local = local_x is not None

@@ -67,6 +67,16 @@ def share(total: int, num_sms: int):
   return (total - lax.axis_index(gemm.SM) + num_sms - 1) // num_sms
 
 
+def check_slots(who: str, depth: int, block_bytes: int) -> None:
+  """Refuses ``depth`` shared-memory slots of ``block_bytes`` for `copy_blocks` (a
+  ValueError naming ``who``) where they cannot keep a block in flight or do not fit."""
+  if depth < 2:
+    raise ValueError(f"{who}: depth={depth}; at least 2 blocks per SM are needed to keep "
+                     "one in flight while another is stored")
+  if depth * block_bytes > gemm.SMEM_BYTES:
+    raise ValueError(f"{who}: {depth} blocks of {block_bytes} bytes exceed shared memory")
+
+
 def copy_blocks(mine, depth: int, load, store, loaded) -> None:
   """This SM's ``mine`` blocks through ``depth`` shared-memory slots: ``load(item, slot)``
   starts block ``item``'s load into ``slot`` (arriving on barrier ``loaded[slot]``),
@@ -121,12 +131,7 @@ def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all
   rows, cols = shard.shape
   if rows % block_rows:
     raise ValueError(f"peer_copy: {rows} rows do not divide into blocks of {block_rows}")
-  if depth < 2:
-    raise ValueError(f"peer_copy: depth={depth}; at least 2 blocks per SM are needed to "
-                     "keep one in flight while another is stored")
-  block_bytes = block_rows * cols * shard.dtype.itemsize
-  if depth * block_bytes > gemm.SMEM_BYTES:
-    raise ValueError(f"peer_copy: {depth} blocks of {block_bytes} bytes exceed shared memory")
+  check_slots("peer_copy", depth, block_rows * cols * shard.dtype.itemsize)
   local = local_peers is not None
   total = p_count * (rows // block_rows)
 

@@ -823,3 +823,7 @@ def test_exchange_lowers_for_hopper_and_refuses_bad_input():
     with pytest.raises(ValueError, match=message):
       exchange.all_to_all(jnp.zeros(shape, jnp.bfloat16), "x", n=2, split_axis=split_axis,
                           num_sms=4)
+  for depth, message in ((1, "depth=1"), (8, "exceed shared memory")):
+    with pytest.raises(ValueError, match=message):
+      exchange.all_to_all(jnp.zeros((2, 128, 512), jnp.bfloat16), "x", n=2, split_axis=1,
+                          num_sms=4, depth=depth)
