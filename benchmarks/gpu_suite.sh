@@ -118,6 +118,14 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader
 nvidia-smi topo -m 2>/dev/null | head -8
 out=${OUT:-/tmp/taco_out}; mkdir -p "$out"
 
+visible_gpus() {  # nvidia-smi lists every GPU; CUDA_VISIBLE_DEVICES may hide some
+  if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    echo "$CUDA_VISIBLE_DEVICES" | tr ',' '\n' | wc -l
+  else
+    nvidia-smi -L | wc -l
+  fi
+}
+
 slug() {  # "save_dots=True scan_layers=False" -> save_dots_True_scan_layers_False
   echo "$1" | tr ' =' '__'
 }
@@ -365,11 +373,11 @@ for job in "$@"; do
         CUDA_VISIBLE_DEVICES=0,1 BENCH_WATCHDOG_S=150 timeout 180 python3 \
           benchmarks/bench_peer_copy.py --shard-mib 32 --label "${LABEL:-nvlink}" --out-dir "$out"
       fi ;;
-    exchange)  # parallel.tp_exchange, TP = every GPU: the exchange kernel against NCCL's
+    exchange)  # parallel.tp_exchange, TP = every visible GPU: the exchange kernel vs NCCL's
       # all-to-all, then the collectives' step, its ideal, the kernel layers without and
       # with the exchange (the kernel's now) in one process; a cold kernel step compiled in
       # more than 80 s on 2026-11-28, so builds may take 200
-      n=$(nvidia-smi -L | wc -l)
+      n=$(visible_gpus)
       BENCH_WATCHDOG_S=80 timeout 90 python3 benchmarks/bench_exchange.py \
         --label "${LABEL:-nvlink}" --out-dir "$out"
       v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
