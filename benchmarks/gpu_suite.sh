@@ -40,6 +40,8 @@
 #   bash benchmarks/gpu_suite.sh exchange          # parallel.tp_exchange on all GPUs as TP:
 #                                                  # its kernel vs NCCL, then the 1.3B steps
 #                                                  # with and without it (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh profile_exchange  # ... its kernel vs NCCL, then a trace of the
+#                                                  # kernel layers' step with it (<= 8.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -385,6 +387,14 @@ for job in "$@"; do
         --label "${LABEL:-nvlink}_xchg_kernel" --layouts "1,1,$n" --attention cudnn \
         --link nvlink --deadline-s 440 --build-timeout-s 200 --out-dir "$out" \
         --variants "$v,on_cm_xchg_save_dots_unroll_fgraphs" ;;
+    profile_exchange)  # ... the exchange kernel against NCCL, then a device trace of the
+      # kernel layers' step with the exchange beside its free-communication ideal
+      n=$(visible_gpus)
+      BENCH_WATCHDOG_S=80 timeout 90 python3 benchmarks/bench_exchange.py \
+        --label "${LABEL:-nvlink}" --out-dir "$out"
+      timeout 420 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_xchg_tp$n" \
+        --layouts "1,1,$n" --attention cudnn --steps 2 --warmup 2 --out-dir "$out" \
+        --variants "${VARIANTS:-on_cm_xchg_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

@@ -779,14 +779,15 @@ def test_peer_copy_lowers_for_hopper_and_refuses_bad_input():
 # --- the exchange (`parallel.tp_exchange` with the kernel layers) ---------------------------
 
 
-@pytest.mark.parametrize("n,split_axis,num_sms", [(2, 1, 3), (4, 1, 5), (2, 2, 2), (4, 2, 3)])
-def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms):
+@pytest.mark.parametrize("n,split_axis,num_sms,cols", [(2, 1, 3, 512), (4, 1, 5, 384),
+                                                       (2, 2, 2, 16), (4, 2, 3, 24)])
+def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms, cols):
   """One rank's block loop in local mode equals the tiled all-to-all, both ways (rows to
   columns, as the forward pass sends, and back), its own chunk included, with several
-  batch rows and column blocks per chunk and unequal shares per SM. Under the race
-  detector."""
+  batch rows and column blocks per chunk (narrower blocks where 256 columns do not tile a
+  chunk: 384 and 24) and unequal shares per SM. Under the race detector."""
   from taco_jax.pallas_kernels import exchange
-  rows, cols = exchange.ROWS, 2 * exchange.COLS if split_axis == 1 else 16
+  rows = exchange.ROWS
   shape = (2, n * rows, cols) if split_axis == 1 else (2, rows, n * cols)
   x_all = _bf16(jax.random.key(n + split_axis), (n, *shape))
   rank = n - 1
@@ -818,6 +819,7 @@ def test_exchange_lowers_for_hopper_and_refuses_bad_input():
           in_specs=P("data"), out_specs=P("data"), check_vma=False)
       assert "mosaic_gpu" in _lowers_for_hopper(fn, jax.ShapeDtypeStruct(shape, jnp.bfloat16))
   for shape, split_axis, message in (((2, 96, 256), 1, "do not tile"),
+                                     ((2, 128, 36), 2, "do not tile"),
                                      ((2, 128, 256), 3, "along 1 or 2"),
                                      ((2, 128, 255), 2, "does not divide")):
     with pytest.raises(ValueError, match=message):
