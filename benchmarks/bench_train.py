@@ -34,6 +34,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           all-gathers its weight instead of reduce-scattering its output
           (`parallel.tp_exchange`, `layers.exchange_matmul`): 1/tp of the bytes, sent
           between XLA's kernels and plain, with or without _cm
+  _bxla   (with _cm and _xchg) the exchange's backward all-to-all by XLA (NCCL), which
+          its scheduler may overlap, its forward by our kernel
+          (`fused.EXCHANGE_GRADIENT_KERNEL`): both by our kernel without it
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
@@ -135,13 +138,13 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "xchg", "1f1b", "vs2", "il2", "save", "dots", "ogr", "zero",
-             "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
+MODIFIERS = ("cm", "push", "wcopy", "xchg", "bxla", "1f1b", "vs2", "il2", "save", "dots", "ogr",
+             "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
-PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "xchg", *GRAPHS_MODIFIERS)
+PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "xchg", "bxla", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -160,6 +163,7 @@ class Variant:
   push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
   wcopy: bool = False           # _wcopy: XLA transposes the backward kernels' weights
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
+  gradient_exchange_by_xla: bool = False  # _bxla: not fused.EXCHANGE_GRADIENT_KERNEL
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -195,18 +199,20 @@ def parse_variant(name: str) -> Variant:
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
       {"push", "wcopy"} & set(mods) and "cm" not in mods) or (
+      "bxla" in mods and not {"cm", "xchg"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
-                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, _wcopy, "
-                     "_graphs "
-                     "and _fgraphs only with _cm; _1f1b or _vs2; "
+                     f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
+                     "_wcopy, _graphs and _fgraphs only with _cm; _bxla only with _cm and "
+                     "_xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  push="push" in mods, wcopy="wcopy" in mods, tp_exchange="xchg" in mods,
+                 gradient_exchange_by_xla="bxla" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -336,7 +342,9 @@ def _program(variant: Variant, layout, args, cfg, tx):
     ctx = _all_of(
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
         + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push
-        + [mock.patch.object(fused, "WEIGHTS_READ_TRANSPOSED", False)] * variant.wcopy)
+        + [mock.patch.object(fused, "WEIGHTS_READ_TRANSPOSED", False)] * variant.wcopy
+        + [mock.patch.object(fused, "EXCHANGE_GRADIENT_KERNEL", False)]
+        * variant.gradient_exchange_by_xla)
   return step, state, batch, mesh, plan, ctx
 
 

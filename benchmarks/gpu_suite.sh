@@ -377,16 +377,17 @@ for job in "$@"; do
       fi ;;
     exchange)  # parallel.tp_exchange, TP = every visible GPU: the exchange kernel vs NCCL's
       # all-to-all, then the collectives' step, its ideal, the kernel layers without and
-      # with the exchange (the kernel's now) in one process; a cold kernel step compiled in
-      # more than 80 s on 2026-11-28, so builds may take 200
+      # with the exchange (by our kernel; its backward by NCCL) in one process; a cold kernel
+      # step compiled in more than 80 s on 2026-11-28, so builds may take 200
       n=$(visible_gpus)
       BENCH_WATCHDOG_S=80 timeout 90 python3 benchmarks/bench_exchange.py \
         --label "${LABEL:-nvlink}" --out-dir "$out"
       v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
+      v=$v,on_cm_xchg_save_dots_unroll_fgraphs,on_cm_xchg_bxla_save_dots_unroll_fgraphs
       BENCH_WATCHDOG_S=450 timeout 460 python3 benchmarks/bench_train.py \
         --label "${LABEL:-nvlink}_xchg_kernel" --layouts "1,1,$n" --attention cudnn \
         --link nvlink --deadline-s 440 --build-timeout-s 200 --out-dir "$out" \
-        --variants "$v,on_cm_xchg_save_dots_unroll_fgraphs" ;;
+        --variants "$v" ;;
     profile_exchange)  # ... the exchange kernel against NCCL, then a device trace of the
       # kernel layers' step with the exchange beside its free-communication ideal
       n=$(visible_gpus)

@@ -48,10 +48,13 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
   assert bench_train.parse_variant("on_cm_wcopy_save_fgraphs").wcopy
   assert bench_train.parse_variant("on_cm_xchg_save_fgraphs").tp_exchange
+  assert bench_train.parse_variant("on_cm_xchg_bxla_save_fgraphs").gradient_exchange_by_xla
   (s,) = bench_train.summarize(_rows(off_save=200.0, ideal_save=150.0, off_xchg_save=190.0,
-                                     on_cm_xchg_save_fgraphs=170.0))
+                                     on_cm_xchg_save_fgraphs=170.0,
+                                     on_cm_xchg_bxla_save_fgraphs=165.0))
   assert s["recovered_off_xchg_save"] == pytest.approx(0.2)  # against the collectives
   assert s["recovered_on_cm_xchg_save_fgraphs"] == pytest.approx(0.6)
+  assert s["recovered_on_cm_xchg_bxla_save_fgraphs"] == pytest.approx(0.7)
   (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, gspmd=210.0, off_cm_fgraphs=175.0,
                                      ideal_cm_fgraphs=160.0))
   assert s["ceiling_ideal_cm_fgraphs"] == pytest.approx(0.8)  # (200 - 160) / 50
@@ -131,7 +134,8 @@ def test_bench_train_variant_names():
               "off_zero_save", "gspmd_unroll", "off_unroll_dots", "on_cif2_cif4",
               "on_pgle_cif2", "gspmd_save_cif2", "off_save_graphs", "off_cm_graphs_pgle",
               "off_save_fgraphs", "off_cm_graphs_fgraphs", "off_push", "off_save_cm_push",
-              "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy"):
+              "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy", "off_xchg_bxla",
+              "on_cm_bxla", "on_cm_bxla_xchg"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

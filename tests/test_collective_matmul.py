@@ -804,6 +804,26 @@ def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms, 
                                 np.asarray(want, np.float32))
 
 
+def test_exchange_gradient_runs_our_kernel_or_xlas_all_to_all(monkeypatch):
+  """`fused.exchange`'s value and gradient lowered for sm_90 on a (2, 1, 2) mesh, the
+  platform check passed: both all-to-alls are our kernel; with
+  `fused.EXCHANGE_GRADIENT_KERNEL` off (bench_train's ``_bxla``) the backward's is XLA's."""
+  monkeypatch.setattr(fused, "platform_problem", lambda devices: None)
+  mesh = jax.make_mesh((2, 1, 2), ("data", "pipeline", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:4])
+  lowered = {}
+  for gradient_kernel in (True, False):
+    monkeypatch.setattr(fused, "EXCHANGE_GRADIENT_KERNEL", gradient_kernel)
+    loss = lambda y: jnp.sum(fused.exchange(y, "tensor").astype(jnp.float32) ** 2)  # noqa
+    fn = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                       check_vma=False)  # a new function: jit's cache does not see the flag
+    text = _lowers_for_hopper(fn, jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16))
+    lowered[gradient_kernel] = text.count("taco_all_to_all"), text.count("stablehlo.all_to_all")
+  (ours_both, xla_both), (ours_forward, xla_backward) = lowered[True], lowered[False]
+  assert ours_both == 2 * ours_forward > 0
+  assert (xla_both, xla_backward) == (0, 1)
+
+
 def test_exchange_lowers_for_hopper_and_refuses_bad_input():
   """Both ways, the kernel lowers for sm_90 with its peer reads and semaphores, on (2, 1, 2)
   and (2, 1, 4) meshes with TP as one of their axes; shapes its blocks do not tile are

@@ -82,6 +82,11 @@ ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (
 # step: 163.19 against 163.79 ms a 1.3B TP=2 step, in one process
 # (bench_train_nvlink_cm_wt_2gpu_20261127). False (bench_train's ``_wcopy``): the copies.
 WEIGHTS_READ_TRANSPOSED = True
+# The exchange's backward all-to-all (the gradient of the attention's input) runs our
+# kernel, as its forward does. False (bench_train's ``_bxla``): XLA's, an asynchronous
+# collective its scheduler may overlap with the weight gradient's matmul; a Mosaic GPU
+# kernel runs on the compute stream and overlaps nothing.
+EXCHANGE_GRADIENT_KERNEL = True
 
 
 def platform_problem(devices: int) -> str | None:
@@ -281,13 +286,14 @@ matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
 # --- the exchange of parallel.tp_exchange --------------------------------------------------
 
 
-def _all_to_all(x, axis_name, split_axis: int):
+def _all_to_all(x, axis_name, split_axis: int, kernel: bool = True):
   """The exchange one way (split along 1: rows to columns; 2: back): the kernel where it
-  runs, else XLA's all-to-all (the reason said once); a stand-in under free communication."""
+  runs and ``kernel`` asks for it, else XLA's all-to-all (where it cannot run, the reason
+  said once); a stand-in under free communication."""
   n = collectives.axis_size(axis_name, "exchange", x.shape)
   problem = (platform_problem(_mesh_devices(n))
              or exchange_kernel.misfit(x.shape, n, split_axis))
-  if problem is None and not collectives.communication_is_free(axis_name):
+  if problem is None and kernel and not collectives.communication_is_free(axis_name):
     return exchange_kernel.all_to_all(x, axis_name, n=n, split_axis=split_axis,
                                       num_sms=gemm.num_sms())
   if problem is not None:
@@ -307,7 +313,7 @@ def _exchange_fwd(y, axis_name):
 
 
 def _exchange_bwd(axis_name, _, dy):
-  return (_all_to_all(dy, axis_name, 2),)
+  return (_all_to_all(dy, axis_name, 2, kernel=EXCHANGE_GRADIENT_KERNEL),)
 
 
 exchange.defvjp(_exchange_fwd, _exchange_bwd)
