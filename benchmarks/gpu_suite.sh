@@ -39,7 +39,8 @@
 #                                                  # NCCL, all GPUs and 2 of them (<= 7 min)
 #   bash benchmarks/gpu_suite.sh exchange          # parallel.tp_exchange on all GPUs as TP:
 #                                                  # its kernel vs NCCL, then the 1.3B steps
-#                                                  # with and without it (<= 9.5 min)
+#                                                  # with and without it (<= 9.5 min; TP=2
+#                                                  # on 4 GPUs: CUDA_VISIBLE_DEVICES=0,1)
 #   bash benchmarks/gpu_suite.sh profile_exchange  # ... its kernel vs NCCL, then a trace of the
 #                                                  # kernel layers' step with it (<= 8.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
