@@ -114,7 +114,7 @@ def run(args) -> dict:
           if own:
             check["kernel_ms"] = sum(own)
             check["gb_s"] = case["received_mib"] * MIB / (check["kernel_ms"] * 1e-3) / 1e9
-        _write(args, results)
+        write_results("bench_peer_copy", args, results)
       print(_line(case), flush=True)
   return results
 
@@ -155,10 +155,6 @@ def _line(case) -> str:
                 reverse=True)[:3]
   return (f"{case['shard_mib']} MiB x {case['peers']}: "
           + ", ".join(f"{k} {g:.0f} GB/s" for g, k in best))
-
-
-def _write(args, results):
-  return write_results("bench_peer_copy", args, results)
 
 
 def main(argv=None):

@@ -372,7 +372,7 @@ for job in "$@"; do
       # GPUs 0 and 1 (32 MiB: the TP=2 messages) where there are more than 2
       BENCH_WATCHDOG_S=200 timeout 230 python3 benchmarks/bench_peer_copy.py \
         --shard-mib 16 --label "${LABEL:-nvlink}" --out-dir "$out"
-      if [ "$(nvidia-smi -L | wc -l)" -gt 2 ]; then
+      if [ "$(visible_gpus)" -gt 2 ]; then
         CUDA_VISIBLE_DEVICES=0,1 BENCH_WATCHDOG_S=150 timeout 180 python3 \
           benchmarks/bench_peer_copy.py --shard-mib 32 --label "${LABEL:-nvlink}" --out-dir "$out"
       fi ;;

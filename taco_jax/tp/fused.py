@@ -287,18 +287,21 @@ matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)
 # --- the exchange of parallel.tp_exchange --------------------------------------------------
 
 
-def _all_to_all(x, axis_name, split_axis: int, kernel: bool = True):
+def _all_to_all(x, axis_name, split_axis: int):
   """The exchange one way (split along 1: rows to columns; 2: back): the kernel where it
-  runs and ``kernel`` asks for it, else XLA's all-to-all (where it cannot run, the reason
-  said once); a stand-in under free communication."""
+  runs, else XLA's all-to-all (the reason said once); a stand-in under free communication."""
   n = collectives.axis_size(axis_name, "exchange", x.shape)
   problem = (platform_problem(_mesh_devices(n))
              or exchange_kernel.misfit(x.shape, n, split_axis))
-  if problem is None and kernel and not collectives.communication_is_free(axis_name):
+  if problem is None and not collectives.communication_is_free(axis_name):
     return exchange_kernel.all_to_all(x, axis_name, n=n, split_axis=split_axis,
                                       num_sms=gemm.num_sms())
   if problem is not None:
     _say_once(problem, f"all-to-all {x.shape}")
+  return _xla_all_to_all(x, axis_name, split_axis)
+
+
+def _xla_all_to_all(x, axis_name, split_axis: int):
   return collectives.all_to_all(x, axis_name, split_axis=split_axis, concat_axis=3 - split_axis)
 
 
@@ -314,7 +317,8 @@ def _exchange_fwd(y, axis_name):
 
 
 def _exchange_bwd(axis_name, _, dy):
-  return (_all_to_all(dy, axis_name, 2, kernel=EXCHANGE_GRADIENT_KERNEL),)
+  exchange_back = _all_to_all if EXCHANGE_GRADIENT_KERNEL else _xla_all_to_all
+  return (exchange_back(dy, axis_name, 2),)
 
 
 exchange.defvjp(_exchange_fwd, _exchange_bwd)
