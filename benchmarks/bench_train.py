@@ -43,6 +43,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _wcopy  (with _cm only) the backward kernels take each weight transposed by XLA, a copy
           per weight and step (`fused.WEIGHTS_READ_TRANSPOSED` off), where the layers read
           it transposed inside the kernels (since 2026-11-27): the layers before that
+  _dwf32  (with _cm only) the kernel layers' weight gradients as fp32-output dots cast to
+          bf16 (`fused.WEIGHT_GRADIENTS_F32`), which XLA fuses into Triton GEMMs, where
+          the layers' are bf16 dots on cuBLAS (since 2026-11-28): the layers before that
   _1f1b   the 1F1B pipeline schedule (`parallel.schedule="1f1b"`: each stage keeps at most
           2 (pp - 1) micro-batches' activations, not all m)
   _vs2    the interleaved pipeline schedule with 2 chunks per stage
@@ -138,13 +141,13 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "xchg", "bxla", "1f1b", "vs2", "il2", "save", "dots", "ogr",
-             "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
+MODIFIERS = ("cm", "push", "wcopy", "dwf32", "xchg", "bxla", "1f1b", "vs2", "il2", "save", "dots",
+             "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
-PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "xchg", "bxla", *GRAPHS_MODIFIERS)
+PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "dwf32", "xchg", "bxla", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -162,6 +165,7 @@ class Variant:
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
   push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
   wcopy: bool = False           # _wcopy: XLA transposes the backward kernels' weights
+  dw_f32: bool = False          # _dwf32: fused.WEIGHT_GRADIENTS_F32
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
   gradient_exchange_by_xla: bool = False  # _bxla: not fused.EXCHANGE_GRADIENT_KERNEL
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
@@ -198,20 +202,21 @@ def parse_variant(name: str) -> Variant:
       "cm" in mods and base not in ("off", "on", "ideal")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
-      {"push", "wcopy"} & set(mods) and "cm" not in mods) or (
+      {"push", "wcopy", "dwf32"} & set(mods) and "cm" not in mods) or (
       "bxla" in mods and not {"cm", "xchg"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
-                     "_wcopy, _graphs and _fgraphs only with _cm; _bxla only with _cm and "
-                     "_xchg; _1f1b or _vs2; "
+                     "_wcopy, _dwf32, _graphs and _fgraphs only with _cm; _bxla only with _cm "
+                     "and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
-                 push="push" in mods, wcopy="wcopy" in mods, tp_exchange="xchg" in mods,
+                 push="push" in mods, wcopy="wcopy" in mods, dw_f32="dwf32" in mods,
+                 tp_exchange="xchg" in mods,
                  gradient_exchange_by_xla="bxla" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
@@ -343,6 +348,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
         + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push
         + [mock.patch.object(fused, "WEIGHTS_READ_TRANSPOSED", False)] * variant.wcopy
+        + [mock.patch.object(fused, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT_KERNEL", False)]
         * variant.gradient_exchange_by_xla)
   return step, state, batch, mesh, plan, ctx

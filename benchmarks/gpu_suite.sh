@@ -43,6 +43,9 @@
 #                                                  # on 4 GPUs: CUDA_VISIBLE_DEVICES=0,1)
 #   bash benchmarks/gpu_suite.sh profile_exchange  # ... its kernel vs NCCL, then a trace of the
 #                                                  # kernel layers' step with it (<= 8.5 min)
+#   bash benchmarks/gpu_suite.sh weight_grads      # the kernel layers' weight gradients as
+#                                                  # bf16 or fp32-output dots, TP = visible
+#                                                  # GPUs, then a trace (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -397,6 +400,19 @@ for job in "$@"; do
       timeout 420 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_xchg_tp$n" \
         --layouts "1,1,$n" --attention cudnn --steps 2 --warmup 2 --out-dir "$out" \
         --variants "${VARIANTS:-on_cm_xchg_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
+    weight_grads)  # the kernel layers' weight gradients as bf16 dots (cuBLAS) against fp32
+      # outputs cast to bf16 (_dwf32: Triton GEMMs), with the collectives' step, its ideal and
+      # the kernel layers' free-communication step in one process; then a device trace
+      n=$(visible_gpus)
+      v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
+      v=$v,on_cm_dwf32_save_dots_unroll_fgraphs,ideal_cm_save_dots_unroll_fgraphs
+      BENCH_WATCHDOG_S=330 timeout 340 python3 benchmarks/bench_train.py \
+        --label "${LABEL:-nvlink}_wgrad" --layouts "1,1,$n" --attention cudnn \
+        --link nvlink --deadline-s 320 --build-timeout-s 150 --out-dir "$out" \
+        --variants "$v"
+      timeout 200 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_wgrad_tp$n" \
+        --layouts "1,1,$n" --attention cudnn --steps 2 --warmup 2 --out-dir "$out" \
+        --variants "${VARIANTS:-on_cm_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)

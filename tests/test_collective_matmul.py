@@ -12,6 +12,7 @@ regions they replace.
 import contextlib
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -550,16 +551,20 @@ def test_reduce_scatter_lowers_at_four_ranks():
 # --- the layers' custom VJPs, on the XLA path -------------------------------------------
 
 
-def _value_and_grads(f, n, x, w, ct):
-  mesh = testing.mesh_1d(n)
+def _vjp_program(f, n):
+  """jit(shard_map) over n ranks of (x, w, ct) -> f's value and its gradients for ct."""
 
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("x"),) * 3, out_specs=P("x"),
-                     check_vma=False)
+  @functools.partial(jax.shard_map, mesh=testing.mesh_1d(n), in_specs=(P("x"),) * 3,
+                     out_specs=P("x"), check_vma=False)
   def run(x, w, ct):
     out, vjp = jax.vjp(f, x[0], w[0])
     return jax.tree.map(lambda a: a[None], (out, *vjp(ct[0])))
 
-  return jax.jit(run)(x, w, ct)
+  return jax.jit(run)
+
+
+def _value_and_grads(f, n, x, w, ct):
+  return _vjp_program(f, n)(x, w, ct)
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
@@ -590,6 +595,23 @@ def test_custom_vjps_match_the_regions_they_replace(kind, codec, monkeypatch):
     got = _value_and_grads(ours, n, x, w, ct)
     for name, g, e in zip(("value", "dx", "dw"), got, want, strict=True):
       np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("f32", [False, True], ids=["bf16_dot", "f32_dot"])
+def test_weight_gradient_is_a_dot_in_the_weights_dtype(kind, f32, monkeypatch):
+  """A bf16 layer's weight gradient is one dot with a bf16 output, as autodiff of the XLA
+  layers' matmul gives (XLA runs it on cuBLAS); with `fused.WEIGHT_GRADIENTS_F32` (bench_train's
+  ``_dwf32``) a dot with an fp32 output, then the cast."""
+  monkeypatch.setattr(fused, "WEIGHT_GRADIENTS_F32", f32)
+  n, b, s, d, f = 2, 1, 4, 16, 8
+  layer = fused.gather_matmul if kind == "column" else fused.matmul_scatter
+  x, w, ct = ((n, b, s, d), (n, d, f), (n, b, n * s, f)) if kind == "column" else (
+      (n, b, n * s, f), (n, f, d), (n, b, s, d))
+  sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
+  text = _vjp_program(lambda x, w: layer(x, w, "x"), n).lower(sd(x), sd(w), sd(ct)).as_text()
+  w_dots = re.findall(rf"dot_general.*-> tensor<{w[1]}x{w[2]}x(\w+)>", text)
+  assert w_dots == ["f32" if f32 else "bf16"], w_dots
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
