@@ -332,7 +332,7 @@ for job in "$@"; do
       # free-communication ideal go (the reduce-scatter kernels, XLA's cross-GPU barrier
       # before each Mosaic GPU kernel, the collectives left to XLA), beside the plain step
       timeout 420 python3 benchmarks/profile_step.py --label nvlink_cm_dots --layouts 1,1,2 \
-        --attention cudnn --steps 2 \
+        --attention cudnn --link nvlink --steps 2 \
         --variants "${VARIANTS:-off_cm_save_dots_unroll,off_save_dots_unroll}" \
         --warmup 2 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent
@@ -398,7 +398,7 @@ for job in "$@"; do
       BENCH_WATCHDOG_S=80 timeout 90 python3 benchmarks/bench_exchange.py \
         --label "${LABEL:-nvlink}" --out-dir "$out"
       timeout 420 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_xchg_tp$n" \
-        --layouts "1,1,$n" --attention cudnn --steps 2 --warmup 2 --out-dir "$out" \
+        --layouts "1,1,$n" --attention cudnn --link nvlink --steps 2 --warmup 2 --out-dir "$out" \
         --variants "${VARIANTS:-on_cm_xchg_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
     weight_grads)  # the kernel layers' weight gradients as bf16 dots (cuBLAS) against fp32
       # outputs cast to bf16 (_dwf32: Triton GEMMs), with the collectives' step, its ideal and
@@ -411,7 +411,7 @@ for job in "$@"; do
         --link nvlink --deadline-s 320 --build-timeout-s 150 --out-dir "$out" \
         --variants "$v"
       timeout 200 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_wgrad_tp$n" \
-        --layouts "1,1,$n" --attention cudnn --steps 2 --warmup 2 --out-dir "$out" \
+        --layouts "1,1,$n" --attention cudnn --link nvlink --steps 2 --warmup 2 --out-dir "$out" \
         --variants "${VARIANTS:-on_cm_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
