@@ -331,8 +331,8 @@ for job in "$@"; do
     profile_cm)  # issue 15 on 2xH200 (TP=2): where the kernel layers' 23 ms above the
       # free-communication ideal go (the reduce-scatter kernels, XLA's cross-GPU barrier
       # before each Mosaic GPU kernel, the collectives left to XLA), beside the plain step
-      timeout 420 python3 benchmarks/profile_step.py --label nvlink_cm_dots --layouts 1,1,2 \
-        --attention cudnn --link nvlink --steps 2 \
+      timeout 420 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink_cm_dots}" \
+        --layouts 1,1,2 --attention cudnn --link nvlink --steps 3 \
         --variants "${VARIANTS:-off_cm_save_dots_unroll,off_save_dots_unroll}" \
         --warmup 2 --out-dir "$out" ;;
     cm_train_4gpu)  # ... TP=4 and DP=2 x TP=2, whenever 4xH200 is lent

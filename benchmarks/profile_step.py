@@ -2,11 +2,14 @@
 
 For each variant (as in bench_train: off, on, ring_off, gspmd, ...) of one layout this
 compiles the step, runs --warmup steps, then traces --steps steps (at most 3) with
-`jax.profiler` and writes:
+`jax.profiler`, each dispatched before the last one completes, as the trainer and
+bench_train's timing run them (traces before 2026-11-28 waited for each step, so they held
+no time the host keeps the device waiting), and writes:
 
   profile_step_<label>_<devices><platform>_<date>.json   (--out-dir, else
       benchmarks/results) per variant and device: busy ms per step by kernel family (nccl,
-      gemm, fusion, other), and the NCCL time no compute kernel of that device overlapped
+      gemm, fusion, other), the NCCL time no compute kernel of that device overlapped, and
+      the time the device ran nothing between its first and last kernel
   hlo_<label>_<variant>.txt.gz     the optimized, scheduled HLO of the step  } --out-dir,
   trace_<label>_<variant>.json.gz  the Perfetto trace (when under 15 MiB)    } else a tmp dir
 
@@ -73,8 +76,10 @@ def kernel_name(name: str) -> str:
 
 def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
   """Per device (a trace process whose name mentions a device): ms per step by kernel
-  family, NCCL ms per step not overlapped by any compute kernel of that device, and the
-  ``top`` kernels by ms per step (``kernel_name``: fusions of one kind together)."""
+  family, NCCL ms per step not overlapped by any compute kernel of that device, ms per step
+  the device ran nothing (``idle_ms``: between its first and last kernel, so one step's
+  start less than the steps' count), and the ``top`` kernels by ms per step
+  (``kernel_name``: fusions of one kind together)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -94,8 +99,11 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
     busy = {f: sum(b - a for a, b in _merge(v)) / 1e3 / steps for f, v in fams.items()}
     nccl_ms = sum(b - a for a, b in nccl) / 1e3 / steps
     hidden = _covered(nccl, compute) / 1e3 / steps
+    everything = _merge([i for v in fams.values() for i in v])
+    span = everything[-1][1] - everything[0][0]
     out[dev] = dict(busy_ms=busy, nccl_ms=nccl_ms, nccl_exposed_ms=nccl_ms - hidden,
                     compute_ms=sum(b - a for a, b in compute) / 1e3 / steps,
+                    idle_ms=(span - sum(b - a for a, b in everything)) / 1e3 / steps,
                     top_kernels_ms={k: us / 1e3 / steps
                                     for k, us in kernels[dev].most_common(top)})
   return out
@@ -124,7 +132,7 @@ def main(argv=None):
   report = dict(benchmark="profile_step", label=args.label, layout=args.layouts.split(";")[0],
                 device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
                 config={k: v for k, v in vars(args).items() if not k.startswith("_")},
-                traced_steps=trace_steps, variants={})
+                traced_steps=trace_steps, dispatch="back to back", variants={})
   for variant in args._variants:
     v = variant.name
     exe, state, batch, *_ = bench_train.build(variant, layout, args, cfg, tx)
@@ -137,7 +145,7 @@ def main(argv=None):
       with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(trace_steps):
           *state, met = exe(*state, b)
-          jax.block_until_ready(met)
+        jax.block_until_ready(met)
       del exe, state
       path, = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
       trace_gz = path.read_bytes()

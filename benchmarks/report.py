@@ -443,16 +443,21 @@ def profile_section() -> str:
   rows = []
   for name, d in runs:
     for v, devs in d["variants"].items():
-      mean = lambda k: sum(x[k] for x in devs.values()) / len(devs)  # noqa: E731
+      mean = lambda k: (sum(x[k] for x in devs.values()) / len(devs)  # noqa: E731
+                        if all(k in x for x in devs.values()) else None)
       rows.append([d["label"], d["num_devices"], d["config"]["model"], d["layout"], v,
-                   mean("compute_ms"), mean("nccl_ms"), mean("nccl_exposed_ms")])
+                   d.get("dispatch", "synced"), mean("compute_ms"), mean("nccl_ms"),
+                   mean("nccl_exposed_ms"), mean("idle_ms")])
   devices = " / ".join(sorted({d["device"] for _, d in runs}))
   return (f"### Where the step's time goes (`benchmarks/profile_step.py`, {devices})\n\n"
-          "Device trace of a step, ms per step, mean over the GPUs: `compute` = time some "
-          "compute kernel runs, `NCCL` = time some NCCL kernel runs, `exposed` = NCCL time "
-          "with no compute kernel beside it on that GPU.\n\n"
-          + _table(["run", "GPUs", "model", "dp,pp,tp", "variant", "compute", "NCCL", "exposed"],
-                   rows)
+          "Device trace of a step, ms per step, mean over the GPUs: `steps` = dispatched "
+          "`back to back` as the trainer does, or each `synced` (waited for before the next), "
+          "`compute` = time some compute kernel runs, `NCCL` = time some NCCL kernel runs, "
+          "`exposed` = NCCL time with no compute kernel beside it on that GPU, `idle` = time "
+          "the GPU runs nothing between its first and last kernel (traces since "
+          "2026-11-28).\n\n"
+          + _table(["run", "GPUs", "model", "dp,pp,tp", "variant", "steps", "compute", "NCCL",
+                    "exposed", "idle"], rows)
           + "\n")
 
 

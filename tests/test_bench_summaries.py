@@ -278,7 +278,7 @@ def test_report_dp_codec_section(tmp_path, monkeypatch):
   assert rows[7 + 3][2:] == ["5", "0.103", "0", "0.103", "0.31"]
 
 
-def test_trace_summary_counts_only_uncovered_nccl_time():
+def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
   def x(name, ts, dur, pid=1):
     return dict(ph="X", name=name, ts=ts, dur=dur, pid=pid, tid=0)
 
@@ -294,6 +294,7 @@ def test_trace_summary_counts_only_uncovered_nccl_time():
   assert got["nccl_ms"] == pytest.approx(70 / 1e3 / 2)
   assert got["nccl_exposed_ms"] == pytest.approx(50 / 1e3 / 2)
   assert got["compute_ms"] == pytest.approx(150 / 1e3 / 2)
+  assert got["idle_ms"] == pytest.approx(40 / 1e3 / 2)  # 120-150 and 200-210 run nothing
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
   assert got["top_kernels_ms"]["loop_add_fusion"] == pytest.approx(50 / 1e3 / 2)
   assert list(got["top_kernels_ms"])[0] == "sm90_xmma_gemm_bf16"
