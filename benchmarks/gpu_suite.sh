@@ -43,6 +43,9 @@
 #                                                  # on 4 GPUs: CUDA_VISIBLE_DEVICES=0,1)
 #   bash benchmarks/gpu_suite.sh profile_exchange  # ... its kernel vs NCCL, then a trace of the
 #                                                  # kernel layers' step with it (<= 8.5 min)
+#   bash benchmarks/gpu_suite.sh cm_scan           # the kernel layers scanned vs unrolled
+#                                                  # (XLA's per-call set-up), then traces
+#                                                  # (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh weight_grads      # the kernel layers' weight gradients as
 #                                                  # bf16 or fp32-output dots, TP = visible
 #                                                  # GPUs, then a trace (<= 9.5 min)
@@ -413,6 +416,20 @@ for job in "$@"; do
       timeout 200 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_wgrad_tp$n" \
         --layouts "1,1,$n" --attention cudnn --link nvlink --steps 2 --warmup 2 --out-dir "$out" \
         --variants "${VARIANTS:-on_cm_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
+    cm_scan)  # the kernel layers with the layers scanned (one call site per kernel for XLA's
+      # per-execution set-up, Thunks::Initialize) against unrolled (one per layer), with
+      # the collectives' step and its ideal, TP = visible GPUs; then both traced back to back
+      n=$(visible_gpus)
+      v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
+      v=$v,on_cm_save_dots_fgraphs,off_save_dots
+      BENCH_WATCHDOG_S=330 timeout 340 python3 benchmarks/bench_train.py \
+        --label "${LABEL:-nvlink}_scan" --layouts "1,1,$n" --attention cudnn \
+        --link nvlink --deadline-s 320 --build-timeout-s 150 --out-dir "$out" \
+        --variants "$v"
+      timeout 200 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_scan_tp$n" \
+        --layouts "1,1,$n" --attention cudnn --link nvlink --steps 3 --warmup 2 \
+        --out-dir "$out" --variants on_cm_save_dots_unroll_fgraphs,on_cm_save_dots_fgraphs
+      rm -f "$out"/hlo_*.txt.gz ;;  # the traces, not the HLO, within what comes back
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)
