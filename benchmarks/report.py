@@ -447,15 +447,15 @@ def profile_section() -> str:
                         if all(k in x for x in devs.values()) else None)
       rows.append([d["label"], d["num_devices"], d["config"]["model"], d["layout"], v,
                    d.get("dispatch", "synced"), mean("compute_ms"), mean("nccl_ms"),
-                   mean("nccl_exposed_ms"), mean("idle_ms")])
+                   mean("nccl_exposed_ms"), mean("idle_ms") if "idle_from" in d else None])
   devices = " / ".join(sorted({d["device"] for _, d in runs}))
   return (f"### Where the step's time goes (`benchmarks/profile_step.py`, {devices})\n\n"
           "Device trace of a step, ms per step, mean over the GPUs: `steps` = dispatched "
           "`back to back` as the trainer does, or each `synced` (waited for before the next), "
           "`compute` = time some compute kernel runs, `NCCL` = time some NCCL kernel runs, "
           "`exposed` = NCCL time with no compute kernel beside it on that GPU, `idle` = time "
-          "the GPU runs nothing between its first and last kernel (traces since "
-          "2026-11-28).\n\n"
+          "the GPU runs nothing from its first kernel to its last (copies before the first "
+          "kernel, the first step's set-up, not counted).\n\n"
           + _table(["run", "GPUs", "model", "dp,pp,tp", "variant", "steps", "compute", "NCCL",
                     "exposed", "idle"], rows)
           + "\n")

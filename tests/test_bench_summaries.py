@@ -288,12 +288,13 @@ def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
             x("loop_add_fusion_12", 170, 30),
             x("ncclDevKernel_AllGather", 80, 40),    # 20 of 40 under the gemm
             x("ncclDevKernel_ReduceScatter", 210, 30),  # none covered
+            x("MemcpyH2D", -50, 1),  # the first step's set-up: not idle time
             x("host work", 0, 1000, pid=2)]
   (dev, got), = profile_step.summarize_trace(events, steps=2).items()
   assert dev == "/device:GPU:0"
   assert got["nccl_ms"] == pytest.approx(70 / 1e3 / 2)
   assert got["nccl_exposed_ms"] == pytest.approx(50 / 1e3 / 2)
-  assert got["compute_ms"] == pytest.approx(150 / 1e3 / 2)
+  assert got["compute_ms"] == pytest.approx(151 / 1e3 / 2)
   assert got["idle_ms"] == pytest.approx(40 / 1e3 / 2)  # 120-150 and 200-210 run nothing
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
   assert got["top_kernels_ms"]["loop_add_fusion"] == pytest.approx(50 / 1e3 / 2)
