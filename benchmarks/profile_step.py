@@ -9,7 +9,7 @@ no time the host keeps the device waiting), and writes:
   profile_step_<label>_<devices><platform>_<date>.json   (--out-dir, else
       benchmarks/results) per variant and device: busy ms per step by kernel family (nccl,
       gemm, fusion, other), the NCCL time no compute kernel of that device overlapped, and
-      the time the device ran nothing between its first and last kernel
+      the time the device ran nothing from its first kernel (not a copy) to its last
   hlo_<label>_<variant>.txt.gz     the optimized, scheduled HLO of the step  } --out-dir,
   trace_<label>_<variant>.json.gz  the Perfetto trace (when under 15 MiB)    } else a tmp dir
 

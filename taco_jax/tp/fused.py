@@ -250,6 +250,13 @@ def _transposed(w):
   return (w, True) if WEIGHTS_READ_TRANSPOSED else (w.T, False)
 
 
+def _weight_gradient(spec: str, a, b, dtype):
+  """The weight gradient ``einsum(spec, a, b)`` in the weight's ``dtype``
+  (``WEIGHT_GRADIENTS_F32``: which output the dot itself has)."""
+  out = jnp.float32 if WEIGHT_GRADIENTS_F32 else dtype
+  return jnp.einsum(spec, a, b, preferred_element_type=out).astype(dtype)
+
+
 def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
   x_full, w = res
   w_t, read_transposed = _transposed(w)
@@ -259,13 +266,6 @@ def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
 
 
 gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
-
-
-def _weight_gradient(spec: str, a, b, dtype):
-  """The weight gradient ``einsum(spec, a, b)`` in the weight's ``dtype``
-  (``WEIGHT_GRADIENTS_F32``: which output the dot itself has)."""
-  out = jnp.float32 if WEIGHT_GRADIENTS_F32 else dtype
-  return jnp.einsum(spec, a, b, preferred_element_type=out).astype(dtype)
 
 
 # --- matmul -> reduce-scatter --------------------------------------------------------------
