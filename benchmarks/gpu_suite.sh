@@ -135,6 +135,19 @@ visible_gpus() {  # nvidia-smi lists every GPU; CUDA_VISIBLE_DEVICES may hide so
   fi
 }
 
+# step_then_trace <label> <variants> <traced variants>: bench_train's TP = visible GPUs 1.3B
+# step (NVLink policy) on the variants in one process, then those traced back to back; the
+# HLO dumps are dropped so that the traces fit in what comes back
+step_then_trace() {
+  local n; n=$(visible_gpus)
+  BENCH_WATCHDOG_S=330 timeout 340 python3 benchmarks/bench_train.py --label "$1" \
+    --layouts "1,1,$n" --attention cudnn --link nvlink --deadline-s 320 \
+    --build-timeout-s 150 --out-dir "$out" --variants "$2"
+  timeout 200 python3 benchmarks/profile_step.py --label "$1_tp$n" --layouts "1,1,$n" \
+    --attention cudnn --link nvlink --steps 3 --warmup 2 --out-dir "$out" --variants "$3"
+  rm -f "$out"/hlo_*.txt.gz
+}
+
 slug() {  # "save_dots=True scan_layers=False" -> save_dots_True_scan_layers_False
   echo "$1" | tr ' =' '__'
 }
@@ -405,31 +418,18 @@ for job in "$@"; do
         --variants "${VARIANTS:-on_cm_xchg_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
     weight_grads)  # the kernel layers' weight gradients as bf16 dots (cuBLAS) against fp32
       # outputs cast to bf16 (_dwf32: Triton GEMMs), with the collectives' step, its ideal and
-      # the kernel layers' free-communication step in one process; then a device trace
-      n=$(visible_gpus)
+      # the kernel layers' free-communication step; then traces
       v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
       v=$v,on_cm_dwf32_save_dots_unroll_fgraphs,ideal_cm_save_dots_unroll_fgraphs
-      BENCH_WATCHDOG_S=330 timeout 340 python3 benchmarks/bench_train.py \
-        --label "${LABEL:-nvlink}_wgrad" --layouts "1,1,$n" --attention cudnn \
-        --link nvlink --deadline-s 320 --build-timeout-s 150 --out-dir "$out" \
-        --variants "$v"
-      timeout 200 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_wgrad_tp$n" \
-        --layouts "1,1,$n" --attention cudnn --link nvlink --steps 2 --warmup 2 --out-dir "$out" \
-        --variants "${VARIANTS:-on_cm_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
+      step_then_trace "${LABEL:-nvlink}_wgrad" "$v" \
+        "${VARIANTS:-on_cm_save_dots_unroll_fgraphs,ideal_save_dots_unroll}" ;;
     cm_scan)  # the kernel layers with the layers scanned (one call site per kernel for XLA's
       # per-execution set-up, Thunks::Initialize) against unrolled (one per layer), with
-      # the collectives' step and its ideal, TP = visible GPUs; then both traced back to back
-      n=$(visible_gpus)
+      # the collectives' step and its ideal; then both kernel steps traced
       v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
       v=$v,on_cm_save_dots_fgraphs,off_save_dots
-      BENCH_WATCHDOG_S=330 timeout 340 python3 benchmarks/bench_train.py \
-        --label "${LABEL:-nvlink}_scan" --layouts "1,1,$n" --attention cudnn \
-        --link nvlink --deadline-s 320 --build-timeout-s 150 --out-dir "$out" \
-        --variants "$v"
-      timeout 200 python3 benchmarks/profile_step.py --label "${LABEL:-nvlink}_scan_tp$n" \
-        --layouts "1,1,$n" --attention cudnn --link nvlink --steps 3 --warmup 2 \
-        --out-dir "$out" --variants on_cm_save_dots_unroll_fgraphs,on_cm_save_dots_fgraphs
-      rm -f "$out"/hlo_*.txt.gz ;;  # the traces, not the HLO, within what comes back
+      step_then_trace "${LABEL:-nvlink}_scan" "$v" \
+        on_cm_save_dots_unroll_fgraphs,on_cm_save_dots_fgraphs ;;
     codec) CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m benchmarks.bench_codec \
              --sweep-size-mib 64 --out-dir "$out" ;;
     codec_hadamard)  # the tile every sweep with the transform picked (Params() defaults)
