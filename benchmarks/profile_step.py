@@ -103,7 +103,8 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
     nccl_ms = sum(b - a for a, b in nccl) / 1e3 / steps
     hidden = _covered(nccl, compute) / 1e3 / steps
     everything = _merge([i for v in fams.values() for i in v])
-    start = min(a for f, v in fams.items() for a, _ in v if f != "copy")
+    start = min((a for f, v in fams.items() for a, _ in v if f != "copy"),
+                default=everything[0][0])
     everything = [[max(a, start), b] for a, b in everything if b > start]
     span = everything[-1][1] - everything[0][0]
     out[dev] = dict(busy_ms=busy, nccl_ms=nccl_ms, nccl_exposed_ms=nccl_ms - hidden,

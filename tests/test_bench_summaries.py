@@ -299,6 +299,9 @@ def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
   assert got["top_kernels_ms"]["loop_add_fusion"] == pytest.approx(50 / 1e3 / 2)
   assert list(got["top_kernels_ms"])[0] == "sm90_xmma_gemm_bf16"
+  (_, only_copies), = profile_step.summarize_trace(events[:2] + [x("MemcpyH2D", 0, 5)],
+                                                   steps=1).items()
+  assert only_copies["idle_ms"] == 0
 
 
 def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypatch):
