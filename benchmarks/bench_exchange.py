@@ -24,10 +24,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.args import (add_output_args, parse_with_smoke, run_on_devices,  # noqa: E402
                              write_results)
-from benchmarks.bench_peer_copy import checked_then_timed, one_group  # noqa: E402
+from benchmarks.bench_peer_copy import MIB, checked_then_timed, one_group  # noqa: E402
 
 AXIS = "tensor"
-MIB = 2 ** 20
 
 
 def parse_args(argv=None):
@@ -50,7 +49,7 @@ def run(args) -> dict:
 
   mesh, smap, results = one_group(AXIS)
   n, on_gpu = results["n"], results["platform"] == "gpu"
-  results.update(batch=args.batch, seq=args.seq)
+  results.update(batch=args.batch, seq=args.seq, iters=args.iters)
   for model in args.models.split(","):
     d = SIZES[model][1]  # d_model
     for way, split, shape in (("forward", 1, (args.batch, args.seq, d // n)),

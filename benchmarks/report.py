@@ -1002,10 +1002,11 @@ def peer_copy_section() -> str:
 
 def exchange_section() -> str:
   """bench_exchange: parallel.tp_exchange's all-to-all, our kernel against NCCL's."""
-  rows = []
+  rows, iters = [], set()
   for name, d in _load("bench_exchange_*.json"):
     if d["platform"] != "gpu":
       continue
+    iters.add(d.get("iters", 20))  # runs before the field used the default, 20
     for case in d["cases"]:
       v = case["variants"]
       xla, kernel = v.get("xla_all_to_all", {}), v.get("kernel", {})
@@ -1019,8 +1020,9 @@ def exchange_section() -> str:
       "`parallel.tp_exchange`'s all-to-all of the attention's input (`forward`: rows to "
       "columns) and of its gradient (`backward`), one GPU group as the TP axis: NCCL's "
       "(`lax.all_to_all`, NCCL_NVLS_ENABLE=0) and our kernel (`pallas_kernels/exchange.py`), "
-      "ms of device time (CUPTI, median of 20; the kernel's with the cross-GPU barrier XLA "
-      "runs before it), every result checked bit for bit first; GB/s that a rank receives.",
+      f"ms of device time (CUPTI, median of {' or '.join(map(str, sorted(iters)))}; the "
+      "kernel's with the cross-GPU barrier XLA runs before it), every result checked bit for "
+      "bit first; GB/s that a rank receives.",
       [_table(["run", "GPUs", "model", "way", "x per rank", "MiB received", "NCCL ms",
                "kernel ms", "NCCL / kernel", "NCCL GB/s", "kernel GB/s"], rows) + "\n"]
       if rows else [])

@@ -349,13 +349,20 @@ def _lowers_for_hopper(f, *args) -> str:
   return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def _dp2_tp_mesh(tp: int):
+  """A (2, 1, tp) ("data", "pipeline", "tensor") mesh over the first 2 tp devices: TP as
+  one axis of the trainer's mesh, beside data parallelism."""
+  return jax.make_mesh((2, 1, tp), ("data", "pipeline", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                       devices=jax.devices()[:2 * tp])
+
+
 def test_the_ring_lowers_with_row_waits_at_four_ranks():
   """At 4 ranks (``ROW_WAITS_FROM`` on) the ring's tiles wait for their A rows, a semaphore
   per step and row tile: plain and FP8 through the sm_90 lowering on a (2, 1, 4) mesh, and
   the plain kernel with the bench's chunk waits (``_chunk_waits``) too. (Local mode, which
   the per-rank tests run, has no semaphores: there both ways compute the same.)"""
-  mesh = jax.make_mesh((2, 1, 4), ("data", "pipeline", "tensor"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = _dp2_tp_mesh(4)
   sd = jax.ShapeDtypeStruct
   b, t, d, f = 2, 1024, 256, 512
   smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
@@ -831,8 +838,7 @@ def test_exchange_gradient_runs_our_kernel_or_xlas_all_to_all(monkeypatch):
   platform check passed: both all-to-alls are our kernel; with
   `fused.EXCHANGE_GRADIENT_KERNEL` off (bench_train's ``_bxla``) the backward's is XLA's."""
   monkeypatch.setattr(fused, "platform_problem", lambda devices: None)
-  mesh = jax.make_mesh((2, 1, 2), ("data", "pipeline", "tensor"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=jax.devices()[:4])
+  mesh = _dp2_tp_mesh(2)
   lowered = {}
   for gradient_kernel in (True, False):
     monkeypatch.setattr(fused, "EXCHANGE_GRADIENT_KERNEL", gradient_kernel)
@@ -852,9 +858,7 @@ def test_exchange_lowers_for_hopper_and_refuses_bad_input():
   refused."""
   from taco_jax.pallas_kernels import exchange
   for tp in (2, 4):
-    mesh = jax.make_mesh((2, 1, tp), ("data", "pipeline", "tensor"),
-                         axis_types=(jax.sharding.AxisType.Auto,) * 3,
-                         devices=jax.devices()[:2 * tp])
+    mesh = _dp2_tp_mesh(tp)
     for split_axis, shape in ((1, (2, 64 * tp, 512)), (2, (2, 128, 256 * tp))):
       fn = jax.shard_map(lambda x, a=split_axis, tp=tp: exchange.all_to_all(
           x, "tensor", n=tp, split_axis=a, num_sms=132), mesh=mesh,
