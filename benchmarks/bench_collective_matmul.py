@@ -22,6 +22,12 @@ count), the same random inputs go through:
 * ``cublas``: XLA's bf16 matmul of the same full shape on one GPU (cuBLAS): the ideal;
   ``xla_f32_dot``: the same accumulated to fp32 then converted, which XLA runs as a Triton
   GEMM (the ``cublas`` of results before 2026-11-24);
+* ``cublas_cold``, ``core[...]_cold`` (``--cold``): the same, each call after an XLA fusion
+  that streams ``COLD_MIB`` through memory, so that the matmul finds none of its operands in
+  L2 and follows a kernel of another kind, as in a training step; only the matmul's own
+  kernels are timed (does the core's in-step gap to cuBLAS come from that?);
+  ``cublas_hot``, ``core[...]_hot`` (``--hot``): each call after ~60 ms of fp32 matmuls, at
+  the clocks of a GPU under sustained load;
 * ``jax_gemm``: jax's own Hopper matmul example (``hopper_matmul_mgpu``) on that shape, with
   the same tiles as ours, alone and in CTA pairs (``[cluster=m]`` / ``[cluster=n]``: one
   operand's blocks multicast to both): a yardstick for our GEMM core.
@@ -62,6 +68,8 @@ from benchmarks.args import (add_output_args, parse_with_smoke, spec_fields,  # 
 MODELS = {"1.3b": dict(d=2048, f=8192), "2.7b": dict(d=2560, f=10240),
           "tiny": dict(d=256, f=512)}  # tiny: --smoke
 FP8 = dict(group_size=128, fmt="e4m3", dual_scale=True, lam=1e-6)
+COLD_MIB = 512  # ``--cold``'s flush: ten times an H200's L2
+HOT_MATMULS, HOT_SIZE = 24, 8192  # ``--hot``'s fp32 matmuls
 
 
 def _ag_fp8() -> dict:
@@ -120,6 +128,10 @@ def parse_args(argv=None):
                       "ag_matmul.ROW_WAITS_FROM ranks): fused[chunk_waits]")
   p.add_argument("--core-tilings", default="default",
                  help="Tiling overrides of the GEMM core alone (gemm.matmul), as --tilings")
+  p.add_argument("--cold", action="store_true",
+                 help="also time cublas and each core[...] after an L2 flush: *_cold")
+  p.add_argument("--hot", action="store_true",
+                 help="... and after ~60 ms of fp32 matmuls (a GPU under load): *_hot")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
   return parse_with_smoke(p, argv, dict(models="tiny", batch=2, seq=512, iters=2))
 
@@ -155,21 +167,24 @@ def _sms(spec: str, default: int) -> int:
   return _spec(spec).get("sms", default)
 
 
-def timed_or_error(fn, args, iters: int, n_devices: int, tries: int = 2) -> dict:
+def timed_or_error(fn, args, iters: int, n_devices: int, tries: int = 2,
+                   skip: frozenset = frozenset()) -> dict:
   """``device_time_ms``, tried again once if the profiler fails (it once saw other kernel
   names in one of the calls than in the others), then its error: one variant's failed
   timing is reported and the run goes on."""
   for _ in range(tries):
     try:
-      return device_time_ms(fn, args, iters, n_devices)
+      return device_time_ms(fn, args, iters, n_devices, skip)
     except RuntimeError as e:
       error = f"{type(e).__name__}: {e}"[:2000]
   return {"timing_error": error}
 
 
-def device_time_ms(fn, args, iters: int, n_devices: int) -> dict:
+def device_time_ms(fn, args, iters: int, n_devices: int,
+                   skip: frozenset = frozenset()) -> dict:
   """Median over ``iters`` calls of the summed kernel durations (per kernel name, the
-  minimum over devices), with the per-kernel breakdown of the median call."""
+  minimum over devices), with the per-kernel breakdown of the median call; kernels named in
+  ``skip`` are left out."""
   from jax.experimental.mosaic.gpu import profiler
   _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
   if iters == 1:
@@ -178,7 +193,8 @@ def device_time_ms(fn, args, iters: int, n_devices: int) -> dict:
   for kernels in runs:
     by_name: dict[str, list[float]] = {}
     for name, ms in kernels:
-      by_name.setdefault(name, []).append(ms)
+      if name not in skip:
+        by_name.setdefault(name, []).append(ms)
     # names repeated more often than there are devices are separate launches: keep each
     # launch's minimum over devices
     per = {name: sum(sorted(v)[:max(1, len(v) // n_devices)]) for name, v in by_name.items()}
@@ -300,16 +316,68 @@ def run(args) -> dict:
         if check["ok"] or "diagnostic" in check:
           timed[name] = (fn, fargs)
         _write(args, results)
+      neighbours = [kind for kind in ("cold", "hot") if getattr(args, kind)]
+      if on_gpu and neighbours:
+        timed.update(_neighboured_variants(timed, full_a, full_w, neighbours))
       for name, (fn, fargs) in timed.items():
         if not on_gpu:
           continue
-        case["variants"].setdefault(name, {}).update(
-            timed_or_error(jax.jit(fn), fargs, args.iters, 1 if fargs[0] is full_a else tp))
+        kind = name.rpartition("_")[2]
+        skip = _neighbour_kernels(kind) if kind in neighbours else frozenset()
+        case["variants"].setdefault(name, {}).update(timed_or_error(
+            jax.jit(fn), fargs, args.iters, 1 if fargs[0] is full_a else tp, skip=skip))
         _write(args, results)
       _ratios(case)
       _write(args, results)
       print(_line(case), flush=True)
   return results
+
+
+def _flush(junk):
+  """``--cold``'s neighbour: one pass over ``COLD_MIB`` (read and written once)."""
+  return junk + 1
+
+
+def _heat(m):
+  """``--hot``'s neighbour: ``HOT_MATMULS`` chained fp32 matmuls (~60 ms of tensor-core
+  work on an H200), so that the timed matmul runs at the clocks of a GPU under sustained
+  load, as in a training step."""
+  x = m
+  for _ in range(HOT_MATMULS):
+    x = x @ m
+  return x
+
+
+@functools.cache
+def _neighbour(kind: str):
+  """(function, argument) of ``--cold`` or ``--hot``'s neighbour."""
+  import jax.numpy as jnp
+  if kind == "cold":
+    return _flush, jnp.zeros((COLD_MIB * 2**20 // 4,), jnp.float32)
+  return _heat, jnp.full((HOT_SIZE, HOT_SIZE), 1 / HOT_SIZE, jnp.float32)
+
+
+@functools.cache
+def _neighbour_kernels(kind: str) -> frozenset:
+  """The names of the neighbour's kernels, which the variants after it leave out."""
+  import jax
+  from jax.experimental.mosaic.gpu import profiler
+  fn, arg = _neighbour(kind)
+  _, kernels = profiler.measure(jax.jit(fn), aggregate=False, iterations=1)(arg)
+  return frozenset(name for name, _ in kernels)
+
+
+def _neighboured_variants(timed: dict, a, w, kinds) -> dict:
+  """``cublas`` and each ``core[...]`` once more per neighbour kind ("cold", "hot"), each
+  call with the neighbour: ``cublas_cold``, ``core[default]_hot``, ..."""
+  out = {}
+  for kind in kinds:
+    before, arg = _neighbour(kind)
+    for name, (fn, fargs) in timed.items():
+      if name == "cublas" or name.startswith("core["):
+        out[f"{name}_{kind}"] = ((lambda a, w, x, fn=fn, before=before: (fn(a, w), before(x))),
+                                 (a, w, arg))
+  return out
 
 
 def ref_full(a, w):

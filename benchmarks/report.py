@@ -764,7 +764,8 @@ def measured_module() -> str:
 # them (the tiling sweeps of `gemm` / `core` stay out: their runs' JSON has them)
 CM_FUSED = ("xla", "fused", "fused_fp8")
 CM_REFERENCES = ("rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
-                 "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas")
+                 "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas",
+                 "core[default]_cold", "cublas_cold", "core[default]_hot", "cublas_hot")
 
 
 def _cm_columns(cases: list) -> list:
@@ -803,7 +804,9 @@ CM_COLUMNS = (
     "Triton GEMM, up to ~15% slower: the `cublas` column of the runs before 2026-11-24, whose "
     "ratios are against it. `MiB/device`: what the plain collective sends. `… kernel ms`: the FP8 "
     "collective-matmul kernel alone, without the encode before it and the decode of the gathered "
-    "x after it (the all-gather's).")
+    "x after it (the all-gather's). `_cold` / `_hot` (`--cold`, `--hot`): the GEMM core and "
+    "cuBLAS, each call after a pass over 512 MiB (L2 holds none of the operands) / after ~60 ms "
+    "of fp32 matmuls (a GPU under sustained load), timing the matmul's kernel alone.")
 # What each bracketed variant of those tables is, by the runs that have it
 CM_VARIANTS = (
     "`[packed_sems]` (the `nvlink_sems` run): the kernels as they are, every semaphore in one "
