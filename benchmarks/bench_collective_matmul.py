@@ -174,7 +174,7 @@ def timed_or_error(fn, args, iters: int, n_devices: int, tries: int = 2,
   timing is reported and the run goes on."""
   for _ in range(tries):
     try:
-      return device_time_ms(fn, args, iters, n_devices, skip)
+      return device_time_ms(fn, args, iters, n_devices, skip=skip)
     except RuntimeError as e:
       error = f"{type(e).__name__}: {e}"[:2000]
   return {"timing_error": error}

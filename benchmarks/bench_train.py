@@ -43,9 +43,10 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _wcopy  (with _cm only) the backward kernels take each weight transposed by XLA, a copy
           per weight and step (`fused.WEIGHTS_READ_TRANSPOSED` off), where the layers read
           it transposed inside the kernels (since 2026-11-27): the layers before that
-  _dwf32  (with _cm only) the kernel layers' weight gradients as fp32-output dots cast to
-          bf16 (`fused.WEIGHT_GRADIENTS_F32`), which XLA fuses into Triton GEMMs, where
-          the layers' are bf16 dots on cuBLAS (since 2026-11-28): the layers before that
+  _dwf32  (with _cm or ring_) the weight gradients of the kernel layers and of the ring's
+          all-gather matmuls as fp32-output dots cast to bf16
+          (`overlap.WEIGHT_GRADIENTS_F32`), which XLA fuses into Triton GEMMs, where the
+          layers' are bf16 dots on cuBLAS (since 2026-11-28): the layers before that
   _1f1b   the 1F1B pipeline schedule (`parallel.schedule="1f1b"`: each stage keeps at most
           2 (pp - 1) micro-batches' activations, not all m)
   _vs2    the interleaved pipeline schedule with 2 chunks per stage
@@ -165,7 +166,7 @@ class Variant:
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
   push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
   wcopy: bool = False           # _wcopy: XLA transposes the backward kernels' weights
-  dw_f32: bool = False          # _dwf32: fused.WEIGHT_GRADIENTS_F32
+  dw_f32: bool = False          # _dwf32: overlap.WEIGHT_GRADIENTS_F32
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
   gradient_exchange_by_xla: bool = False  # _bxla: not fused.EXCHANGE_GRADIENT_KERNEL
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
@@ -202,14 +203,16 @@ def parse_variant(name: str) -> Variant:
       "cm" in mods and base not in ("off", "on", "ideal")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
-      {"push", "wcopy", "dwf32"} & set(mods) and "cm" not in mods) or (
+      {"push", "wcopy"} & set(mods) and "cm" not in mods) or (
+      "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
       "bxla" in mods and not {"cm", "xchg"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
-                     "_wcopy, _dwf32, _graphs and _fgraphs only with _cm; _bxla only with _cm "
+                     "_wcopy, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
+                     "_bxla only with _cm "
                      "and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
@@ -308,7 +311,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from benchmarks import gspmd
   from taco_jax import collectives
   from taco_jax.pallas_kernels import ag_matmul
-  from taco_jax.tp import fused
+  from taco_jax.tp import fused, overlap
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
   from taco_jax.train.trainer import opt_state_target, shardings
@@ -348,7 +351,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
         + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push
         + [mock.patch.object(fused, "WEIGHTS_READ_TRANSPOSED", False)] * variant.wcopy
-        + [mock.patch.object(fused, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
+        + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT_KERNEL", False)]
         * variant.gradient_exchange_by_xla)
   return step, state, batch, mesh, plan, ctx

@@ -48,6 +48,7 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
   assert bench_train.parse_variant("on_cm_wcopy_save_fgraphs").wcopy
   assert bench_train.parse_variant("on_cm_dwf32_save_fgraphs").dw_f32
+  assert bench_train.parse_variant("ring_off_dwf32_save").dw_f32
   assert bench_train.parse_variant("on_cm_xchg_save_fgraphs").tp_exchange
   assert bench_train.parse_variant("on_cm_xchg_bxla_save_fgraphs").gradient_exchange_by_xla
   (s,) = bench_train.summarize(_rows(off_save=200.0, ideal_save=150.0, off_xchg_save=190.0,

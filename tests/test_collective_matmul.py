@@ -26,7 +26,7 @@ from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import collectives, mappings, testing
 from taco_jax.codec import CompressionConfig
-from taco_jax.tp import fused
+from taco_jax.tp import fused, overlap
 
 # small tiles the interpreter runs quickly; a chunk is one row tile
 TILING = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32)
@@ -429,7 +429,7 @@ def test_benchmark_reports_a_failed_timing_and_goes_on(monkeypatch):
   from benchmarks import bench_collective_matmul as bench
   calls = []
 
-  def flaky(fn, args, iters, n_devices):
+  def flaky(fn, args, iters, n_devices, skip=frozenset()):
     calls.append(fn)
     if fn == "bad" or len(calls) == 1:
       raise RuntimeError("Kernel names are not consistent across iterations")
@@ -441,6 +441,28 @@ def test_benchmark_reports_a_failed_timing_and_goes_on(monkeypatch):
                                     "iterations"} and calls[2:] == ["bad", "bad"]
   case = {"model": "1.3b", "layer": "qkv", "kind": "ag", "variants": {"fused": failed}}
   assert "fused NOT TIMED RuntimeError" in bench._line(case)
+
+
+def test_benchmark_times_a_neighboured_matmul_without_its_neighbour(monkeypatch):
+  """``--cold`` / ``--hot``: cuBLAS and each GEMM core run once more after a neighbour
+  kernel (``*_cold``, ``*_hot``), and the timing leaves the neighbour's kernels out."""
+  from jax.experimental.mosaic.gpu import profiler
+  from benchmarks import bench_collective_matmul as bench
+  monkeypatch.setattr(bench, "_neighbour",
+                      lambda kind: (lambda x: x + 1, {"cold": 10.0, "hot": 20.0}[kind]))
+  timed = {"cublas": (lambda a, w: a * w, ()), "core[default]": (lambda a, w: (a + w,), ()),
+           "fused": (None, ())}
+  variants = bench._neighboured_variants(timed, 2.0, 3.0, ["cold", "hot"])
+  assert sorted(variants) == ["core[default]_cold", "core[default]_hot", "cublas_cold",
+                              "cublas_hot"]
+  fn, args = variants["cublas_hot"]
+  assert args == (2.0, 3.0, 20.0) and fn(*args) == (6.0, 21.0)
+  calls = [[("flush", 9.0), ("gemm", 0.5)], [("flush", 9.0), ("gemm", 0.7)],
+           [("gemm", 0.6), ("flush", 9.0)]]
+  monkeypatch.setattr(profiler, "measure", lambda fn, **kw: lambda *a: (None, calls))
+  got = bench.device_time_ms(None, (), 3, 1, skip=frozenset({"flush"}))
+  assert got["ms"] == 0.6 and got["kernels"] == {"gemm": 0.6}
+  assert bench.device_time_ms(None, (), 3, 1)["ms"] == 9.6
 
 
 def test_gemm_core_in_clusters_lowers_for_hopper():
@@ -604,19 +626,22 @@ def test_custom_vjps_match_the_regions_they_replace(kind, codec, monkeypatch):
       np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
-@pytest.mark.parametrize("kind", ["column", "row"])
+@pytest.mark.parametrize("layer", ["kernel_column", "kernel_row", "ring_column"])
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16_dot", "f32_dot"])
-def test_weight_gradient_is_a_dot_in_the_weights_dtype(kind, f32, monkeypatch):
+def test_weight_gradient_is_a_dot_in_the_weights_dtype(layer, f32, monkeypatch):
   """A bf16 layer's weight gradient is one dot with a bf16 output, as autodiff of the XLA
-  layers' matmul gives (XLA runs it on cuBLAS); with `fused.WEIGHT_GRADIENTS_F32` (bench_train's
-  ``_dwf32``) a dot with an fp32 output, then the cast."""
-  monkeypatch.setattr(fused, "WEIGHT_GRADIENTS_F32", f32)
+  layers' matmul gives (XLA runs it on cuBLAS); with `overlap.WEIGHT_GRADIENTS_F32`
+  (bench_train's ``_dwf32``) a dot with an fp32 output, then the cast. The kernel layers'
+  and the ring's all-gather matmul (whose reduce-scatter sums its chunks' products in
+  fp32)."""
+  monkeypatch.setattr(overlap, "WEIGHT_GRADIENTS_F32", f32)
   n, b, s, d, f = 2, 1, 4, 16, 8
-  layer = fused.gather_matmul if kind == "column" else fused.matmul_scatter
-  x, w, ct = ((n, b, s, d), (n, d, f), (n, b, n * s, f)) if kind == "column" else (
+  fn = dict(kernel_column=fused.gather_matmul, kernel_row=fused.matmul_scatter,
+            ring_column=overlap.gather_matmul)[layer]
+  x, w, ct = ((n, b, s, d), (n, d, f), (n, b, n * s, f)) if layer.endswith("column") else (
       (n, b, n * s, f), (n, f, d), (n, b, s, d))
   sd = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.bfloat16)
-  text = _vjp_program(lambda x, w: layer(x, w, "x"), n).lower(sd(x), sd(w), sd(ct)).as_text()
+  text = _vjp_program(lambda x, w: fn(x, w, "x"), n).lower(sd(x), sd(w), sd(ct)).as_text()
   w_dots = re.findall(rf"dot_general.*-> tensor<{w[1]}x{w[2]}x(\w+)>", text)
   assert w_dots == ["f32" if f32 else "bf16"], w_dots
 

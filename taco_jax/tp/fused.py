@@ -51,7 +51,7 @@ from taco_jax.pallas_kernels.common import warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
-from taco_jax.tp.overlap import SEQ
+from taco_jax.tp.overlap import SEQ, weight_gradient
 from taco_jax.codec import CompressionConfig
 from taco_jax.collectives import Decided
 
@@ -88,11 +88,6 @@ WEIGHTS_READ_TRANSPOSED = True
 # kernel runs on the compute stream and overlaps nothing. A wash at TP=2: 164.09 ms a 1.3B
 # step against 164.57, in one process (bench_train_nvlink_bxla_xchg_kernel_2gpu_20261128).
 EXCHANGE_GRADIENT_KERNEL = True
-# The weight gradients are dots with bf16 outputs (fp32 accumulation), as XLA's own
-# transposes of the collective layers' matmuls are, so XLA runs them on cuBLAS. True
-# (bench_train's ``_dwf32``): fp32 outputs cast to the weight's dtype, a dot and a cast
-# that XLA fuses into a Triton GEMM (the layers before 2026-11-28).
-WEIGHT_GRADIENTS_F32 = False
 
 
 def platform_problem(devices: int) -> str | None:
@@ -250,19 +245,12 @@ def _transposed(w):
   return (w, True) if WEIGHTS_READ_TRANSPOSED else (w.T, False)
 
 
-def _weight_gradient(spec: str, a, b, dtype):
-  """The weight gradient ``einsum(spec, a, b)`` in the weight's ``dtype``
-  (``WEIGHT_GRADIENTS_F32``: which output the dot itself has)."""
-  out = jnp.float32 if WEIGHT_GRADIENTS_F32 else dtype
-  return jnp.einsum(spec, a, b, preferred_element_type=out).astype(dtype)
-
-
 def _gather_matmul_bwd(axis_name, fwd, bwd, res, dy):
   x_full, w = res
   w_t, read_transposed = _transposed(w)
   dx = matmul_reduce_scatter(dy.astype(x_full.dtype), w_t, axis_name, bwd,
                              transpose_w=read_transposed)
-  return dx.astype(x_full.dtype), _weight_gradient("btd,btf->df", x_full, dy, w.dtype)
+  return dx.astype(x_full.dtype), weight_gradient("btd,btf->df", x_full, dy, w.dtype)
 
 
 gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
@@ -288,7 +276,7 @@ def _matmul_scatter_bwd(axis_name, fwd, bwd, res, dout):
   w_t, read_transposed = _transposed(w)
   dy, dout_full = all_gather_matmul(dout.astype(y.dtype), w_t, axis_name, bwd,
                                     transpose_w=read_transposed)
-  return dy.astype(y.dtype), _weight_gradient("btf,btd->fd", y, dout_full, w.dtype)
+  return dy.astype(y.dtype), weight_gradient("btf,btd->fd", y, dout_full, w.dtype)
 
 
 matmul_scatter.defvjp(_matmul_scatter_fwd, _matmul_scatter_bwd)

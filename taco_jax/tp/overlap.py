@@ -1,7 +1,7 @@
 """Collective matmuls: a sequence-parallel layer's all-gather / reduce-scatter split into a
 ring of point-to-point transfers, each in flight while the matmul of another chunk runs.
 
-Used by the column / row-parallel layers when `parallel.overlap` is on; the math is that of
+Used by the column / row-parallel layers when `parallel.tp_overlap = "ring"`; the math is that of
 `mappings.gather_from_sp` + matmul and matmul + `mappings.reduce_scatter_to_sp`
 (`tests/test_overlap.py` checks values and gradients against them). With n ranks on the
 axis and this rank r, chunk c is rows [c S, (c + 1) S) of the full sequence T = n S.
@@ -32,6 +32,19 @@ from taco_jax import collectives
 from taco_jax.codec import CompressionConfig, from_wire, to_wire
 
 SEQ = 1  # the sequence axis of [B, T, D] activations
+# The weight gradients of a gathered input are dots with outputs in the weight's dtype (fp32
+# accumulation), as XLA's own transposes of the collective layers' matmuls are, so XLA runs
+# them on cuBLAS. True (bench_train's ``_dwf32``): fp32 outputs cast to the weight's dtype,
+# a dot and a cast that XLA fuses into a Triton GEMM (the ring and kernel layers before
+# 2026-11-28). The ring's reduce-scatter backward sums its chunks' products in fp32.
+WEIGHT_GRADIENTS_F32 = False
+
+
+def weight_gradient(spec: str, a, b, dtype):
+  """The weight gradient ``einsum(spec, a, b)`` in the weight's ``dtype``
+  (``WEIGHT_GRADIENTS_F32``: which output the dot itself has)."""
+  out = jnp.float32 if WEIGHT_GRADIENTS_F32 else dtype
+  return jnp.einsum(spec, a, b, preferred_element_type=out).astype(dtype)
 
 
 def _chunk(a, c, size: int):
@@ -105,8 +118,7 @@ def _gather_matmul_bwd(axis_name, fwd, bwd, out_dtype, res, dy):
   rs_codec = collectives.decide("reduce_scatter", x_full, bwd, n)
   dx = _ring_reduce_scatter(lambda c: jnp.einsum("bsf,df->bsd", _chunk(dy, c, s), w),
                             axis_name, n, rs_codec, x_full.dtype)
-  dw = jnp.einsum("btd,btf->df", x_full, dy, preferred_element_type=jnp.float32)
-  return dx, dw.astype(w.dtype)
+  return dx, weight_gradient("btd,btf->df", x_full, dy, w.dtype)
 
 
 gather_matmul.defvjp(_gather_matmul_fwd, _gather_matmul_bwd)
