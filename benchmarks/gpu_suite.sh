@@ -50,6 +50,8 @@
 #   bash benchmarks/gpu_suite.sh weight_grads      # the kernel layers' weight gradients as
 #                                                  # bf16 or fp32-output dots, TP = visible
 #                                                  # GPUs, then a trace (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh ring_wgrad        # the ring layers' weight gradients as bf16
+#                                                  # or fp32-output dots, P2P off (<= 7.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
 #                                                    # alone; the trainer's PGLE on a real profile
 #   bash benchmarks/gpu_suite.sh rs_1gpu             # one GPU: the reduce-scatter kernels alone,
@@ -307,6 +309,14 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 400 python3 benchmarks/bench_train.py --label nop2p_dots \
         --layouts 1,1,2 --attention cudnn --deadline-s 380 --out-dir "$out" \
         --variants off_save_dots_unroll,on_save_dots_unroll,gspmd ;;
+    ring_wgrad)  # the ring layers' (parallel.tp_overlap="ring") gathered weight gradients as
+      # dots in the weight's dtype (the layers) or with fp32 outputs (_dwf32), plain and
+      # compressed, through host memory, TP = the visible GPUs (<= 7.5 min)
+      v=ring_off_save_dots_unroll,ring_off_dwf32_save_dots_unroll
+      v=$v,ring_on_save_dots_unroll,ring_on_dwf32_save_dots_unroll
+      NCCL_P2P_DISABLE=1 timeout 440 python3 benchmarks/bench_train.py --label nop2p_ring_wgrad \
+        --layouts "1,1,$(visible_gpus)" --attention cudnn --deadline-s 420 --out-dir "$out" \
+        --variants "$v" ;;
     pp_sched)  # issue 17 on 2xH200 (PP=2, m = 8): GPipe, 1F1B, interleaved (v = 2) and 1F1B
       # with FP8 hand-offs, keeping the TP outputs (layers scanned)
       timeout 440 python3 benchmarks/bench_train.py --label nvlink_pp_sched --layouts 1,2,1 \
