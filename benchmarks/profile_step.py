@@ -76,17 +76,24 @@ def kernel_name(name: str) -> str:
   return re.sub(r"([._]\d+)+$", "", name)
 
 
-def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
+CALL_BUCKET_US = 5  # the width of ``call_us``'s buckets
+
+
+def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 4) -> dict:
   """Per device (a trace process whose name mentions a device): ms per step by kernel
   family, NCCL ms per step not overlapped by any compute kernel of that device, ms per step
   the device ran nothing (``idle_ms``: from its first kernel, not copy, to its last, so
   without the first step's start, where XLA copies each collective kernel's table of peer
-  addresses while the host prepares the step), and the ``top`` kernels by ms per step
-  (``kernel_name``: fusions of one kind together)."""
+  addresses while the host prepares the step), the ``top`` kernels by ms per step
+  (``kernel_name``: fusions of one kind together), and for the first ``calls`` of them how
+  long their calls took (``call_us``: calls per step by duration, in buckets of
+  ``CALL_BUCKET_US`` named by their lower bound; whether one kind's calls all take the same
+  time, as in a kernel benchmark, or some take much longer)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
   kernels = collections.defaultdict(collections.Counter)
+  durations = collections.defaultdict(lambda: collections.defaultdict(list))
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
       continue
@@ -95,6 +102,7 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
       continue
     per_dev[dev][family(e["name"])].append((e["ts"], e["ts"] + e["dur"]))
     kernels[dev][kernel_name(e["name"])] += e["dur"]
+    durations[dev][kernel_name(e["name"])].append(e["dur"])
   out = {}
   for dev, fams in sorted(per_dev.items()):
     compute = _merge([i for f in ("gemm", "fusion", "other", "copy") for i in fams.get(f, [])])
@@ -111,8 +119,16 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16) -> dict:
                     compute_ms=sum(b - a for a, b in compute) / 1e3 / steps,
                     idle_ms=(span - sum(b - a for a, b in everything)) / 1e3 / steps,
                     top_kernels_ms={k: us / 1e3 / steps
-                                    for k, us in kernels[dev].most_common(top)})
+                                    for k, us in kernels[dev].most_common(top)},
+                    call_us={k: _buckets(durations[dev][k], steps)
+                             for k, _ in kernels[dev].most_common(calls)})
   return out
+
+
+def _buckets(durations_us: list[float], steps: int) -> dict[int, float]:
+  """Calls per step by duration, in buckets of ``CALL_BUCKET_US`` (by lower bound)."""
+  count = collections.Counter(int(d // CALL_BUCKET_US) * CALL_BUCKET_US for d in durations_us)
+  return {b: n / steps for b, n in sorted(count.items())}
 
 
 def main(argv=None):

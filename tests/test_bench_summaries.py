@@ -300,6 +300,8 @@ def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
   assert got["busy_ms"]["gemm"] == pytest.approx(0.05)
   assert got["top_kernels_ms"]["loop_add_fusion"] == pytest.approx(50 / 1e3 / 2)
   assert list(got["top_kernels_ms"])[0] == "sm90_xmma_gemm_bf16"
+  assert got["call_us"]["loop_add_fusion"] == {20: 0.5, 30: 0.5}  # a 20 and a 30 us call
+  assert len(got["call_us"]) == 4 and got["call_us"]["sm90_xmma_gemm_bf16"] == {100: 0.5}
   (_, only_copies), = profile_step.summarize_trace(events[:2] + [x("MemcpyH2D", 0, 5)],
                                                    steps=1).items()
   assert only_copies["idle_ms"] == 0
