@@ -226,8 +226,7 @@ def run(args) -> dict:
   sms = gemm.num_sms()
   smap = functools.partial(jax.shard_map, check_vma=False)
   results = dict(tp=tp, gpus=min(tp, len(devs)), device=devs[0].device_kind, num_sms=sms,
-                 batch=args.batch,
-                 seq=args.seq, fp8=FP8, cases=[])
+                 batch=args.batch, seq=args.seq, iters=args.iters, fp8=FP8, cases=[])
 
   def put(a, spec, m=mesh):
     return jax.device_put(a, NamedSharding(m, spec))

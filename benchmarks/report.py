@@ -791,10 +791,11 @@ CM_OPEN = 6  # collective-matmul runs shown open in the README, newest first
 
 # The fused collective-matmul tables' columns
 CM_COLUMNS = (
-    "Device time (CUPTI) per call, median of 20, per kernel the minimum over GPUs. `xla`: XLA's "
-    "collective then cuBLAS (today's layers); `fused` / `fused_fp8`: the plain / FP8 "
-    "collective-matmul kernel (`fused_fp8` includes the encode kernel); `gemm` / `gemm_fp8`: the "
-    "same kernels on one GPU with no peer (the GEMM core, FP8 decode or encode included); `rank0` "
+    "Device time (CUPTI) per call, median of 20 (unless the heading says otherwise), per "
+    "kernel the minimum over GPUs. `xla`: XLA's collective then cuBLAS (today's layers); "
+    "`fused` / `fused_fp8`: the plain / FP8 collective-matmul kernel (`fused_fp8` includes the "
+    "encode kernel); `gemm` / `gemm_fp8`: the same kernels on one GPU with no peer (the GEMM "
+    "core, FP8 decode or encode included); `rank0` "
     "/ `rank0_fp8` (one GPU): rank 0's kernel at the TP shapes in local mode, its copies landing "
     "in local memory and no wait for peers (the FP8 kernel alone, codes made beforehand); `fp8 / "
     "plain`: `fused_fp8` / `fused`, or on one GPU `rank0_fp8` / `rank0`; `jax_gemm`: jax's Hopper "
@@ -940,7 +941,7 @@ def collective_matmul_section() -> str:
     gpus = d.get("gpus", d["tp"])
     parts.append((d.get("date", ""), name,
                   f"#### {gpus}x {d['device']}, shapes of TP={d['tp']}, batch {d['batch']} x "
-                  f"seq {d['seq']} (`{name}`)\n\n"
+                  f"seq {d['seq']}{_calls(d)} (`{name}`)\n\n"
                   + _table(["model", "layer", "collective", "MiB/device"]
                            + [f"{k} ms" for k in cols]
                            + [f"{fp8} kernel ms", "fused / cublas", "fp8 / plain",
@@ -953,6 +954,14 @@ def collective_matmul_section() -> str:
       f"before the newest {CM_OPEN} are folded below them.\n\n"
       f"<details><summary>The bracketed variants, run by run</summary>\n\n{variants}\n\n"
       f"</details>\n", _newest_open(parts, CM_OPEN))
+
+
+def _calls(run: dict) -> str:
+  """A collective-matmul run's calls per median where not the default 20 (runs before
+  2026-11-28 did not record it: they took the default), back to back: many of them keep
+  the GPU at its power cap."""
+  iters = run.get("iters", 20)
+  return "" if iters == 20 else f", median of {iters} calls back to back"
 
 
 def _newest_open(parts: list[tuple[str, str, str]], shown: int) -> list[str]:
