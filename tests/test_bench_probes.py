@@ -1,14 +1,15 @@
 """The probes of what bounds compression on NVLink: benchmarks/bench_transport.py (the
 settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
-its report section), and benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
-NCCL's stand-ins checked, the kernels left to the GPU)."""
+its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
+NCCL's stand-ins checked, the kernels left to the GPU), and benchmarks/probe_energy.py (a
+smoke run: XLA's matmul timed, no energy counter on CPU)."""
 import json
 
 import pytest
 
-from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, probe_fused_decode,
-                        report as report_lib)
+from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, probe_energy,
+                        probe_fused_decode, report as report_lib)
 
 
 def test_setting_env():
@@ -86,3 +87,10 @@ def test_exchange_section_rows_from_the_gpu_runs_only():
   assert rows and all("cpu" not in r for r in rows)
   cells = rows[0].split(" | ")
   assert float(cells[-3]) == pytest.approx(float(cells[6]) / float(cells[7]), rel=0.01)
+
+
+def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):
+  path = probe_energy.main(["--smoke", "--out-dir", str(tmp_path), "--shapes", "mlp_in"])
+  (rec,) = json.loads(path.read_text())["results"]
+  assert (rec["kernel"], rec["shape"], rec["rel_err"]) == ("cublas", "mlp_in", 0.0)
+  assert rec["calls"] >= 3 and rec["ms_per_call"] > 0 and "mj_per_call" not in rec

@@ -1,0 +1,146 @@
+"""Energy per call of our GEMM core against cuBLAS, at the 1.3B TP=2 layer shapes, one GPU.
+
+In a training step the GPUs run at their power cap, and there our core loses more time to
+cuBLAS than in a kernel benchmark (docs/measurements.md, "What the step does show"). If the
+core spends more energy per multiply-add, the cap turns that energy into time. This reads
+NVML's energy counter (``nvmlDeviceGetTotalEnergyConsumption``, through ctypes) around
+``--seconds`` of calls back to back of each kernel, in rounds (cuBLAS, core, cuBLAS, core,
+...) so that both see the same thermal history, and records per kernel, shape and round:
+mJ per call, ms per call (wall time over the calls: the GPU never waits for the host at
+these sizes), the mean power, the SM clock at the end, and J per TFLOP.
+
+GPU:       python benchmarks/probe_energy.py --out-dir $OUT
+CPU smoke: python benchmarks/probe_energy.py --smoke   (XLA's matmul only, tiny, no counter)
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from benchmarks.args import add_output_args, parse_with_smoke, write_report  # noqa: E402
+
+# (rows, contraction, columns) of one rank's matmul at the 1.3B TP=2 shapes
+SHAPES = {"qkv": (16384, 2048, 3072), "mlp_in": (16384, 2048, 4096),
+          "mlp_out": (16384, 4096, 2048)}
+NVML_CLOCK_SM = 1
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--shapes", default=",".join(SHAPES))
+  p.add_argument("--seconds", type=float, default=1.0, help="each kernel's run, per round")
+  p.add_argument("--rounds", type=int, default=2)
+  add_output_args(p, label="default", smoke="CPU, a tiny XLA matmul, no energy counter")
+  return parse_with_smoke(p, argv, dict(seconds=0.05, rounds=1, label="smoke"))
+
+
+class Nvml:
+  """The first GPU's energy counter (mJ since the driver loaded) and SM clock (MHz), or
+  None for each where NVML is not there (CPU)."""
+
+  def __init__(self):
+    try:
+      self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except OSError:
+      self.lib = None
+      return
+    self.lib.nvmlInit_v2()
+    self.handle = ctypes.c_void_p()
+    self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))
+
+  def energy_mj(self) -> int | None:
+    value = ctypes.c_ulonglong()
+    if self.lib and not self.lib.nvmlDeviceGetTotalEnergyConsumption(
+        self.handle, ctypes.byref(value)):
+      return value.value
+    return None
+
+  def sm_mhz(self) -> int | None:
+    value = ctypes.c_uint()
+    if self.lib and not self.lib.nvmlDeviceGetClockInfo(self.handle, NVML_CLOCK_SM,
+                                                        ctypes.byref(value)):
+      return value.value
+    return None
+
+
+def kernels(on_gpu: bool) -> dict:
+  """name -> matmul of (a, w): cuBLAS (XLA's bf16 dot) and, on a GPU, our GEMM core."""
+  import jax
+  import jax.numpy as jnp
+  out = {"cublas": jax.jit(lambda a, w: jnp.dot(a, w))}
+  if on_gpu:
+    from taco_jax.pallas_kernels import gemm
+    out["core"] = jax.jit(lambda a, w: gemm.matmul(a, w, num_sms=gemm.num_sms()))
+  return out
+
+
+def run_for(fn, a, w, seconds: float, nvml: Nvml) -> dict:
+  """Calls ``fn(a, w)`` back to back for about ``seconds`` (the count from one timed call)
+  and what they cost."""
+  import jax
+  t = time.perf_counter()
+  jax.block_until_ready(fn(a, w))
+  calls = max(3, int(seconds / max(time.perf_counter() - t, 1e-6)))
+  e0, t0 = nvml.energy_mj(), time.perf_counter()
+  out = None
+  for _ in range(calls):
+    out = fn(a, w)
+  jax.block_until_ready(out)
+  e1, t1 = nvml.energy_mj(), time.perf_counter()
+  flops = 2 * a.shape[0] * a.shape[1] * w.shape[1]
+  rec = dict(calls=calls, ms_per_call=(t1 - t0) / calls * 1e3, sm_mhz_after=nvml.sm_mhz())
+  if e0 is not None and e1 is not None:
+    mj = (e1 - e0) / calls
+    rec.update(mj_per_call=mj, watts=(e1 - e0) / 1e3 / (t1 - t0),
+               j_per_tflop=mj / 1e3 / (flops / 1e12))
+  return rec
+
+
+def run(args) -> dict:
+  import jax
+  import jax.numpy as jnp
+  on_gpu = jax.default_backend() == "gpu"
+  nvml = Nvml()
+  fns = kernels(on_gpu)
+  results = []
+  for shape in args.shapes.split(","):
+    m, k, n = SHAPES[shape] if not args.smoke else (128, 64, 32)
+    ka, kw = jax.random.split(jax.random.key(0))
+    a = jax.random.normal(ka, (m, k), jnp.bfloat16)
+    w = (jax.random.normal(kw, (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    want = fns["cublas"](a, w).astype(jnp.float32)
+    errors = {name: float(jnp.linalg.norm(fn(a, w).astype(jnp.float32) - want)
+                          / jnp.linalg.norm(want)) for name, fn in fns.items()}
+    for r in range(args.rounds):
+      for name, fn in fns.items():
+        rec = dict(shape=shape, m=m, k=k, n=n, kernel=name, round=r, rel_err=errors[name],
+                   **run_for(fn, a, w, args.seconds, nvml))
+        results.append(rec)
+        print(json.dumps(rec), flush=True)
+  dev = jax.devices()[0]
+  return dict(benchmark="probe_energy", label=args.label, device=dev.device_kind,
+              platform=dev.platform, num_devices=1, jax_version=jax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              config=vars(args), results=results)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  report = run(args)
+  return write_report("probe_energy", args, report, json.dumps(
+      {f"{r['shape']} {r['kernel']} {r['round']}": [round(r["ms_per_call"], 4),
+                                                     r.get("mj_per_call")]
+       for r in report["results"]}))
+
+
+if __name__ == "__main__":
+  main()
