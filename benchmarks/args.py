@@ -85,6 +85,19 @@ def run_on_devices(benchmark: str, args, run) -> pathlib.Path:
   return path
 
 
+def one_device_report(benchmark: str, args, results: list) -> dict:
+  """The report of a one-GPU probe: what ran where and when (for `write_report`), its
+  options and `results`. Call after JAX is configured."""
+  import datetime
+
+  import jax
+  dev = jax.devices()[0]
+  return dict(benchmark=benchmark, label=args.label, device=dev.device_kind,
+              platform=dev.platform, num_devices=1, jax_version=jax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              config=vars(args), results=results)
+
+
 def write_report(benchmark: str, args, report: dict, summary: str) -> pathlib.Path:
   """Writes `report` (with its num_devices, platform and ISO date) as JSON to
   `results_path`, prints `summary` and where it went; returns the path."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
 import pathlib
@@ -26,7 +25,8 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import add_output_args, parse_with_smoke, write_report  # noqa: E402
+from benchmarks.args import (add_output_args, one_device_report,  # noqa: E402
+                             parse_with_smoke, write_report)
 
 # (rows, contraction, columns) of one rank's matmul at the 1.3B TP=2 shapes
 SHAPES = {"qkv": (16384, 2048, 3072), "mlp_in": (16384, 2048, 4096),
@@ -126,11 +126,7 @@ def run(args) -> dict:
                    **run_for(fn, a, w, args.seconds, nvml))
         results.append(rec)
         print(json.dumps(rec), flush=True)
-  dev = jax.devices()[0]
-  return dict(benchmark="probe_energy", label=args.label, device=dev.device_kind,
-              platform=dev.platform, num_devices=1, jax_version=jax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              config=vars(args), results=results)
+  return one_device_report("probe_energy", args, results)
 
 
 def main(argv=None):

@@ -22,14 +22,14 @@ CPU smoke (tiny, interpret mode):  python benchmarks/probe_fused_decode.py --smo
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.args import add_output_args, parse_with_smoke, write_report  # noqa: E402
+from benchmarks.args import (add_output_args, one_device_report,  # noqa: E402
+                             parse_with_smoke, write_report)
 
 TRITON_ANY = {"xla_gpu_triton_gemm_any": True}
 
@@ -87,11 +87,7 @@ def run(args) -> dict:
         results.append(rec)
         print(f"{product:7s} F={f:5d} {name:22s} {rec['median_ms']:8.4f} ms  "
               f"cublas={rec['cublas']} triton_gemm={rec['triton_gemm']}", flush=True)
-  dev = jax.devices()[0]
-  return dict(benchmark="probe_fused_decode", label=args.label, device=dev.device_kind,
-              platform=dev.platform, num_devices=1, jax_version=jax.__version__,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              config=vars(args), results=results)
+  return one_device_report("probe_fused_decode", args, results)
 
 
 def main(argv=None):
