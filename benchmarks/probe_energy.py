@@ -26,7 +26,7 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.args import (add_output_args, one_device_report,  # noqa: E402
-                             parse_with_smoke, write_report)
+                             parse_with_smoke, spec_fields, write_report)
 
 # (rows, contraction, columns) of one rank's matmul at the 1.3B TP=2 shapes
 SHAPES = {"qkv": (16384, 2048, 3072), "mlp_in": (16384, 2048, 4096),
@@ -39,6 +39,9 @@ def parse_args(argv=None):
   p.add_argument("--shapes", default=",".join(SHAPES))
   p.add_argument("--seconds", type=float, default=1.0, help="each kernel's run, per round")
   p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--core-tilings", default="default",
+                 help="comma-separated gemm.Tiling overrides of the core, each 'k=v+k=v' "
+                      "(e.g. 'default,cluster_n=2'), timed as core[...]")
   add_output_args(p, label="default", smoke="CPU, a tiny XLA matmul, no energy counter")
   return parse_with_smoke(p, argv, dict(seconds=0.05, rounds=1, label="smoke"))
 
@@ -72,14 +75,21 @@ class Nvml:
     return None
 
 
-def kernels(on_gpu: bool) -> dict:
-  """name -> matmul of (a, w): cuBLAS (XLA's bf16 dot) and, on a GPU, our GEMM core."""
+def kernels(on_gpu: bool, core_tilings: str = "default") -> dict:
+  """name -> matmul of (a, w): cuBLAS (XLA's bf16 dot) and, on a GPU, our GEMM core on
+  each of ``core_tilings`` (``core``, ``core[cluster_n=2]``, ...)."""
+  import dataclasses
+
   import jax
   import jax.numpy as jnp
   out = {"cublas": jax.jit(lambda a, w: jnp.dot(a, w))}
   if on_gpu:
     from taco_jax.pallas_kernels import gemm
-    out["core"] = jax.jit(lambda a, w: gemm.matmul(a, w, num_sms=gemm.num_sms()))
+    for spec in core_tilings.split(","):
+      tiling = gemm.Tiling() if spec == "default" else dataclasses.replace(
+          gemm.Tiling(), **spec_fields(spec))
+      out["core" if spec == "default" else f"core[{spec}]"] = jax.jit(
+          lambda a, w, t=tiling: gemm.matmul(a, w, tiling=t, num_sms=gemm.num_sms()))
   return out
 
 
@@ -110,7 +120,7 @@ def run(args) -> dict:
   import jax.numpy as jnp
   on_gpu = jax.default_backend() == "gpu"
   nvml = Nvml()
-  fns = kernels(on_gpu)
+  fns = kernels(on_gpu, args.core_tilings)
   results = []
   for shape in args.shapes.split(","):
     m, k, n = SHAPES[shape] if not args.smoke else (128, 64, 32)
