@@ -18,7 +18,8 @@ count), the same random inputs go through:
   does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
-  ``--core-tilings``: what the kernels' hooks cost on top of it;
+  ``--core-tilings``: what the kernels' hooks cost on top of it; ``core[default][w_t]`` and
+  ``cublas[w_t]``: both on the weight stored ``[N, K]``, as the backward passes read it;
 * ``cublas``: XLA's bf16 matmul of the same full shape on one GPU (cuBLAS): the ideal;
   ``xla_f32_dot``: the same accumulated to fp32 then converted, which XLA runs as a Triton
   GEMM (the ``cublas`` of results before 2026-11-24);
@@ -255,8 +256,10 @@ def run(args) -> dict:
         full_a, full_w = a, w[:, :w.shape[1] // tp]
       else:
         full_a, full_w = a[..., :a.shape[-1] // tp], w[:w.shape[0] // tp]
-      full_a, full_w = put(full_a, P(), one), put(full_w, P(), one)
+      full_a, full_w, full_w_t = put(full_a, P(), one), put(full_w, P(), one), put(
+          full_w.T, P(), one)
       timed = {"cublas": (ref_full, (full_a, full_w)),
+               "cublas" + TRANSPOSED: (ref_full_t, (full_a, full_w_t)),
                "xla_f32_dot": (ref_f32_dot, (full_a, full_w))}
       if mesh is not None:
         a_s, w_s = put(a, a_spec), put(w, w_spec)
@@ -280,6 +283,8 @@ def run(args) -> dict:
         for spec in args.core_tilings.split(","):
           variants[f"core[{spec}]"] = (functools.partial(
               _core, tiling=_tiling(gemm.Tiling(), spec), sms=_sms(spec, sms)), True)
+        variants["core[default]" + TRANSPOSED] = (functools.partial(
+            _core, tiling=gemm.Tiling(), sms=sms, transpose_w=True), True)
         for cluster in (None, "m", "n"):
           variants["jax_gemm" + (f"[cluster={cluster}]" if cluster else "")] = (
               functools.partial(_jax_gemm, cluster=cluster), True)
@@ -291,7 +296,10 @@ def run(args) -> dict:
         if not on_gpu:
           check["skipped"] = "the kernels run on a GPU only"
           continue
-        fargs = (full_a, full_w) if alone else (a_s, w_t_s if TRANSPOSED in name else w_s)
+        if alone:
+          fargs = (full_a, full_w_t if TRANSPOSED in name else full_w)
+        else:
+          fargs = (a_s, w_t_s if TRANSPOSED in name else w_s)
         try:
           out = jax.jit(fn)(*fargs)
           if alone:  # our GEMM, no communication: the full matmul on one rank
@@ -386,6 +394,13 @@ def ref_full(a, w):
   return jnp.einsum("btk,kn->btn", a, w)
 
 
+def ref_full_t(a, w_t):
+  """``ref_full`` on a weight stored ``[N, K]``, which cuBLAS reads transposed in place (as
+  in the backward passes)."""
+  import jax.numpy as jnp
+  return jnp.einsum("btk,nk->btn", a, w_t)
+
+
 def ref_f32_dot(a, w):
   """The same with an fp32 result converted to bf16, which XLA fuses into a Triton GEMM
   (``gemm_fusion_dot``): the ``cublas`` baseline of the results before 2026-11-24, which
@@ -411,11 +426,13 @@ def _one_rank_fp8_reference(kind, smap, one):
       compiler_options={"xla_allow_excess_precision": False})(a, w)
 
 
-def _core(a, w, *, tiling, sms):
-  """Our GEMM core alone (``gemm.matmul``): no hooks, no copies."""
+def _core(a, w, *, tiling, sms, transpose_w=False):
+  """Our GEMM core alone (``gemm.matmul``): no hooks, no copies; ``transpose_w``: w stored
+  ``[N, K]``, as the backward kernels read it."""
   from taco_jax.pallas_kernels import gemm
   b, t, k = a.shape
-  return (gemm.matmul(a.reshape(b * t, k), w, tiling=tiling, num_sms=sms).reshape(b, t, -1),)
+  return (gemm.matmul(a.reshape(b * t, k), w, tiling=tiling, num_sms=sms,
+                      transpose_w=transpose_w).reshape(b, t, -1),)
 
 
 def _jax_gemm(a, w, cluster=None):
