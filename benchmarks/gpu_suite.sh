@@ -50,6 +50,8 @@
 #   bash benchmarks/gpu_suite.sh weight_grads      # the kernel layers' weight gradients as
 #                                                  # bf16 or fp32-output dots, TP = visible
 #                                                  # GPUs, then a trace (<= 9.5 min)
+#   bash benchmarks/gpu_suite.sh energy            # one GPU: the GEMM core's and cuBLAS's
+#                                                  # energy per call (CORE_TILINGS; <= 4 min)
 #   bash benchmarks/gpu_suite.sh ring_wgrad        # the ring layers' weight gradients as bf16
 #                                                  # or fp32-output dots, P2P off (<= 7.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
@@ -309,6 +311,11 @@ for job in "$@"; do
       NCCL_P2P_DISABLE=1 timeout 400 python3 benchmarks/bench_train.py --label nop2p_dots \
         --layouts 1,1,2 --attention cudnn --deadline-s 380 --out-dir "$out" \
         --variants off_save_dots_unroll,on_save_dots_unroll,gspmd ;;
+    energy)  # one GPU: the GEMM core's energy and time per call against cuBLAS, each run
+      # back to back at the power cap (<= 4 min)
+      BENCH_WATCHDOG_S=200 timeout 220 python3 benchmarks/probe_energy.py --rounds 3 \
+        --seconds 1.5 --core-tilings "${CORE_TILINGS:-default}" --label "${LABEL:-h200}" \
+        --out-dir "$out" ;;
     ring_wgrad)  # the ring layers' (parallel.tp_overlap="ring") gathered weight gradients as
       # dots in the weight's dtype (the layers) or with fp32 outputs (_dwf32), plain and
       # compressed, through host memory, TP = the visible GPUs (<= 7.5 min)
