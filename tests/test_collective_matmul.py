@@ -170,8 +170,8 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, dict(transpose_w=True)), (3, TALL, 1, 128, 3, {}),
-    (3, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
-    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "3_ranks_tall_probed"])
+    (2, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
+    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "2_ranks_tall_probed"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -179,12 +179,12 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   round-robin on from loop to loop (gemm.dealt): every tile is computed once, whichever SM
   takes it. Three ranks: each own tile reads eight partial sub-tiles through its
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
-  detector). Probed (``_probe``, a timing tool; three ranks, two slots), every sent tile
-  also reads and drops what an own tile reads, through the same slots: the results do not
-  change. Two ranks take each weight as the backward pass holds it, ``[D, F]``
+  detector). Probed (``_probe``, a timing tool; two ranks, tall tiles: four sub-tiles
+  through two slots), every sent tile also reads and drops what an own tile reads, through
+  the same slots: the results do not change. Two ranks take each weight as the backward pass holds it, ``[D, F]``
   (``transpose_w``)."""
   f, d = 128, 128
-  if n == 2:
+  if tiling is TILING:  # two row tiles a chunk: two phases
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
   ys, ws = _partials(n, b, s, f, d, seed=2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
