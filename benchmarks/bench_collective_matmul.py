@@ -325,7 +325,7 @@ def run(args) -> dict:
         _write(args, results)
       neighbours = [kind for kind in ("cold", "hot") if getattr(args, kind)]
       if on_gpu and neighbours:
-        timed.update(_neighboured_variants(timed, full_a, full_w, neighbours))
+        timed.update(_neighboured_variants(timed, neighbours))
       for name, (fn, fargs) in timed.items():
         if not on_gpu:
           continue
@@ -374,16 +374,16 @@ def _neighbour_kernels(kind: str) -> frozenset:
   return frozenset(name for name, _ in kernels)
 
 
-def _neighboured_variants(timed: dict, a, w, kinds) -> dict:
-  """``cublas`` and each ``core[...]`` once more per neighbour kind ("cold", "hot"), each
-  call with the neighbour: ``cublas_cold``, ``core[default]_hot``, ..."""
+def _neighboured_variants(timed: dict, kinds) -> dict:
+  """``cublas`` and each ``core[...]`` once more per neighbour kind ("cold", "hot"), on its
+  own arguments, each call with the neighbour: ``cublas_cold``, ``core[default]_hot``, ..."""
   out = {}
   for kind in kinds:
     before, arg = _neighbour(kind)
     for name, (fn, fargs) in timed.items():
       if name == "cublas" or name.startswith("core["):
-        out[f"{name}_{kind}"] = ((lambda a, w, x, fn=fn, before=before: (fn(a, w), before(x))),
-                                 (a, w, arg))
+        out[f"{name}_{kind}"] = (
+            lambda *a, fn=fn, before=before: (fn(*a[:-1]), before(a[-1])), (*fargs, arg))
   return out
 
 

@@ -450,9 +450,9 @@ def test_benchmark_times_a_neighboured_matmul_without_its_neighbour(monkeypatch)
   from benchmarks import bench_collective_matmul as bench
   monkeypatch.setattr(bench, "_neighbour",
                       lambda kind: (lambda x: x + 1, {"cold": 10.0, "hot": 20.0}[kind]))
-  timed = {"cublas": (lambda a, w: a * w, ()), "core[default]": (lambda a, w: (a + w,), ()),
-           "fused": (None, ())}
-  variants = bench._neighboured_variants(timed, 2.0, 3.0, ["cold", "hot"])
+  timed = {"cublas": (lambda a, w: a * w, (2.0, 3.0)),
+           "core[default]": (lambda a, w: (a + w,), (2.0, 3.0)), "fused": (None, ())}
+  variants = bench._neighboured_variants(timed, ["cold", "hot"])
   assert sorted(variants) == ["core[default]_cold", "core[default]_hot", "cublas_cold",
                               "cublas_hot"]
   fn, args = variants["cublas_hot"]
