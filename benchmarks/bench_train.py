@@ -212,8 +212,7 @@ def parse_variant(name: str) -> Variant:
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
-                     "_bxla only with _cm "
-                     "and _xchg; _1f1b or _vs2; "
+                     "_bxla only with _cm and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,

@@ -92,7 +92,6 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
-  kernels = collections.defaultdict(collections.Counter)
   durations = collections.defaultdict(lambda: collections.defaultdict(list))
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
@@ -101,10 +100,10 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
     if "GPU" not in dev and "/device:" not in dev:
       continue
     per_dev[dev][family(e["name"])].append((e["ts"], e["ts"] + e["dur"]))
-    kernels[dev][kernel_name(e["name"])] += e["dur"]
     durations[dev][kernel_name(e["name"])].append(e["dur"])
   out = {}
   for dev, fams in sorted(per_dev.items()):
+    kernels = collections.Counter({k: sum(v) for k, v in durations[dev].items()})
     compute = _merge([i for f in ("gemm", "fusion", "other", "copy") for i in fams.get(f, [])])
     nccl = _merge(fams.get("nccl", []))
     busy = {f: sum(b - a for a, b in _merge(v)) / 1e3 / steps for f, v in fams.items()}
@@ -119,9 +118,9 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
                     compute_ms=sum(b - a for a, b in compute) / 1e3 / steps,
                     idle_ms=(span - sum(b - a for a, b in everything)) / 1e3 / steps,
                     top_kernels_ms={k: us / 1e3 / steps
-                                    for k, us in kernels[dev].most_common(top)},
+                                    for k, us in kernels.most_common(top)},
                     call_us={k: _buckets(durations[dev][k], steps)
-                             for k, _ in kernels[dev].most_common(calls)})
+                             for k, _ in kernels.most_common(calls)})
   return out
 
 
