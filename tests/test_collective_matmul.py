@@ -181,8 +181,8 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   ``depth`` receive slots, each refilled as soon as it is read (three slots: under the race
   detector). Probed (``_probe``, a timing tool; two ranks, tall tiles: four sub-tiles
   through two slots), every sent tile also reads and drops what an own tile reads, through
-  the same slots: the results do not change. Two ranks take each weight as the backward pass holds it, ``[D, F]``
-  (``transpose_w``)."""
+  the same slots: the results do not change. Two ranks take each weight as the backward
+  pass holds it, ``[D, F]`` (``transpose_w``)."""
   f, d = 128, 128
   if tiling is TILING:  # two row tiles a chunk: two phases
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
