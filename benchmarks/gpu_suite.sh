@@ -312,10 +312,11 @@ for job in "$@"; do
         --layouts 1,1,2 --attention cudnn --deadline-s 380 --out-dir "$out" \
         --variants off_save_dots_unroll,on_save_dots_unroll,gspmd ;;
     energy)  # one GPU: the GEMM core's energy and time per call against cuBLAS, each run
-      # back to back at the power cap (<= 4 min)
+      # back to back at the power cap (<= 4 min; TRANSPOSED=1: also both on the weight
+      # stored [N, K], as the backward reads it)
       BENCH_WATCHDOG_S=200 timeout 220 python3 benchmarks/probe_energy.py --rounds 3 \
         --seconds 1.5 --core-tilings "${CORE_TILINGS:-default}" --label "${LABEL:-h200}" \
-        --out-dir "$out" ;;
+        ${TRANSPOSED:+--transposed} --out-dir "$out" ;;
     ring_wgrad)  # the ring layers' (parallel.tp_overlap="ring") gathered weight gradients as
       # dots in the weight's dtype (the layers) or with fp32 outputs (_dwf32), plain and
       # compressed, through host memory, TP = the visible GPUs (<= 7.5 min)

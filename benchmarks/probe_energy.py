@@ -42,6 +42,9 @@ def parse_args(argv=None):
   p.add_argument("--core-tilings", default="default",
                  help="comma-separated gemm.Tiling overrides of the core, each 'k=v+k=v' "
                       "(e.g. 'default,cluster_n=2'), timed as core[...]")
+  p.add_argument("--transposed", action="store_true",
+                 help="also cuBLAS and the default core on the weight stored [N, K], as the "
+                      "backward passes read it (cublas[w_t], core[w_t])")
   add_output_args(p, label="default", smoke="CPU, a tiny XLA matmul, no energy counter")
   return parse_with_smoke(p, argv, dict(seconds=0.05, rounds=1, label="smoke"))
 
@@ -75,22 +78,39 @@ class Nvml:
     return None
 
 
-def kernels(on_gpu: bool, core_tilings: str = "default") -> dict:
-  """name -> matmul of (a, w): cuBLAS (XLA's bf16 dot) and, on a GPU, our GEMM core on
-  each of ``core_tilings`` (``core``, ``core[cluster_n=2]``, ...)."""
+TRANSPOSED = "[w_t]"  # a kernel's name suffix: it reads the weight stored [N, K]
+
+
+def kernels(on_gpu: bool, core_tilings: str = "default", transposed: bool = False) -> dict:
+  """name -> matmul of (a, w [K, N]): cuBLAS (XLA's bf16 dot) and, on a GPU, our GEMM
+  core on each of ``core_tilings`` (``core``, ``core[cluster_n=2]``, ...); with
+  ``transposed`` also both on w stored [N, K] (``TRANSPOSED``-suffixed names: each takes
+  w and transposes it outside the timed calls, see ``operands``)."""
   import dataclasses
 
   import jax
   import jax.numpy as jnp
   out = {"cublas": jax.jit(lambda a, w: jnp.dot(a, w))}
+  if transposed:
+    out["cublas" + TRANSPOSED] = jax.jit(lambda a, w_t: jnp.einsum("mk,nk->mn", a, w_t))
   if on_gpu:
     from taco_jax.pallas_kernels import gemm
-    for spec in core_tilings.split(","):
+    specs = core_tilings.split(",") + (["default" + TRANSPOSED] if transposed else [])
+    for spec in specs:
+      t_w = spec.endswith(TRANSPOSED)
+      spec = spec.removesuffix(TRANSPOSED)
       tiling = gemm.Tiling() if spec == "default" else dataclasses.replace(
           gemm.Tiling(), **spec_fields(spec))
-      out["core" if spec == "default" else f"core[{spec}]"] = jax.jit(
-          lambda a, w, t=tiling: gemm.matmul(a, w, tiling=t, num_sms=gemm.num_sms()))
+      name = ("core" if spec == "default" else f"core[{spec}]") + (TRANSPOSED if t_w else "")
+      out[name] = jax.jit(lambda a, w, t=tiling, t_w=t_w: gemm.matmul(
+          a, w, tiling=t, num_sms=gemm.num_sms(), transpose_w=t_w))
   return out
+
+
+def operands(name: str, a, w) -> tuple:
+  """The arguments ``kernels()[name]`` takes: w [K, N], or stored [N, K] for a
+  ``TRANSPOSED`` kernel."""
+  return (a, w.T if name.endswith(TRANSPOSED) else w)  # eager: a transposed copy
 
 
 def run_for(fn, a, w, seconds: float, nvml: Nvml) -> dict:
@@ -120,20 +140,21 @@ def run(args) -> dict:
   import jax.numpy as jnp
   on_gpu = jax.default_backend() == "gpu"
   nvml = Nvml()
-  fns = kernels(on_gpu, args.core_tilings)
+  fns = kernels(on_gpu, args.core_tilings, args.transposed)
   results = []
   for shape in args.shapes.split(","):
     m, k, n = SHAPES[shape] if not args.smoke else (128, 64, 32)
     ka, kw = jax.random.split(jax.random.key(0))
     a = jax.random.normal(ka, (m, k), jnp.bfloat16)
     w = (jax.random.normal(kw, (k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
+    args_of = {name: operands(name, a, w) for name in fns}
     want = fns["cublas"](a, w).astype(jnp.float32)
-    errors = {name: float(jnp.linalg.norm(fn(a, w).astype(jnp.float32) - want)
+    errors = {name: float(jnp.linalg.norm(fn(*args_of[name]).astype(jnp.float32) - want)
                           / jnp.linalg.norm(want)) for name, fn in fns.items()}
     for r in range(args.rounds):
       for name, fn in fns.items():
         rec = dict(shape=shape, m=m, k=k, n=n, kernel=name, round=r, rel_err=errors[name],
-                   **run_for(fn, a, w, args.seconds, nvml))
+                   **run_for(fn, *args_of[name], args.seconds, nvml))
         results.append(rec)
         print(json.dumps(rec), flush=True)
   return one_device_report("probe_energy", args, results)

@@ -85,10 +85,13 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
   the device ran nothing (``idle_ms``: from its first kernel, not copy, to its last, so
   without the first step's start, where XLA copies each collective kernel's table of peer
   addresses while the host prepares the step), the ``top`` kernels by ms per step
-  (``kernel_name``: fusions of one kind together), and for the first ``calls`` of them how
-  long their calls took (``call_us``: calls per step by duration, in buckets of
-  ``CALL_BUCKET_US`` named by their lower bound; whether one kind's calls all take the same
-  time, as in a kernel benchmark, or some take much longer)."""
+  (``kernel_name``: fusions of one kind together), and for the first ``calls`` of them and
+  every GEMM among them how long their calls took (``call_us``: calls per step by duration,
+  in buckets of ``CALL_BUCKET_US`` named by their lower bound; whether one kind's calls all
+  take the same time, as in a kernel benchmark, or some take much longer), and the same
+  for the first and the second half of each step's calls (``call_us_halves``: for a kernel
+  called alike in both passes, each layer's forward calls come before its backward's, so
+  the halves are the forward and the backward pass)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -100,10 +103,12 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
     if "GPU" not in dev and "/device:" not in dev:
       continue
     per_dev[dev][family(e["name"])].append((e["ts"], e["ts"] + e["dur"]))
-    durations[dev][kernel_name(e["name"])].append(e["dur"])
+    durations[dev][kernel_name(e["name"])].append((e["ts"], e["dur"]))
   out = {}
   for dev, fams in sorted(per_dev.items()):
-    kernels = collections.Counter({k: sum(v) for k, v in durations[dev].items()})
+    kernels = collections.Counter({k: sum(d for _, d in v) for k, v in durations[dev].items()})
+    timed = [k for i, (k, _) in enumerate(kernels.most_common(top))
+             if i < calls or family(k) == "gemm"]
     compute = _merge([i for f in ("gemm", "fusion", "other", "copy") for i in fams.get(f, [])])
     nccl = _merge(fams.get("nccl", []))
     busy = {f: sum(b - a for a, b in _merge(v)) / 1e3 / steps for f, v in fams.items()}
@@ -119,8 +124,9 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
                     idle_ms=(span - sum(b - a for a, b in everything)) / 1e3 / steps,
                     top_kernels_ms={k: us / 1e3 / steps
                                     for k, us in kernels.most_common(top)},
-                    call_us={k: _buckets(durations[dev][k], steps)
-                             for k, _ in kernels.most_common(calls)})
+                    call_us={k: _buckets([d for _, d in durations[dev][k]], steps)
+                             for k in timed},
+                    call_us_halves={k: _halves(durations[dev][k], steps) for k in timed})
   return out
 
 
@@ -128,6 +134,18 @@ def _buckets(durations_us: list[float], steps: int) -> dict[int, float]:
   """Calls per step by duration, in buckets of ``CALL_BUCKET_US`` (by lower bound)."""
   count = collections.Counter(int(d // CALL_BUCKET_US) * CALL_BUCKET_US for d in durations_us)
   return {b: n / steps for b, n in sorted(count.items())}
+
+
+def _halves(calls: list[tuple[float, float]], steps: int) -> list[dict[int, float]]:
+  """``_buckets`` of the first and of the second half of each step's calls, the calls
+  (start, duration) taken in time order, ``steps`` equal runs of them (any left over
+  ignored)."""
+  durations = [d for _, d in sorted(calls)]
+  per_step = len(durations) // steps
+  half = per_step // 2
+  runs = [durations[i * per_step:(i + 1) * per_step] for i in range(steps)]
+  return [_buckets([d for run in runs for d in run[:half]], steps),
+          _buckets([d for run in runs for d in run[half:]], steps)]
 
 
 def main(argv=None):

@@ -90,7 +90,10 @@ def test_exchange_section_rows_from_the_gpu_runs_only():
 
 
 def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):
-  path = probe_energy.main(["--smoke", "--out-dir", str(tmp_path), "--shapes", "mlp_in"])
-  (rec,) = json.loads(path.read_text())["results"]
-  assert (rec["kernel"], rec["shape"], rec["rel_err"]) == ("cublas", "mlp_in", 0.0)
-  assert rec["calls"] >= 3 and rec["ms_per_call"] > 0 and "mj_per_call" not in rec
+  path = probe_energy.main(["--smoke", "--out-dir", str(tmp_path), "--shapes", "mlp_in",
+                            "--transposed"])
+  plain, transposed = json.loads(path.read_text())["results"]
+  assert (plain["kernel"], plain["shape"], plain["rel_err"]) == ("cublas", "mlp_in", 0.0)
+  assert plain["calls"] >= 3 and plain["ms_per_call"] > 0 and "mj_per_call" not in plain
+  # the same product from the weight stored [N, K]
+  assert transposed["kernel"] == "cublas[w_t]" and transposed["rel_err"] < 1e-2

@@ -307,6 +307,20 @@ def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
   assert only_copies["idle_ms"] == 0
 
 
+def test_trace_summary_splits_each_steps_gemm_calls_into_halves():
+  """Two steps of four calls: a layer's forward (10-12 us) before its backward (20-22),
+  the events not in time order; a fusion outside the first ``calls`` is not timed."""
+  starts_durations = [(0, 10), (20, 12), (40, 20), (60, 22), (100, 12), (120, 10),
+                      (140, 22), (160, 20)]
+  events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0"))]
+  events += [dict(ph="X", name="nvjet_sm90_gemm", ts=t, dur=d, pid=1, tid=0)
+             for t, d in reversed(starts_durations)]
+  events += [dict(ph="X", name="loop_add_fusion", ts=200, dur=1, pid=1, tid=0)]
+  (_, got), = profile_step.summarize_trace(events, steps=2, calls=1).items()
+  assert got["call_us"] == {"nvjet_sm90_gemm": {10: 2.0, 20: 2.0}}
+  assert got["call_us_halves"] == {"nvjet_sm90_gemm": [{10: 2.0}, {20: 2.0}]}
+
+
 def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypatch):
   """The GPU branch of `attention_numerics.compare`, run on CPU with XLA standing in for
   cuDNN: the stand-in equals XLA exactly, and bf16 XLA differs from the fp32 reference."""
