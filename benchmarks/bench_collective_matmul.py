@@ -28,7 +28,9 @@ count), the same random inputs go through:
   L2 and follows a kernel of another kind, as in a training step; only the matmul's own
   kernels are timed (does the core's in-step gap to cuBLAS come from that?);
   ``cublas_hot``, ``core[...]_hot`` (``--hot``): each call after ~60 ms of fp32 matmuls, at
-  the clocks of a GPU under sustained load;
+  the clocks of a GPU under sustained load; ``cublas_fresh``, ``core[...]_fresh``
+  (``--fresh``): each call on an x that an XLA fusion has just written, as a step's
+  LayerNorm or stand-in collective writes the matmul's input (its tail still in L2);
 * ``jax_gemm``: jax's own Hopper matmul example (``hopper_matmul_mgpu``) on that shape, with
   the same tiles as ours, alone and in CTA pairs (``[cluster=m]`` / ``[cluster=n]``: one
   operand's blocks multicast to both): a yardstick for our GEMM core.
@@ -133,6 +135,8 @@ def parse_args(argv=None):
                  help="also time cublas and each core[...] after an L2 flush: *_cold")
   p.add_argument("--hot", action="store_true",
                  help="... and after ~60 ms of fp32 matmuls (a GPU under load): *_hot")
+  p.add_argument("--fresh", action="store_true",
+                 help="... and on an x an XLA fusion has just written: *_fresh")
   add_output_args(p, label="nvlink", smoke="CPU: 8 fake devices, tiny shapes, no kernels")
   return parse_with_smoke(p, argv, dict(models="tiny", batch=2, seq=512, iters=2))
 
@@ -323,7 +327,7 @@ def run(args) -> dict:
         if check["ok"] or "diagnostic" in check:
           timed[name] = (fn, fargs)
         _write(args, results)
-      neighbours = [kind for kind in ("cold", "hot") if getattr(args, kind)]
+      neighbours = [kind for kind in NEIGHBOURS if getattr(args, kind)]
       if on_gpu and neighbours:
         timed.update(_neighboured_variants(timed, neighbours))
       for name, (fn, fargs) in timed.items():
@@ -355,12 +359,25 @@ def _heat(m):
   return x
 
 
+def _rewrite(x, one):
+  """``--fresh``'s neighbour: x written anew by an XLA fusion (times a traced 1), which the
+  barrier keeps out of the matmul that reads it."""
+  from jax import lax
+  return lax.optimization_barrier(x * one.astype(x.dtype))
+
+
+NEIGHBOURS = ("cold", "hot", "fresh")  # the kinds of neighboured variants, as flags
+
+
 @functools.cache
 def _neighbour(kind: str):
-  """(function, argument) of ``--cold`` or ``--hot``'s neighbour."""
+  """(function, argument) of ``--cold``, ``--hot`` or ``--fresh``'s neighbour (``fresh``'s
+  also takes the matmul's x, before its argument)."""
   import jax.numpy as jnp
   if kind == "cold":
     return _flush, jnp.zeros((COLD_MIB * 2**20 // 4,), jnp.float32)
+  if kind == "fresh":
+    return _rewrite, jnp.ones((), jnp.float32)
   return _heat, jnp.full((HOT_SIZE, HOT_SIZE), 1 / HOT_SIZE, jnp.float32)
 
 
@@ -368,22 +385,28 @@ def _neighbour(kind: str):
 def _neighbour_kernels(kind: str) -> frozenset:
   """The names of the neighbour's kernels, which the variants after it leave out."""
   import jax
+  import jax.numpy as jnp
   from jax.experimental.mosaic.gpu import profiler
   fn, arg = _neighbour(kind)
-  _, kernels = profiler.measure(jax.jit(fn), aggregate=False, iterations=1)(arg)
+  args = (jnp.ones((1024, 1024), jnp.bfloat16), arg) if kind == "fresh" else (arg,)
+  _, kernels = profiler.measure(jax.jit(fn), aggregate=False, iterations=1)(*args)
   return frozenset(name for name, _ in kernels)
 
 
 def _neighboured_variants(timed: dict, kinds) -> dict:
-  """``cublas`` and each ``core[...]`` once more per neighbour kind ("cold", "hot"), on its
-  own arguments, each call with the neighbour: ``cublas_cold``, ``core[default]_hot``, ..."""
+  """``cublas`` and each ``core[...]`` once more per neighbour kind (``NEIGHBOURS``), on its
+  own arguments, each call with the neighbour: ``cublas_cold``, ``core[default]_hot``, ...
+  (``fresh``: each call on its x as the neighbour rewrote it)."""
   out = {}
   for kind in kinds:
     before, arg = _neighbour(kind)
     for name, (fn, fargs) in timed.items():
       if name == "cublas" or name.startswith("core["):
-        out[f"{name}_{kind}"] = (
-            lambda *a, fn=fn, before=before: (fn(*a[:-1]), before(a[-1])), (*fargs, arg))
+        if kind == "fresh":
+          variant = lambda x, *a, fn=fn: fn(_rewrite(x, a[-1]), *a[:-1])  # noqa: E731
+        else:
+          variant = lambda *a, fn=fn, before=before: (fn(*a[:-1]), before(a[-1]))  # noqa: E731
+        out[f"{name}_{kind}"] = (variant, (*fargs, arg))
   return out
 
 

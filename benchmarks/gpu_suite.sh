@@ -32,7 +32,8 @@
 #                                                    # model)
 #                                                    # (MODELS, LAYERS, TILINGS, RS_PHASES, RS_PULL,
 #                                                    # RS_SKIP, AG_SKIP, RS_PROBE,
-#                                                    # AG_CHUNK_WAITS=1, COLD=1, HOT=1, CM_TP=2
+#                                                    # AG_CHUNK_WAITS=1, COLD=1, HOT=1, FRESH=1,
+#                                                    # CM_TP=2
 #                                                    # (TP=2 shapes on one GPU),
 #                                                    # CORE_TILINGS e.g.
 #                                                    # default,cluster_n=2,cluster_n=4; LABEL)
@@ -404,7 +405,8 @@ for job in "$@"; do
         --rs-phases "${RS_PHASES:-}" --rs-pull-depth "${RS_PULL:-}" \
         --rs-skip "${RS_SKIP:-}" --ag-skip "${AG_SKIP:-}" --rs-probe "${RS_PROBE:-}" \
         --core-tilings "${CORE_TILINGS:-default}" \
-        ${AG_CHUNK_WAITS:+--ag-chunk-waits} ${COLD:+--cold} ${HOT:+--hot} ${CM_TP:+--tp "$CM_TP"} \
+        ${AG_CHUNK_WAITS:+--ag-chunk-waits} ${COLD:+--cold} ${HOT:+--hot} ${FRESH:+--fresh} \
+        ${CM_TP:+--tp "$CM_TP"} \
         --label "${LABEL:-nvlink}" --out-dir "$out" ;;
     peer_copy)  # issue 15: the in-kernel copies' rate on all GPUs (16 MiB shards), and on
       # GPUs 0 and 1 (32 MiB: the TP=2 messages) where there are more than 2

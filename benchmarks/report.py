@@ -766,7 +766,8 @@ CM_FUSED = ("xla", "fused", "fused_fp8")
 CM_REFERENCES = ("rank0", "rank0_fp8", "gemm", "gemm_fp8", "core[default]", "jax_gemm",
                  "jax_gemm[cluster=m]", "jax_gemm[cluster=n]", "xla_f32_dot", "cublas",
                  "core[default][w_t]", "cublas[w_t]",
-                 "core[default]_cold", "cublas_cold", "core[default]_hot", "cublas_hot")
+                 "core[default]_cold", "cublas_cold", "core[default]_hot", "cublas_hot",
+                 "core[default]_fresh", "cublas_fresh")
 
 
 def _cm_columns(cases: list) -> list:
@@ -808,7 +809,9 @@ CM_COLUMNS = (
     "collective-matmul kernel alone, without the encode before it and the decode of the gathered "
     "x after it (the all-gather's). `_cold` / `_hot` (`--cold`, `--hot`): the GEMM core and "
     "cuBLAS, each call after a pass over 512 MiB (L2 holds none of the operands) / after ~60 ms "
-    "of fp32 matmuls (a GPU under sustained load), timing the matmul's kernel alone. `[w_t]`: "
+    "of fp32 matmuls (a GPU under sustained load), timing the matmul's kernel alone; "
+    "`_fresh` (`--fresh`): each call on an x an XLA fusion has just written, as in a step. "
+    "`[w_t]`: "
     "on the weight stored transposed, as the backward passes read it.")
 # What each bracketed variant of those tables is, by the runs that have it
 CM_VARIANTS = (

@@ -457,6 +457,11 @@ def test_benchmark_times_a_neighboured_matmul_without_its_neighbour(monkeypatch)
                               "cublas_hot"]
   fn, args = variants["cublas_hot"]
   assert args == (2.0, 3.0, 20.0) and fn(*args) == (6.0, 21.0)
+  # --fresh: the matmul reads x as the neighbour (a traced multiply by 1) rewrote it
+  monkeypatch.undo()
+  timed = {"core[default]": (lambda a, w: (a + w,), (jnp.float32(2), jnp.float32(3)))}
+  fn, args = bench._neighboured_variants(timed, ["fresh"])["core[default]_fresh"]
+  assert [float(v) for v in args] == [2.0, 3.0, 1.0] and float(fn(*args)[0]) == 5.0
   calls = [[("flush", 9.0), ("gemm", 0.5)], [("flush", 9.0), ("gemm", 0.7)],
            [("gemm", 0.6), ("flush", 9.0)]]
   monkeypatch.setattr(profiler, "measure", lambda fn, **kw: lambda *a: (None, calls))
