@@ -43,6 +43,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _wcopy  (with _cm only) the backward kernels take each weight transposed by XLA, a copy
           per weight and step (`fused.WEIGHTS_READ_TRANSPOSED` off), where the layers read
           it transposed inside the kernels (since 2026-11-27): the layers before that
+  _rsw    (with _cm only) the plain reduce-scatter kernels on the all-gather's wide tiles
+          (`ag_matmul.WIDE`, [64, 256] a warpgroup, 3 stages), where the layers' take
+          [128, 128] (`matmul_rs.TILING`)
   _dwf32  (with _cm or ring_) the weight gradients of the kernel layers and of the ring's
           all-gather matmuls as fp32-output dots cast to bf16
           (`overlap.WEIGHT_GRADIENTS_F32`), which XLA fuses into Triton GEMMs, where the
@@ -142,13 +145,13 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "dwf32", "xchg", "bxla", "1f1b", "vs2", "il2", "save", "dots",
+MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "1f1b", "vs2", "il2", "save", "dots",
              "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
-PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "dwf32", "xchg", "bxla", *GRAPHS_MODIFIERS)
+PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -166,6 +169,7 @@ class Variant:
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
   push: bool = False            # _push: no all-gather kernel pulls (ag_matmul.PULL_CLUSTERS)
   wcopy: bool = False           # _wcopy: XLA transposes the backward kernels' weights
+  rs_wide: bool = False         # _rsw: the plain reduce-scatter kernels on wide tiles
   dw_f32: bool = False          # _dwf32: overlap.WEIGHT_GRADIENTS_F32
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
   gradient_exchange_by_xla: bool = False  # _bxla: not fused.EXCHANGE_GRADIENT_KERNEL
@@ -203,7 +207,7 @@ def parse_variant(name: str) -> Variant:
       "cm" in mods and base not in ("off", "on", "ideal")) or {"1f1b", "vs2"} <= set(mods) or (
       "zero" in mods and base == "ideal") or (
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
-      {"push", "wcopy"} & set(mods) and "cm" not in mods) or (
+      {"push", "wcopy", "rsw"} & set(mods) and "cm" not in mods) or (
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
       "bxla" in mods and not {"cm", "xchg"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
@@ -211,13 +215,14 @@ def parse_variant(name: str) -> Variant:
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
-                     "_wcopy, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
+                     "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla only with _cm and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
-                 push="push" in mods, wcopy="wcopy" in mods, dw_f32="dwf32" in mods,
+                 push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
+                 dw_f32="dwf32" in mods,
                  tp_exchange="xchg" in mods,
                  gradient_exchange_by_xla="bxla" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
@@ -309,7 +314,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   import jax
   from benchmarks import gspmd
   from taco_jax import collectives
-  from taco_jax.pallas_kernels import ag_matmul
+  from taco_jax.pallas_kernels import ag_matmul, matmul_rs
   from taco_jax.tp import fused, overlap
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
@@ -350,6 +355,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
         + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push
         + [mock.patch.object(fused, "WEIGHTS_READ_TRANSPOSED", False)] * variant.wcopy
+        + [mock.patch.object(matmul_rs, "TILING", dataclasses.replace(ag_matmul.WIDE, stages=3))]
+        * variant.rs_wide
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT_KERNEL", False)]
         * variant.gradient_exchange_by_xla)

@@ -47,6 +47,7 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert s["recovered_off_cm_push_fgraphs"] == pytest.approx(0.4)  # its pair is off too
   assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
   assert bench_train.parse_variant("on_cm_wcopy_save_fgraphs").wcopy
+  assert bench_train.parse_variant("on_cm_rsw_save_fgraphs").rs_wide
   assert bench_train.parse_variant("on_cm_dwf32_save_fgraphs").dw_f32
   assert bench_train.parse_variant("ring_off_dwf32_save").dw_f32
   assert bench_train.parse_variant("on_cm_xchg_save_fgraphs").tp_exchange
@@ -136,7 +137,8 @@ def test_bench_train_variant_names():
               "off_zero_save", "gspmd_unroll", "off_unroll_dots", "on_cif2_cif4",
               "on_pgle_cif2", "gspmd_save_cif2", "off_save_graphs", "off_cm_graphs_pgle",
               "off_save_fgraphs", "off_cm_graphs_fgraphs", "off_push", "off_save_cm_push",
-              "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy", "off_xchg_bxla", "off_dwf32",
+              "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy", "off_rsw", "off_xchg_bxla",
+              "off_dwf32",
               "on_cm_bxla", "on_cm_bxla_xchg"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
