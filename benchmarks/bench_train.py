@@ -145,8 +145,9 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "1f1b", "vs2", "il2", "save", "dots",
-             "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
+MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "1f1b", "vs2", "il2", "save",
+             "dots", "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs",
+             "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs

@@ -15,6 +15,8 @@ no time the host keeps the device waiting), and writes:
 
 GPU (4xH200): python benchmarks/profile_step.py --variants off,gspmd --out-dir $OUT
 CPU smoke:    python benchmarks/profile_step.py --smoke
+Again:        python benchmarks/profile_step.py --resummarize RESULT.json   (its variants
+              summarized anew from the traces kept in traces/ beside it)
 """
 from __future__ import annotations
 
@@ -91,7 +93,9 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
   take the same time, as in a kernel benchmark, or some take much longer), and the same
   for the first and the second half of each step's calls (``call_us_halves``: for a kernel
   called alike in both passes, each layer's forward calls come before its backward's, so
-  the halves are the forward and the backward pass)."""
+  the halves are the forward and the backward pass), and for the calls of each pass
+  (``call_us_passes``, ``passes``: where a kernel is called in one pass only, as cuBLAS's
+  are, each layout of operands a kernel of its own)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -127,7 +131,49 @@ def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 
                     call_us={k: _buckets([d for _, d in durations[dev][k]], steps)
                              for k in timed},
                     call_us_halves={k: _halves(durations[dev][k], steps) for k in timed})
+    bounds = pass_bounds(fams.get("gemm", []), steps)
+    if bounds:
+      out[dev]["call_us_passes"] = {k: _by_pass(durations[dev][k], bounds, steps)
+                                    for k in timed}
   return out
+
+
+HEAD_FACTOR = 4  # a GEMM call this many times the median one is the head's (vocabulary)
+
+
+def pass_bounds(gemms: list[tuple[float, float]], steps: int) -> list[tuple[float, float]]:
+  """Each step's (backward start, backward end) from its GEMM calls (start, end), or []
+  where they do not show ``steps`` steps. The head's GEMMs, ``HEAD_FACTOR`` times the median
+  call or longer, come in one group a step: the forward pass ends where the group begins.
+  The backward pass ends where the longest stretch without a GEMM after it begins (the
+  optimizer's update), or with the trace."""
+  if not gemms:
+    return []
+  gemms = sorted(gemms)
+  lengths = sorted(b - a for a, b in gemms)
+  long_calls = [a for a, b in gemms if b - a >= HEAD_FACTOR * lengths[len(lengths) // 2]]
+  span = gemms[-1][1] - gemms[0][0]
+  heads = [t for i, t in enumerate(long_calls)
+           if i == 0 or t - long_calls[i - 1] > span / steps / 2]
+  if len(heads) != steps:
+    return []
+  bounds = []
+  for i, head in enumerate(heads):
+    until = heads[i + 1] if i + 1 < len(heads) else None
+    inside = [g for g in gemms if g[0] >= head and (until is None or g[0] < until)]
+    gaps = [(inside[j + 1][0] - inside[j][1], inside[j][1]) for j in range(len(inside) - 1)]
+    end = max(gaps)[1] if until is not None and gaps else inside[-1][1]
+    bounds.append((head, end))
+  return bounds
+
+
+def _by_pass(calls: list[tuple[float, float]], bounds, steps: int) -> dict:
+  """``_buckets`` of the calls (start, duration) in the forward and in the backward pass
+  (``pass_bounds``: a call in the backward if it starts inside a step's bounds, else in the
+  forward)."""
+  backward = [d for t, d in calls if any(a <= t < b for a, b in bounds)]
+  forward = [d for t, d in calls if not any(a <= t < b for a, b in bounds)]
+  return {"forward": _buckets(forward, steps), "backward": _buckets(backward, steps)}
 
 
 def _buckets(durations_us: list[float], steps: int) -> dict[int, float]:
@@ -148,8 +194,33 @@ def _halves(calls: list[tuple[float, float]], steps: int) -> list[dict[int, floa
           _buckets([d for run in runs for d in run[half:]], steps)]
 
 
+TRACES = "traces"  # where a result's traces are kept, beside it, for --resummarize
+
+
+def resummarize(result: pathlib.Path) -> pathlib.Path:
+  """Rewrites a run's variant summaries from its traces (``TRACES/trace_<label>_<variant>
+  .json.gz`` beside it), with today's ``summarize_trace``: what was added to the summary
+  since the run (``call_us_passes``, ...) for the run's own steps."""
+  report = json.loads(result.read_text())
+  for variant in report["variants"]:
+    trace = result.parent / TRACES / f"trace_{report['label']}_{variant}.json.gz"
+    if not trace.exists():
+      raise FileNotFoundError(f"{result.name}: no trace of {variant} at {trace}")
+    events = json.loads(gzip.decompress(trace.read_bytes()))
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    report["variants"][variant] = summarize_trace(events, report["traced_steps"])
+  report["resummarized_from"] = f"{TRACES}/trace_{report['label']}_*.json.gz"
+  result.write_text(json.dumps(report, indent=1))
+  return result
+
+
 def main(argv=None):
   argv = list(sys.argv[1:] if argv is None else argv)
+  if argv[:1] == ["--resummarize"]:
+    if len(argv) != 2:
+      raise SystemExit("usage: profile_step.py --resummarize RESULT.json")
+    print(f"wrote {resummarize(pathlib.Path(argv[1]))}")
+    return
   args = bench_train.parse_args(argv)
   if args.smoke:
     from taco_jax.train.cli import use_cpu_devices

@@ -321,6 +321,41 @@ def test_trace_summary_splits_each_steps_gemm_calls_into_halves():
   (_, got), = profile_step.summarize_trace(events, steps=2, calls=1).items()
   assert got["call_us"] == {"nvjet_sm90_gemm": {10: 2.0, 20: 2.0}}
   assert got["call_us_halves"] == {"nvjet_sm90_gemm": [{10: 2.0}, {20: 2.0}]}
+  assert "call_us_passes" not in got  # no head's GEMM: no pass boundary found
+
+
+def _step_trace():
+  """Two steps: forward GEMMs (10 us), the head's (100 us), backward GEMMs (20 us), then
+  the optimizer's update, 200 us without a GEMM, before the next step."""
+  calls = []
+  for t0 in (0, 400):
+    calls += [("nvjet_gemm", t0, 10), ("nvjet_gemm", t0 + 20, 10), ("nvjet_head", t0 + 40, 100),
+              ("nvjet_gemm", t0 + 150, 20), ("nvjet_gemm", t0 + 180, 20)]
+  return [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0"))] + [
+      dict(ph="X", name=n, ts=t, dur=d, pid=1, tid=0) for n, t, d in calls]
+
+
+def test_trace_summary_splits_the_calls_by_pass_at_the_head_and_the_update():
+  gemms = [(e["ts"], e["ts"] + e["dur"]) for e in _step_trace()[1:]]
+  assert profile_step.pass_bounds(gemms, steps=2) == [(40, 200), (440, 600)]
+  assert profile_step.pass_bounds(gemms, steps=3) == []  # two heads: not three steps
+  (_, got), = profile_step.summarize_trace(_step_trace(), steps=2).items()
+  assert got["call_us_passes"]["nvjet_gemm"] == {"forward": {10: 2.0}, "backward": {20: 2.0}}
+  assert got["call_us_passes"]["nvjet_head"] == {"forward": {}, "backward": {100: 1.0}}
+
+
+def test_resummarize_rewrites_a_runs_summaries_from_its_kept_traces(tmp_path):
+  import gzip
+  result = tmp_path / "profile_step_x_1gpu_20261128.json"
+  result.write_text(json.dumps(dict(label="x", traced_steps=2, variants={"off": {}})))
+  with pytest.raises(FileNotFoundError, match="no trace of off"):
+    profile_step.resummarize(result)
+  (tmp_path / profile_step.TRACES).mkdir()
+  (tmp_path / profile_step.TRACES / "trace_x_off.json.gz").write_bytes(
+      gzip.compress(json.dumps({"traceEvents": _step_trace()}).encode()))
+  profile_step.main(["--resummarize", str(result)])
+  got = json.loads(result.read_text())["variants"]["off"]["/device:GPU:0"]
+  assert got["call_us_passes"]["nvjet_gemm"]["backward"] == {"20": 2.0}
 
 
 def test_attention_numerics_compares_cudnn_with_xla_and_both_with_fp32(monkeypatch):
