@@ -81,7 +81,7 @@ def kernel_name(name: str) -> str:
 CALL_BUCKET_US = 5  # the width of ``call_us``'s buckets
 
 
-def summarize_trace(events: list[dict], steps: int, top: int = 16, calls: int = 4) -> dict:
+def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 4) -> dict:
   """Per device (a trace process whose name mentions a device): ms per step by kernel
   family, NCCL ms per step not overlapped by any compute kernel of that device, ms per step
   the device ran nothing (``idle_ms``: from its first kernel, not copy, to its last, so
