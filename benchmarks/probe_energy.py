@@ -3,7 +3,7 @@
 In a training step the GPUs run at their power cap, and there our core loses more time to
 cuBLAS than in a kernel benchmark (docs/measurements.md, "What the step does show"). If the
 core spends more energy per multiply-add, the cap turns that energy into time. This reads
-NVML's energy counter (``nvmlDeviceGetTotalEnergyConsumption``, through ctypes) around
+NVML's energy counter (``benchmarks.nvml``: ``nvmlDeviceGetTotalEnergyConsumption``) around
 ``--seconds`` of calls back to back of each kernel, in rounds (cuBLAS, core, cuBLAS, core,
 ...) so that both see the same thermal history, and records per kernel, shape and round:
 mJ per call, ms per call (wall time over the calls: the GPU never waits for the host at
@@ -15,7 +15,6 @@ CPU smoke: python benchmarks/probe_energy.py --smoke   (XLA's matmul only, tiny,
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import pathlib
@@ -25,13 +24,13 @@ import time
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
+from benchmarks import nvml  # noqa: E402
 from benchmarks.args import (add_output_args, one_device_report,  # noqa: E402
                              parse_with_smoke, spec_fields, write_report)
 
 # (rows, contraction, columns) of one rank's matmul at the 1.3B TP=2 shapes
 SHAPES = {"qkv": (16384, 2048, 3072), "mlp_in": (16384, 2048, 4096),
           "mlp_out": (16384, 4096, 2048)}
-NVML_CLOCK_SM = 1
 
 
 def parse_args(argv=None):
@@ -47,35 +46,6 @@ def parse_args(argv=None):
                       "backward passes read it (cublas[w_t], core[w_t])")
   add_output_args(p, label="default", smoke="CPU, a tiny XLA matmul, no energy counter")
   return parse_with_smoke(p, argv, dict(seconds=0.05, rounds=1, label="smoke"))
-
-
-class Nvml:
-  """The first GPU's energy counter (mJ since the driver loaded) and SM clock (MHz), or
-  None for each where NVML is not there (CPU)."""
-
-  def __init__(self):
-    try:
-      self.lib = ctypes.CDLL("libnvidia-ml.so.1")
-    except OSError:
-      self.lib = None
-      return
-    self.lib.nvmlInit_v2()
-    self.handle = ctypes.c_void_p()
-    self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle))
-
-  def energy_mj(self) -> int | None:
-    value = ctypes.c_ulonglong()
-    if self.lib and not self.lib.nvmlDeviceGetTotalEnergyConsumption(
-        self.handle, ctypes.byref(value)):
-      return value.value
-    return None
-
-  def sm_mhz(self) -> int | None:
-    value = ctypes.c_uint()
-    if self.lib and not self.lib.nvmlDeviceGetClockInfo(self.handle, NVML_CLOCK_SM,
-                                                        ctypes.byref(value)):
-      return value.value
-    return None
 
 
 TRANSPOSED = "[w_t]"  # a kernel's name suffix: it reads the weight stored [N, K]
@@ -113,21 +83,26 @@ def operands(name: str, a, w) -> tuple:
   return (a, w.T if name.endswith(TRANSPOSED) else w)  # eager: a transposed copy
 
 
-def run_for(fn, a, w, seconds: float, nvml: Nvml) -> dict:
+def _energy(gpu) -> int | None:
+  return gpu.energy_mj() if gpu else None
+
+
+def run_for(fn, a, w, seconds: float, gpu) -> dict:
   """Calls ``fn(a, w)`` back to back for about ``seconds`` (the count from one timed call)
   and what they cost."""
   import jax
   t = time.perf_counter()
   jax.block_until_ready(fn(a, w))
   calls = max(3, int(seconds / max(time.perf_counter() - t, 1e-6)))
-  e0, t0 = nvml.energy_mj(), time.perf_counter()
+  e0, t0 = _energy(gpu), time.perf_counter()
   out = None
   for _ in range(calls):
     out = fn(a, w)
   jax.block_until_ready(out)
-  e1, t1 = nvml.energy_mj(), time.perf_counter()
+  e1, t1 = _energy(gpu), time.perf_counter()
   flops = 2 * a.shape[0] * a.shape[1] * w.shape[1]
-  rec = dict(calls=calls, ms_per_call=(t1 - t0) / calls * 1e3, sm_mhz_after=nvml.sm_mhz())
+  rec = dict(calls=calls, ms_per_call=(t1 - t0) / calls * 1e3,
+             sm_mhz_after=gpu.sm_mhz() if gpu else None)
   if e0 is not None and e1 is not None:
     mj = (e1 - e0) / calls
     rec.update(mj_per_call=mj, watts=(e1 - e0) / 1e3 / (t1 - t0),
@@ -139,7 +114,7 @@ def run(args) -> dict:
   import jax
   import jax.numpy as jnp
   on_gpu = jax.default_backend() == "gpu"
-  nvml = Nvml()
+  gpu = next(iter(nvml.gpus()), None)  # the first GPU's counters; None on CPU
   fns = kernels(on_gpu, args.core_tilings, args.transposed)
   results = []
   for shape in args.shapes.split(","):
@@ -154,7 +129,7 @@ def run(args) -> dict:
     for r in range(args.rounds):
       for name, fn in fns.items():
         rec = dict(shape=shape, m=m, k=k, n=n, kernel=name, round=r, rel_err=errors[name],
-                   **run_for(fn, *args_of[name], args.seconds, nvml))
+                   **run_for(fn, *args_of[name], args.seconds, gpu))
         results.append(rec)
         print(json.dumps(rec), flush=True)
   return one_device_report("probe_energy", args, results)

@@ -9,7 +9,9 @@ no time the host keeps the device waiting), and writes:
   profile_step_<label>_<devices><platform>_<date>.json   (--out-dir, else
       benchmarks/results) per variant and device: busy ms per step by kernel family (nccl,
       gemm, fusion, other), the NCCL time no compute kernel of that device overlapped, and
-      the time the device ran nothing from its first kernel (not a copy) to its last
+      the time the device ran nothing from its first kernel (not a copy) to its last; per
+      variant (``clocks``) the GPUs' SM clocks and power while its steps were traced
+      (``nvml.ClockSampler``; none off a GPU)
   hlo_<label>_<variant>.txt.gz     the optimized, scheduled HLO of the step  } --out-dir,
   trace_<label>_<variant>.json.gz  the Perfetto trace (when under 15 MiB)    } else a tmp dir
 
@@ -32,7 +34,7 @@ import tempfile
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never use NVLink multicast (SHARP)
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks import bench_train  # noqa: E402 (no JAX import)
+from benchmarks import bench_train, nvml  # noqa: E402 (no JAX import)
 from benchmarks.train_parallel import model_and_optimizer  # noqa: E402
 
 
@@ -237,13 +239,14 @@ def main(argv=None):
                             max_corpus_bytes=8_000_000).train
   args._tokens0 = data.batch_at(corpus, 0, seed=0, batch_size=args.batch, seq_len=args.seq)
   out_dir = pathlib.Path(args.out_dir or tempfile.mkdtemp())  # HLO and traces
+  gpus = nvml.gpus() if jax.default_backend() == "gpu" else []
   out_dir.mkdir(parents=True, exist_ok=True)
   trace_steps = min(args.steps, 3)
   report = dict(benchmark="profile_step", label=args.label, layout=args.layouts.split(";")[0],
                 device=jax.devices()[0].device_kind, num_devices=jax.device_count(),
                 config={k: v for k, v in vars(args).items() if not k.startswith("_")},
                 traced_steps=trace_steps, dispatch="back to back",
-                idle_from="first kernel", variants={})
+                idle_from="first kernel", variants={}, clocks={})
   for variant in args._variants:
     v = variant.name
     exe, state, batch, *_ = bench_train.build(variant, layout, args, cfg, tx)
@@ -253,10 +256,12 @@ def main(argv=None):
       *state, met = exe(*state, b)
       jax.block_until_ready(met)
     with tempfile.TemporaryDirectory() as trace_dir:
-      with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+      with jax.profiler.trace(trace_dir, create_perfetto_trace=True), \
+          nvml.ClockSampler(gpus) as clocks:
         for _ in range(trace_steps):
           *state, met = exe(*state, b)
         jax.block_until_ready(met)
+      report["clocks"][v] = clocks.summary()
       del exe, state
       path, = pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz")
       trace_gz = path.read_bytes()

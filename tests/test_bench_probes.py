@@ -2,9 +2,11 @@
 settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
 its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
-NCCL's stand-ins checked, the kernels left to the GPU), and benchmarks/probe_energy.py (a
-smoke run: XLA's matmul timed, no energy counter on CPU)."""
+NCCL's stand-ins checked, the kernels left to the GPU), benchmarks/probe_energy.py (a
+smoke run: XLA's matmul timed, no energy counter on CPU) and benchmarks/nvml.py's clock
+sampler (on fake GPUs)."""
 import json
+import time
 
 import pytest
 
@@ -97,3 +99,31 @@ def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):
   assert plain["calls"] >= 3 and plain["ms_per_call"] > 0 and "mj_per_call" not in plain
   # the same product from the weight stored [N, K]
   assert transposed["kernel"] == "cublas[w_t]" and transposed["rel_err"] < 1e-2
+
+
+def test_clock_sampler_summarizes_each_gpus_samples():
+  """``nvml.ClockSampler`` samples every GPU from its thread while the block runs; the
+  summary is per NVML index, and a GPU that never answers is left out."""
+  from benchmarks import nvml
+
+  class FakeGpu:
+    def __init__(self, index, clocks):
+      self.index, self.clocks = index, iter(clocks)
+
+    def sm_mhz(self):
+      return next(self.clocks, 1000)
+
+    def power_w(self):
+      return 500.0
+
+  silent = FakeGpu(1, [])
+  silent.sm_mhz = lambda: None
+  with nvml.ClockSampler([FakeGpu(0, [1980, 1500]), silent], period_s=0.001) as clocks:
+    while len(clocks.samples[0]) < 12:
+      time.sleep(0.001)
+  got = clocks.summary()
+  assert list(got) == [0] and got[0]["samples"] >= 12 and got[0]["mean_w"] == 500.0
+  assert (got[0]["min_mhz"], got[0]["median_mhz"]) == (1000, 1000)
+  assert got[0]["mean_mhz"] > 1000  # the 1980 and 1500 samples count too
+  assert nvml.ClockSampler([]).summary() is None
+  assert nvml.gpus() == []  # no NVML here

@@ -168,6 +168,7 @@ def test_profile_step_smoke(tmp_path):
   (path,) = tmp_path.glob("profile_step_smoke_*.json")
   rep = json.loads(path.read_text())
   assert set(rep["variants"]) == {"off"} and rep["traced_steps"] >= 1
+  assert rep["clocks"] == {"off": None}  # CPU: no GPU clocks to sample
   assert (tmp_path / "hlo_smoke_off.txt.gz").exists()
   assert (tmp_path / "trace_smoke_off.json.gz").exists()
 
