@@ -96,8 +96,8 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
   for the first and the second half of each step's calls (``call_us_halves``: for a kernel
   called alike in both passes, each layer's forward calls come before its backward's, so
   the halves are the forward and the backward pass), and for the calls of each pass
-  (``call_us_passes``, ``passes``: where a kernel is called in one pass only, as cuBLAS's
-  are, each layout of operands a kernel of its own)."""
+  (``call_us_passes``, where ``pass_bounds`` finds the passes: also for kernels called in
+  one pass only, as cuBLAS's are, each layout of operands a kernel of its own)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
