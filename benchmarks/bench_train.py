@@ -568,8 +568,20 @@ def add_overlap_flags(args) -> None:
                                                   if f.split("=")[0] not in flags)]).strip()
 
 
+def link_note(args) -> str | None:
+  """What to say when a compressed variant runs without --link: every collective and kernel
+  is then compressed, where the trainer compresses only what pays on its link."""
+  compressed = [v.name for v in args._variants if v.compressed]
+  if compressed and args.link is None:
+    return (f"note: no --link, so {', '.join(compressed)} compress every collective and "
+            "kernel (--link nvlink: only what pays on NVLink, as the trainer does)")
+  return None
+
+
 def main(argv=None) -> pathlib.Path:
   args = parse_args(argv)
+  if note := link_note(args):
+    print(note, flush=True)
   start_watchdog()
   if args.smoke:
     from taco_jax.train.cli import use_cpu_devices

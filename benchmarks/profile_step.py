@@ -224,6 +224,8 @@ def main(argv=None):
     print(f"wrote {resummarize(pathlib.Path(argv[1]))}")
     return
   args = bench_train.parse_args(argv)
+  if note := bench_train.link_note(args):
+    print(note, flush=True)
   if args.smoke:
     from taco_jax.train.cli import use_cpu_devices
     use_cpu_devices(8)

@@ -48,6 +48,11 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert bench_train.parse_variant("off_cm_push_save_fgraphs").push
   assert bench_train.parse_variant("on_cm_wcopy_save_fgraphs").wcopy
   assert bench_train.parse_variant("on_cm_rsw_save_fgraphs").rs_wide
+  # a compressed variant without --link compresses everything: said before the run
+  assert "on_cm compress every" in bench_train.link_note(
+      bench_train.parse_args(["--variants", "off,on_cm"]))
+  assert bench_train.link_note(
+      bench_train.parse_args(["--variants", "off,on_cm", "--link", "nvlink"])) is None
   assert bench_train.parse_variant("on_cm_dwf32_save_fgraphs").dw_f32
   assert bench_train.parse_variant("ring_off_dwf32_save").dw_f32
   assert bench_train.parse_variant("on_cm_xchg_save_fgraphs").tp_exchange
