@@ -15,6 +15,7 @@ CPU smoke: python benchmarks/probe_energy.py --smoke   (XLA's matmul only, tiny,
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -26,7 +27,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks import nvml  # noqa: E402
 from benchmarks.args import (add_output_args, one_device_report,  # noqa: E402
-                             parse_with_smoke, spec_fields, write_report)
+                             parse_with_smoke, write_report)
+# a kernel's name suffix: it reads the weight stored [N, K]; tilings as --core-tilings gives
+from benchmarks.bench_collective_matmul import TRANSPOSED, _sms, _tiling  # noqa: E402
 
 # (rows, contraction, columns) of one rank's matmul at the 1.3B TP=2 shapes
 SHAPES = {"qkv": (16384, 2048, 3072), "mlp_in": (16384, 2048, 4096),
@@ -48,16 +51,11 @@ def parse_args(argv=None):
   return parse_with_smoke(p, argv, dict(seconds=0.05, rounds=1, label="smoke"))
 
 
-TRANSPOSED = "[w_t]"  # a kernel's name suffix: it reads the weight stored [N, K]
-
-
 def kernels(on_gpu: bool, core_tilings: str = "default", transposed: bool = False) -> dict:
   """name -> matmul of (a, w [K, N]): cuBLAS (XLA's bf16 dot) and, on a GPU, our GEMM
   core on each of ``core_tilings`` (``core``, ``core[cluster_n=2]``, ...); with
   ``transposed`` also both on w stored [N, K] (``TRANSPOSED``-suffixed names: each takes
   w and transposes it outside the timed calls, see ``operands``)."""
-  import dataclasses
-
   import jax
   import jax.numpy as jnp
   out = {"cublas": jax.jit(lambda a, w: jnp.dot(a, w))}
@@ -65,15 +63,12 @@ def kernels(on_gpu: bool, core_tilings: str = "default", transposed: bool = Fals
     out["cublas" + TRANSPOSED] = jax.jit(lambda a, w_t: jnp.einsum("mk,nk->mn", a, w_t))
   if on_gpu:
     from taco_jax.pallas_kernels import gemm
-    specs = core_tilings.split(",") + (["default" + TRANSPOSED] if transposed else [])
-    for spec in specs:
-      t_w = spec.endswith(TRANSPOSED)
-      spec = spec.removesuffix(TRANSPOSED)
-      tiling = gemm.Tiling() if spec == "default" else dataclasses.replace(
-          gemm.Tiling(), **spec_fields(spec))
+    cores = [(spec, False) for spec in core_tilings.split(",")] + [("default", True)] * transposed
+    for spec, t_w in cores:
       name = ("core" if spec == "default" else f"core[{spec}]") + (TRANSPOSED if t_w else "")
-      out[name] = jax.jit(lambda a, w, t=tiling, t_w=t_w: gemm.matmul(
-          a, w, tiling=t, num_sms=gemm.num_sms(), transpose_w=t_w))
+      out[name] = jax.jit(functools.partial(
+          gemm.matmul, tiling=_tiling(gemm.Tiling(), spec), num_sms=_sms(spec, gemm.num_sms()),
+          transpose_w=t_w))
   return out
 
 
