@@ -173,8 +173,9 @@ def _by_pass(calls: list[tuple[float, float]], bounds, steps: int) -> dict:
   """``_buckets`` of the calls (start, duration) in the forward and in the backward pass
   (``pass_bounds``: a call in the backward if it starts inside a step's bounds, else in the
   forward)."""
-  backward = [d for t, d in calls if any(a <= t < b for a, b in bounds)]
-  forward = [d for t, d in calls if not any(a <= t < b for a, b in bounds)]
+  forward, backward = [], []
+  for t, d in calls:
+    (backward if any(a <= t < b for a, b in bounds) else forward).append(d)
   return {"forward": _buckets(forward, steps), "backward": _buckets(backward, steps)}
 
 
