@@ -9,12 +9,23 @@ kernel durations as ``bench_collective_matmul`` measures them (median of ``--ite
 the cross-GPU barrier XLA runs before our kernel; ``gb_s``: the bytes a rank receives from
 its peers over that time.
 
+``matmul_backward``: the out-projection's input gradient under the exchange, ``dout [batch,
+seq / tp, d_model] @ w.T`` (w ``[d_model, d_model]``, gathered, read transposed) then the
+exchange back, as one kernel (``fused``: ``pallas_kernels.matmul_exchange``, each tile
+pushed to its owner from the epilogue) against the two apart: ``cublas+kernel`` (today's
+layers), ``cublas+xla``, ``core+kernel`` (our GEMM core with the fused kernel's tiles, then
+the exchange kernel: the fused kernel's result bit for bit), and the matmuls alone
+(``cublas``, the ideal; ``core``). The variants with an exchange are checked bit for bit, the cuBLAS ones against
+``cublas+xla``, the core's against the core then XLA's all-to-all; the matmuls alone against
+the product accumulated in fp32 and rounded to bf16 (``max_rel_err`` <= 1e-2).
+
 GPU: ``python3 benchmarks/bench_exchange.py --out-dir $OUT`` (2 or more GPUs).
 CPU (--smoke): XLA's side and the checks' plumbing on fake devices.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import pathlib
 import sys
@@ -75,12 +86,77 @@ def run(args) -> dict:
         if "ms" in check:
           check["gb_s"] = received / (check["ms"] * 1e-3) / 1e9
         write_results("bench_exchange", args, results)
-      timed = {k: v["ms"] for k, v in case["variants"].items() if "ms" in v}
-      print(f"{model} {way} {shape}: " + ", ".join(f"{k} {ms:.4f} ms" for k, ms in timed.items())
-            + "".join(f" {k} FAILED: {v.get('error', 'wrong result')[:300]}"
-                      for k, v in case["variants"].items() if v.get("ok") is False),
-            flush=True)
+      _print(model, way, shape, case)
+    _matmul_case(args, model, d, n, mesh, smap, on_gpu, results)
   return results
+
+
+def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, results) -> None:
+  """The ``matmul_backward`` case (module docstring) of one model, into ``results``."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from taco_jax.pallas_kernels import exchange, gemm, matmul_exchange
+  shape, w_shape = (args.batch, args.seq // n, d), (d, d)  # w [F, D], read transposed
+  tiling = matmul_exchange.default_tiling(shape, w_shape, n)
+  a = jax.device_put(jax.random.normal(jax.random.key(3), (n * shape[0], *shape[1:]),
+                                       jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
+  w = jax.device_put(jax.random.normal(jax.random.key(4), w_shape, jnp.bfloat16) * d ** -0.5,
+                     NamedSharding(mesh, P()))
+  case = dict(model=model, way="matmul_backward", shape=list(shape), w_shape=list(w_shape),
+              tiling=str(tiling), variants={},
+              misfit=matmul_exchange.misfit(shape, w_shape, n, tiling, gemm.num_sms()))
+  results["cases"].append(case)
+  sms = gemm.num_sms()
+
+  def cublas(a, w):
+    return jnp.einsum("bsk,nk->bsn", a, w)
+
+  def core(a, w):
+    b, s, k = a.shape
+    return gemm.matmul(a.reshape(b * s, k), w, tiling=tiling, num_sms=sms,
+                       transpose_w=True).reshape(b, s, -1)
+
+  def xla_back(y):
+    return lax.all_to_all(y, AXIS, 2, 1, tiled=True)
+
+  def kernel_back(y):
+    return exchange.all_to_all(y, AXIS, n=n, split_axis=2, num_sms=sms)
+
+  both = functools.partial(smap, in_specs=(P(AXIS), P()))
+  variants = {"cublas+xla": lambda a, w: xla_back(cublas(a, w)),
+              "cublas+kernel": lambda a, w: kernel_back(cublas(a, w)),
+              "core+kernel": lambda a, w: kernel_back(core(a, w)),
+              "fused": lambda a, w: matmul_exchange.matmul_all_to_all(
+                  a, w, AXIS, n=n, num_sms=sms, tiling=tiling, transpose_w=True),
+              "cublas": cublas, "core": core}
+  wants = {"cublas+xla": "cublas+xla", "cublas+kernel": "cublas+xla", "cublas": "fp32",
+           "core+kernel": "core+xla", "fused": "core+xla", "core": "fp32"}
+  fns = {k: jax.jit(both(f)) for k, f in variants.items()}
+  ours_run = on_gpu and case["misfit"] is None
+  refs = {"cublas+xla": fns["cublas+xla"](a, w), "fp32": jax.jit(both(
+      lambda a, w: jnp.einsum("bsk,nk->bsn", a, w, preferred_element_type=jnp.float32)
+      .astype(a.dtype)))(a, w)}
+  if ours_run:
+    refs["core+xla"] = jax.jit(both(lambda a, w: xla_back(core(a, w))))(a, w)
+  for name, fn in fns.items():
+    if name not in ("cublas+xla", "cublas") and not ours_run:
+      case["variants"][name] = dict(skipped=case["misfit"] if on_gpu else
+                                    "the kernels run on a GPU only")
+      continue
+    rtol = 1e-2 if wants[name] == "fp32" else None  # the matmuls alone: bf16 rounding
+    case["variants"][name] = checked_then_timed(fn, (a, w), refs[wants[name]], args.iters, n,
+                                                on_gpu, rtol=rtol)
+    write_results("bench_exchange", args, results)
+  _print(model, "matmul_backward", shape, case)
+
+
+def _print(model, way, shape, case) -> None:
+  timed = {k: v["ms"] for k, v in case["variants"].items() if "ms" in v}
+  print(f"{model} {way} {shape}: " + ", ".join(f"{k} {ms:.4f} ms" for k, ms in timed.items())
+        + "".join(f" {k} FAILED: {v.get('error', 'wrong result')[:300]}"
+                  for k, v in case["variants"].items() if v.get("ok") is False), flush=True)
 
 
 def main(argv=None):

@@ -135,14 +135,23 @@ def one_group(axis: str):
                           nccl_nvls_enable=os.environ.get("NCCL_NVLS_ENABLE"), cases=[])
 
 
-def checked_then_timed(fn, args, want, iters: int, n: int, on_gpu: bool) -> dict:
-  """``{"ok": ...}`` of ``fn(*args)`` against ``want``, bit for bit (with the error where it
-  raised: reported, not fatal); where right on a GPU, its device time too
-  (`timed_or_error`: ``ms``, ``kernels``, or ``timing_error``)."""
+def checked_then_timed(fn, args, want, iters: int, n: int, on_gpu: bool,
+                       rtol: float | None = None) -> dict:
+  """``{"ok": ...}`` of ``fn(*args)`` against ``want``, bit for bit, or with ``rtol`` to
+  within that ``max_rel_err`` (the largest difference over the largest ``|want|``), with
+  the error where it raised (reported, not fatal); where right on a GPU, its device time
+  too (`timed_or_error`: ``ms``, ``kernels``, or ``timing_error``)."""
   import jax.numpy as jnp
   check = {}
   try:
-    check["ok"] = bool(jnp.array_equal(fn(*args), want))
+    got = fn(*args)
+    if rtol is None:
+      check["ok"] = bool(jnp.array_equal(got, want))
+    else:
+      want32 = jnp.asarray(want, jnp.float32)
+      err = jnp.max(jnp.abs(jnp.asarray(got, jnp.float32) - want32)) / jnp.max(jnp.abs(want32))
+      check["max_rel_err"] = float(err)
+      check["ok"] = check["max_rel_err"] <= rtol
   except Exception as e:  # noqa: BLE001 (reported, not timed)
     check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])
   if check["ok"] and on_gpu:

@@ -863,23 +863,30 @@ def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms, 
                                 np.asarray(want, np.float32))
 
 
-def test_exchange_gradient_runs_our_kernel_or_xlas_all_to_all(monkeypatch):
-  """`fused.exchange`'s value and gradient lowered for sm_90 on a (2, 1, 2) mesh, the
-  platform check passed: both all-to-alls are our kernel; with
-  `fused.EXCHANGE_GRADIENT_KERNEL` off (bench_train's ``_bxla``) the backward's is XLA's."""
+def test_exchange_matmul_gradient_runs_as_exchange_gradient_says(monkeypatch):
+  """`fused.exchange_matmul`'s value and gradients lowered for sm_90 on a (2, 1, 2) mesh,
+  the platform check passed: the forward's exchange is our kernel, and the input's
+  gradient one matmul + exchange kernel ("fused"), cuBLAS then our exchange kernel
+  ("kernel") or cuBLAS then XLA's all-to-all ("xla", bench_train's ``_bxla``)."""
   monkeypatch.setattr(fused, "platform_problem", lambda devices: None)
   mesh = _dp2_tp_mesh(2)
-  lowered = {}
-  for gradient_kernel in (True, False):
-    monkeypatch.setattr(fused, "EXCHANGE_GRADIENT_KERNEL", gradient_kernel)
-    loss = lambda y: jnp.sum(fused.exchange(y, "tensor").astype(jnp.float32) ** 2)  # noqa
-    fn = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=P("data"), out_specs=P("data"),
-                       check_vma=False)  # a new function: jit's cache does not see the flag
-    text = _lowers_for_hopper(fn, jax.ShapeDtypeStruct((4, 128, 256), jnp.bfloat16))
-    lowered[gradient_kernel] = text.count("taco_all_to_all"), text.count("stablehlo.all_to_all")
-  (ours_both, xla_both), (ours_forward, xla_backward) = lowered[True], lowered[False]
-  assert ours_both == 2 * ours_forward > 0
-  assert (xla_both, xla_backward) == (0, 1)
+  counts = {}
+  for how in fused.EXCHANGE_GRADIENTS:
+    monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", how)
+    loss = lambda y, w: jnp.sum(  # noqa: E731
+        fused.exchange_matmul(y, w, "tensor").astype(jnp.float32) ** 2)
+    fn = jax.shard_map(jax.grad(loss, (0, 1)), mesh=mesh, in_specs=(P("data"), P()),
+                       out_specs=(P("data"), P()), check_vma=False)  # new: jit's cache
+    text = _lowers_for_hopper(fn, jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16),
+                              jax.ShapeDtypeStruct((512, 512), jnp.bfloat16))
+    counts[how] = tuple(text.count(k) for k in ("taco_all_to_all", "taco_matmul_all_to_all",
+                                                "stablehlo.all_to_all"))
+  k = counts["xla"][0]  # the text names a kernel k times
+  assert k > 0 and counts == {"fused": (k, k, 0), "kernel": (2 * k, 0, 0), "xla": (k, 0, 1)}
+  monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", "nccl")
+  with pytest.raises(ValueError, match="EXCHANGE_GRADIENT='nccl'"):
+    fused.matmul_all_to_all(jnp.zeros((2, 64, 128), jnp.bfloat16),
+                            jnp.zeros((128, 128), jnp.bfloat16), "tensor")
 
 
 def test_exchange_lowers_for_hopper_and_refuses_bad_input():
@@ -905,3 +912,62 @@ def test_exchange_lowers_for_hopper_and_refuses_bad_input():
     with pytest.raises(ValueError, match=message):
       exchange.all_to_all(jnp.zeros((2, 128, 512), jnp.bfloat16), "x", n=2, split_axis=1,
                           num_sms=4, depth=depth)
+
+
+# --- the matmul + exchange (the exchange-matmul's input gradient) --------------------------
+
+
+@pytest.mark.parametrize("n,b,sms,transpose_w,races", [(2, 2, 3, True, True),
+                                                       (4, 1, 2, False, False)])
+def test_matmul_all_to_all_kernel_pushes_each_tile_to_its_owner(n, b, sms, transpose_w, races):
+  """One rank's part in local mode: every owner's rows of this rank's sequence shard equal
+  that owner's part of the exchanged ``a @ w`` (fp32 accumulation, bf16 out), two column
+  tiles per owner's chunk, with several sequences and unequal shares per SM; the weight
+  ``[K, N]`` or ``[N, K]`` as the backward pass holds it (the owners' other rows are the
+  peers' stores). XLA's all-to-all of the product agrees with the reference."""
+  from taco_jax.pallas_kernels import matmul_exchange
+  s, k = 64, 128
+  chunk = 2 * TILING.cta_n
+  ka, kw = jax.random.split(jax.random.key(n))
+  a_all = _bf16(ka, (n, b, s, k))
+  w = _bf16(kw, (n * chunk, k) if transpose_w else (k, n * chunk), k ** -0.5)
+  rank = 1
+  with _interpret(detect_races=races):
+    got = matmul_exchange.matmul_all_to_all(a_all[rank], w, "x", n=n, num_sms=sms,
+                                            tiling=TILING, transpose_w=transpose_w, rank=rank)
+  assert got.shape == (n, b, n * s, chunk)
+  own = slice(rank * s, (rank + 1) * s)
+  for owner in range(n):
+    want = matmul_exchange.reference(a_all, w, owner, transpose_w)
+    np.testing.assert_allclose(np.asarray(got[owner][:, own], np.float32),
+                               np.asarray(want[:, own], np.float32), rtol=1e-2, atol=1e-2)
+  lax_out = jax.jit(jax.shard_map(
+      lambda a: jax.lax.all_to_all(jnp.einsum("bsk,nk->bsn" if transpose_w else "bsk,kn->bsn",
+                                              a[0], w), "x", 2, 1, tiled=True)[None],
+      mesh=testing.mesh_1d(n), in_specs=P("x"), out_specs=P("x")))(a_all)
+  np.testing.assert_allclose(np.asarray(lax_out[0], np.float32), np.asarray(
+      matmul_exchange.reference(a_all, w, 0, transpose_w), np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_matmul_all_to_all_lowers_for_hopper_and_refuses_bad_input():
+  """With its peer stores and semaphores through the sm_90 lowering, on (2, 1, 2) and
+  (2, 1, 4) meshes; the 256-column tiles where they tile a chunk, else 128; shapes that
+  do not divide refused."""
+  from taco_jax.pallas_kernels import matmul_exchange as mx
+  for tp in (2, 4):
+    fn = jax.shard_map(lambda a, w, tp=tp: mx.matmul_all_to_all(
+        a, w, "tensor", n=tp, num_sms=132, transpose_w=True), mesh=_dp2_tp_mesh(tp),
+        in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
+    sd = jax.ShapeDtypeStruct
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((4, 256, 512), jnp.bfloat16),
+                                              sd((512 * tp, 512), jnp.bfloat16))
+  assert mx.default_tiling((8, 512, 2560), (2560, 2560), 4).cta_n == 128  # chunks of 640
+  assert mx.default_tiling((8, 512, 2048), (2048, 2048), 4).cta_n == 256
+  a = jnp.zeros((2, 128, 256), jnp.bfloat16)
+  for w_shape, n, message in (((128, 512), 2, "do not contract"),
+                              ((256, 770), 4, "do not divide over 4"),
+                              ((256, 192), 3, "do not tile the 64-column chunk"),
+                              ((256, 512), 1, "2 or more ranks")):
+    with pytest.raises(ValueError, match=message):
+      mx.matmul_all_to_all(a, jnp.zeros(w_shape, jnp.bfloat16), "x", n=n, num_sms=4,
+                           tiling=TILING)
