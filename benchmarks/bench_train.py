@@ -35,8 +35,11 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           (`parallel.tp_exchange`, `layers.exchange_matmul`): 1/tp of the bytes, sent
           between XLA's kernels and plain, with or without _cm
   _bxla   (with _cm and _xchg) the exchange's backward all-to-all by XLA (NCCL), which
-          its scheduler may overlap, its forward by our kernel
-          (`fused.EXCHANGE_GRADIENT_KERNEL`): both by our kernel without it
+          its scheduler may overlap, after cuBLAS's matmul; its forward by our kernel
+          (`fused.EXCHANGE_GRADIENT` "xla")
+  _bsplit (with _cm and _xchg) the backward's matmul by cuBLAS, then our exchange kernel
+          (`fused.EXCHANGE_GRADIENT` "kernel"), where the layers run the two as one
+          kernel (since 2026-11-28): the layers before that
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
@@ -145,14 +148,15 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "1f1b", "vs2", "il2", "save",
-             "dots", "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle", "graphs",
-             "fgraphs")
+MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "1f1b", "vs2",
+             "il2", "save", "dots", "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle",
+             "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
-PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", *GRAPHS_MODIFIERS)
+PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit",
+                           *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -173,7 +177,7 @@ class Variant:
   rs_wide: bool = False         # _rsw: the plain reduce-scatter kernels on wide tiles
   dw_f32: bool = False          # _dwf32: overlap.WEIGHT_GRADIENTS_F32
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
-  gradient_exchange_by_xla: bool = False  # _bxla: not fused.EXCHANGE_GRADIENT_KERNEL
+  gradient_exchange: str = "fused"  # _bxla: "xla", _bsplit: "kernel" (fused.EXCHANGE_GRADIENT)
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -210,14 +214,15 @@ def parse_variant(name: str) -> Variant:
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
       {"push", "wcopy", "rsw"} & set(mods) and "cm" not in mods) or (
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
-      "bxla" in mods and not {"cm", "xchg"} <= set(mods)) or (
+      {"bxla", "bsplit"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
+      {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
-                     "_bxla only with _cm and _xchg; _1f1b or _vs2; "
+                     "_bxla or _bsplit, only with _cm and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
@@ -225,7 +230,8 @@ def parse_variant(name: str) -> Variant:
                  push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
                  dw_f32="dwf32" in mods,
                  tp_exchange="xchg" in mods,
-                 gradient_exchange_by_xla="bxla" in mods,
+                 gradient_exchange=("xla" if "bxla" in mods else "kernel" if "bsplit" in mods
+                                    else "fused"),
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -359,8 +365,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         + [mock.patch.object(matmul_rs, "TILING", dataclasses.replace(ag_matmul.WIDE, stages=3))]
         * variant.rs_wide
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
-        + [mock.patch.object(fused, "EXCHANGE_GRADIENT_KERNEL", False)]
-        * variant.gradient_exchange_by_xla)
+        + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange)])
   return step, state, batch, mesh, plan, ctx
 
 

@@ -56,7 +56,9 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert bench_train.parse_variant("on_cm_dwf32_save_fgraphs").dw_f32
   assert bench_train.parse_variant("ring_off_dwf32_save").dw_f32
   assert bench_train.parse_variant("on_cm_xchg_save_fgraphs").tp_exchange
-  assert bench_train.parse_variant("on_cm_xchg_bxla_save_fgraphs").gradient_exchange_by_xla
+  assert bench_train.parse_variant("on_cm_xchg_bxla_save_fgraphs").gradient_exchange == "xla"
+  assert bench_train.parse_variant("on_cm_xchg_bsplit_save").gradient_exchange == "kernel"
+  assert bench_train.parse_variant("on_cm_xchg_save").gradient_exchange == "fused"
   (s,) = bench_train.summarize(_rows(off_save=200.0, ideal_save=150.0, off_xchg_save=190.0,
                                      on_cm_xchg_save_fgraphs=170.0,
                                      on_cm_xchg_bxla_save_fgraphs=165.0))
@@ -144,7 +146,7 @@ def test_bench_train_variant_names():
               "off_save_fgraphs", "off_cm_graphs_fgraphs", "off_push", "off_save_cm_push",
               "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy", "off_rsw", "off_xchg_bxla",
               "off_dwf32",
-              "on_cm_bxla", "on_cm_bxla_xchg"):
+              "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

@@ -397,7 +397,7 @@ def test_exchange_matches_single_device_and_sends_the_attention_input(reference)
   """`parallel.tp_exchange`: the attention's out-projection all-to-alls its input and
   all-gathers its weight instead of reduce-scattering its output (`layers.exchange_matmul`).
   The loss and gradients are the single-device ones to fp32 roundoff, between XLA's
-  collectives and with the kernel layers (on CPU their XLA path: `fused.exchange`'s custom
+  collectives and with the kernel layers (on CPU their XLA path: `fused.exchange_matmul`'s custom
   VJP), under remat with the TP outputs saved; the attention's
   reduce-scatter of the residual stream is gone from every block, its input's all-to-all
   in its place."""
@@ -428,6 +428,8 @@ def test_exchange_matches_single_device_and_sends_the_attention_input(reference)
                                 if c.shape[-1] == CFG.d_model // 4]
   assert attention_input("kernel", True) and attention_input("none", True)
   assert not attention_input("kernel", False)
+  # the kernel layers' backward (`fused.exchange_matmul`) sends as many: no more remat
+  assert len(attention_input("kernel", True)) == len(attention_input("none", True))
 
 
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():

@@ -9,8 +9,10 @@ one fused kernel:
       dy @ w.T, dw = x_full.T @ dy.
   matmul_scatter(y_BTF, w_FD)  forward: matmul + reduce-scatter; backward: the all-gather +
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
-  exchange(y_BTF)              ``parallel.tp_exchange``'s all-to-all [B, T, F/tp] ->
-      [B, T/tp, F] (``pallas_kernels.exchange``); backward: the all-to-all back.
+  exchange_matmul(y_BTF, w_FD) ``parallel.tp_exchange``'s out-projection: the all-to-all
+      [B, T, F/tp] -> [B, T/tp, F] (``pallas_kernels.exchange``), then the matmul by the
+      gathered weight; backward: dy = the matmul + all-to-all back of dout @ w.T
+      (``pallas_kernels.matmul_exchange``), dw = y_exchanged.T @ dout.
 
 The backward kernels read w as it is stored and multiply by its transpose
 (``transpose_w``), so no step copies its weights transposed.
@@ -46,7 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax.pallas_kernels import ag_matmul, exchange as exchange_kernel, gemm, matmul_rs
+from taco_jax.pallas_kernels import (ag_matmul, exchange as exchange_kernel, gemm,
+                                     matmul_exchange, matmul_rs)
 from taco_jax.pallas_kernels.common import warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
@@ -82,12 +85,17 @@ ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (
 # step: 163.19 against 163.79 ms a 1.3B TP=2 step, in one process
 # (bench_train_nvlink_cm_wt_2gpu_20261127). False (bench_train's ``_wcopy``): the copies.
 WEIGHTS_READ_TRANSPOSED = True
-# The exchange's backward all-to-all (the gradient of the attention's input) runs our
-# kernel, as its forward does. False (bench_train's ``_bxla``): XLA's, an asynchronous
-# collective its scheduler may overlap with the weight gradient's matmul; a Mosaic GPU
-# kernel runs on the compute stream and overlaps nothing. A wash at TP=2: 164.09 ms a 1.3B
-# step against 164.57, in one process (bench_train_nvlink_bxla_xchg_kernel_2gpu_20261128).
-EXCHANGE_GRADIENT_KERNEL = True
+# How the exchange-matmul's input gradient (the out-projection's, ``dout @ w.T`` then the
+# all-to-all back) runs: "fused", one kernel that pushes each product tile to its owner from
+# the epilogue (``pallas_kernels.matmul_exchange``): 0.0775 ms against 0.1020 for cuBLAS
+# then our exchange kernel at the 1.3B TP=4 shapes, 0.1116 against 0.1532 at TP=2 (4 and
+# 2 H200s, bench_exchange_nvlink_mx_*_20261128); "kernel": the two apart, as before
+# (bench_train's ``_bsplit``); "xla": cuBLAS then XLA's all-to-all, an asynchronous
+# collective its scheduler may overlap with the weight gradient's matmul (``_bxla``; a
+# wash against "kernel" at TP=2: 164.09 ms a 1.3B step against 164.57,
+# bench_train_nvlink_bxla_xchg_kernel_2gpu_20261128).
+EXCHANGE_GRADIENTS = ("fused", "kernel", "xla")
+EXCHANGE_GRADIENT = "fused"
 
 
 def platform_problem(devices: int) -> str | None:
@@ -303,20 +311,49 @@ def _xla_all_to_all(x, axis_name, split_axis: int):
   return collectives.all_to_all(x, axis_name, split_axis=split_axis, concat_axis=3 - split_axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def exchange(y_BTF, axis_name):
-  """``collectives.all_to_all(y, split_axis=1, concat_axis=2)`` over ``axis_name``: every
-  rank's columns of this rank's sequence shard; plain."""
-  return _all_to_all(y_BTF, axis_name, 1)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def exchange_matmul(y_BTF, w_FD, axis_name):
+  """``all_to_all(y, split_axis=1, concat_axis=2) @ w`` over ``axis_name``: this rank's
+  sequence shard of the product from every rank's columns of y, times the whole (gathered)
+  weight; plain. Backward: the input's gradient by `matmul_all_to_all`, the weight's from
+  the exchanged y, which the forward keeps (``TP_OUTPUT``)."""
+  return _exchange_matmul_fwd(y_BTF, w_FD, axis_name)[0]
 
 
-def _exchange_fwd(y, axis_name):
-  return exchange(y, axis_name), None
+def _exchange_matmul_fwd(y, w, axis_name):
+  y_BSF = _all_to_all(y, axis_name, 1)
+  return jnp.einsum("bsf,fd->bsd", y_BSF, w), (checkpoint_name(y_BSF, TP_OUTPUT), w)
 
 
-def _exchange_bwd(axis_name, _, dy):
-  exchange_back = _all_to_all if EXCHANGE_GRADIENT_KERNEL else _xla_all_to_all
-  return (exchange_back(dy, axis_name, 2),)
+def _exchange_matmul_bwd(axis_name, res, dout):
+  y_BSF, w = res
+  dy = matmul_all_to_all(dout.astype(y_BSF.dtype), w, axis_name)
+  return dy.astype(y_BSF.dtype), weight_gradient("bsf,bsd->fd", y_BSF, dout, w.dtype)
 
 
-exchange.defvjp(_exchange_fwd, _exchange_bwd)
+exchange_matmul.defvjp(_exchange_matmul_fwd, _exchange_matmul_bwd)
+
+
+def matmul_all_to_all(a_BSD, w_FD, axis_name):
+  """``all_to_all(a @ w.T, split_axis=2, concat_axis=1)`` over ``axis_name``, w read as
+  stored: as ``EXCHANGE_GRADIENT`` says, one kernel where it runs (else the two apart, the
+  reason said once); under free communication the kernel's matmul on our GEMM core and
+  the stand-in all-to-all."""
+  if EXCHANGE_GRADIENT not in EXCHANGE_GRADIENTS:
+    raise ValueError(f"fused.EXCHANGE_GRADIENT={EXCHANGE_GRADIENT!r}: expected one of "
+                     f"{EXCHANGE_GRADIENTS}")
+  if EXCHANGE_GRADIENT == "xla":
+    return _xla_all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)
+  n = collectives.axis_size(axis_name, "exchange_matmul", a_BSD.shape)
+  w_shape = gemm.weight_kn(w_FD.shape, True)
+  tiling = matmul_exchange.default_tiling(a_BSD.shape, w_shape, n)
+  problem = (platform_problem(_mesh_devices(n))
+             or matmul_exchange.misfit(a_BSD.shape, w_shape, n, tiling, gemm.num_sms()))
+  if EXCHANGE_GRADIENT == "fused" and problem is None:
+    if collectives.communication_is_free(axis_name):
+      return _xla_all_to_all(_core_matmul(a_BSD, w_FD, tiling, True), axis_name, 2)
+    return matmul_exchange.matmul_all_to_all(a_BSD, w_FD, axis_name, n=n, tiling=tiling,
+                                             num_sms=gemm.num_sms(), transpose_w=True)
+  if EXCHANGE_GRADIENT == "fused":
+    _say_once(problem, f"matmul + all-to-all {a_BSD.shape} @ {w_shape}")
+  return _all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)

@@ -174,15 +174,15 @@ def exchange_matmul(y_BTF, w_FD, ctx: TPContext):
   gradient reduce-scattered). It sends (tp - 1) / tp of y's local bytes where the
   reduce-scatter of the product sends (tp - 1) / tp of ``[B, T, D]``: F / tp / D as much,
   1/tp at the attention's out-projection. With the kernel layers the exchange is a kernel
-  of its own (`fused.exchange`). Both outputs carry ``TP_OUTPUT``, so that the
-  recomputation under ``parallel.save_tp_outputs`` does not communicate again."""
-  if ctx.overlap == "kernel":
-    y_BSF = fused.exchange(y_BTF, TENSOR)
-  else:
-    y_BSF = collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ, concat_axis=2)
-  y_BSF = checkpoint_name(y_BSF, TP_OUTPUT)
+  of its own and the backward's matmul and exchange one kernel (`fused.exchange_matmul`).
+  The exchanged y, the gathered weight (and with the kernel layers the product) carry
+  ``TP_OUTPUT``, so that the recomputation under ``parallel.save_tp_outputs`` does not
+  communicate again."""
   w_full = checkpoint_name(collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
-  return jnp.einsum("...i,io->...o", y_BSF, w_full)
+  if ctx.overlap == "kernel":
+    return checkpoint_name(fused.exchange_matmul(y_BTF, w_full, TENSOR), TP_OUTPUT)
+  y_BSF = collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ, concat_axis=2)
+  return jnp.einsum("...i,io->...o", checkpoint_name(y_BSF, TP_OUTPUT), w_full)
 
 
 @dataclasses.dataclass(frozen=True)
