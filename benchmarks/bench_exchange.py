@@ -17,7 +17,10 @@ layers), ``cublas+xla``, ``core+kernel`` (our GEMM core with the fused kernel's 
 the exchange kernel: the fused kernel's result bit for bit), and the matmuls alone
 (``cublas``, the ideal; ``core``). The variants with an exchange are checked bit for bit, the cuBLAS ones against
 ``cublas+xla``, the core's against the core then XLA's all-to-all; the matmuls alone against
-the product accumulated in fp32 and rounded to bf16 (``max_rel_err`` <= 1e-2).
+the product accumulated in fp32 and rounded to bf16 (``max_rel_err`` <= 1e-2). ``fused x8``:
+eight calls in one program, each output summed at once (`_chained`), against the core then
+XLA's all-to-all chained alike, bit for bit: the fused kernel's stores have all landed when
+it ends.
 
 GPU: ``python3 benchmarks/bench_exchange.py --out-dir $OUT`` (2 or more GPUs).
 CPU (--smoke): XLA's side and the checks' plumbing on fake devices.
@@ -131,8 +134,10 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
               "fused": lambda a, w: matmul_exchange.matmul_all_to_all(
                   a, w, AXIS, n=n, num_sms=sms, tiling=tiling, transpose_w=True),
               "cublas": cublas, "core": core}
+  variants["fused x8"] = _chained(variants["fused"])
   wants = {"cublas+xla": "cublas+xla", "cublas+kernel": "cublas+xla", "cublas": "fp32",
-           "core+kernel": "core+xla", "fused": "core+xla", "core": "fp32"}
+           "core+kernel": "core+xla", "fused": "core+xla", "core": "fp32",
+           "fused x8": "core+xla x8"}
   fns = {k: jax.jit(both(f)) for k, f in variants.items()}
   ours_run = on_gpu and case["misfit"] is None
   refs = {"cublas+xla": fns["cublas+xla"](a, w), "fp32": jax.jit(both(
@@ -140,6 +145,7 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
       .astype(a.dtype)))(a, w)}
   if ours_run:
     refs["core+xla"] = jax.jit(both(lambda a, w: xla_back(core(a, w))))(a, w)
+    refs["core+xla x8"] = jax.jit(both(_chained(lambda a, w: xla_back(core(a, w)))))(a, w)
   for name, fn in fns.items():
     if name not in ("cublas+xla", "cublas") and not ours_run:
       case["variants"][name] = dict(skipped=case["misfit"] if on_gpu else
@@ -150,6 +156,20 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
                                                 on_gpu, rtol=rtol)
     write_results("bench_exchange", args, results)
   _print(model, "matmul_backward", shape, case)
+
+
+def _chained(fn, times: int = 8):
+  """``fn`` called ``times`` times in one program, each output read at once by the sum that
+  follows (w scaled by 1, 2, ...): a kernel whose stores landed after it returned, or whose
+  peers' did, would leave the sum wrong."""
+  import jax.numpy as jnp
+
+  def chained(a, w):
+    total = 0.0
+    for i in range(times):
+      total = total + fn(a, w * (i + 1)).astype(jnp.float32)
+    return total
+  return chained
 
 
 def _print(model, way, shape, case) -> None:
