@@ -1019,13 +1019,16 @@ def peer_copy_section() -> str:
 
 def exchange_section() -> str:
   """bench_exchange: parallel.tp_exchange's all-to-all, our kernel against NCCL's."""
-  rows, iters = [], set()
+  rows, fused_rows, iters = [], [], set()
   for name, d in _load("bench_exchange_*.json"):
     if d["platform"] != "gpu":
       continue
     iters.add(d.get("iters", 20))  # runs before the field used the default, 20
     for case in d["cases"]:
       v = case["variants"]
+      if case["way"] == "matmul_backward":
+        fused_rows.append(_matmul_exchange_row(name, d, case))
+        continue
       xla, kernel = v.get("xla_all_to_all", {}), v.get("kernel", {})
       ratio = xla["ms"] / kernel["ms"] if "ms" in xla and "ms" in kernel else None
       rows.append([name.removesuffix(".json"), f"{d['gpus']}x {d['device']}", case["model"],
@@ -1042,7 +1045,29 @@ def exchange_section() -> str:
       "bit first; GB/s that a rank receives.",
       [_table(["run", "GPUs", "model", "way", "x per rank", "MiB received", "NCCL ms",
                "kernel ms", "NCCL / kernel", "NCCL GB/s", "kernel GB/s"], rows) + "\n"]
+      + ["The out-projection's input gradient under the exchange (`matmul_backward`): "
+         "`dout @ w.T` (w the whole `[d_model, d_model]` weight, read transposed) then the "
+         "exchange back, as one kernel (`fused`, `pallas_kernels/matmul_exchange.py`) "
+         "against cuBLAS then NCCL's all-to-all or our exchange kernel, and the matmul alone "
+         "(cuBLAS: the ideal), ms of device time as above; every result checked first (the "
+         "fused kernel bit for bit against our GEMM core then XLA's all-to-all, also eight "
+         "calls chained in one program where the run has `fused x8`).\n",
+         _table(["run", "GPUs", "model", "dout per rank", "cuBLAS + NCCL ms",
+                 "cuBLAS + kernel ms", "fused ms", "cuBLAS alone ms",
+                 "(cuBLAS + kernel) / fused", "fused / cuBLAS alone", "fused x8 checked"],
+                fused_rows) + "\n"] * bool(fused_rows)
       if rows else [])
+
+
+def _matmul_exchange_row(name: str, d: dict, case: dict) -> list:
+  """A ``matmul_backward`` case's row of `exchange_section`."""
+  v = {k: x.get("ms") for k, x in case["variants"].items()}
+  split, fused, alone = v.get("cublas+kernel"), v.get("fused"), v.get("cublas")
+  chained = case["variants"].get("fused x8", {}).get("ok", "–")
+  return [name.removesuffix(".json"), f"{d['gpus']}x {d['device']}", case["model"],
+          "x".join(map(str, case["shape"])), v.get("cublas+xla"), split, fused, alone,
+          split / fused if split and fused else None,
+          fused / alone if fused and alone else None, chained]
 
 
 def _spec_of(variant: str) -> dict:

@@ -75,11 +75,17 @@ def test_peer_copy_smoke_checks_nccls_stand_ins_and_skips_the_kernel(tmp_path):
 def test_exchange_smoke_checks_xlas_all_to_all_and_skips_the_kernel(tmp_path):
   cases = json.loads(bench_exchange.main(["--smoke", "--out-dir", str(tmp_path)]).read_text())[
       "cases"]
-  assert [(c["way"], c["shape"], c["misfit"]) for c in cases] == [
-      ("forward", [2, 512, 8], None), ("backward", [2, 64, 64], None)]
-  for case in cases:
-    assert case["variants"]["xla_all_to_all"]["ok"]
+  assert [(c["way"], c["shape"]) for c in cases] == [
+      ("forward", [2, 512, 8]), ("backward", [2, 64, 64]), ("matmul_backward", [2, 64, 64])]
+  for case in cases[:2]:
+    assert case["misfit"] is None and case["variants"]["xla_all_to_all"]["ok"]
     assert "GPU only" in case["variants"]["kernel"]["skipped"]
+  fused = cases[2]  # cuBLAS's side checked, the kernels' skipped
+  assert "do not tile the 8-column chunk" in fused["misfit"]
+  assert fused["variants"]["cublas+xla"]["ok"] and fused["variants"]["cublas"]["ok"]
+  assert fused["variants"]["cublas"]["max_rel_err"] <= 1e-2
+  assert all("GPU only" in v["skipped"] for k, v in fused["variants"].items()
+             if k not in ("cublas+xla", "cublas"))
 
 
 def test_exchange_section_rows_from_the_gpu_runs_only():
@@ -89,6 +95,11 @@ def test_exchange_section_rows_from_the_gpu_runs_only():
   assert rows and all("cpu" not in r for r in rows)
   cells = rows[0].split(" | ")
   assert float(cells[-3]) == pytest.approx(float(cells[6]) / float(cells[7]), rel=0.01)
+  # the fused matmul + exchange's table: the split pair over the fused kernel
+  fused = [c for c in (r.split(" | ") for r in rows) if c[3] not in ("forward", "backward")]
+  assert fused and all(c[-1].strip(" |") in ("True", "–") for c in fused)
+  for c in fused:
+    assert float(c[8]) == pytest.approx(float(c[5]) / float(c[6]), rel=0.02)
 
 
 def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):
