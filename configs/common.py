@@ -96,10 +96,12 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                of the bytes) and all-gathers its weight, instead of
   #                                reduce-scattering its output (taco_jax.tp.layers.
   #                                exchange_matmul; plain; with tp_overlap='kernel' a
-  #                                kernel of ours): 1.013x (TP=2) and 1.037x (TP=4) a 1.3B
-  #                                step with the collectives; beside the kernel layers,
-  #                                sent by our kernel, 1.018x at TP=4, 0.999x at TP=2;
-  #                                0.989x beside the FP8 collectives with P2P off
+  #                                kernel of ours, its backward one matmul + exchange
+  #                                kernel): 1.013x (TP=2) and 1.037x (TP=4) a 1.3B step
+  #                                with the collectives; beside the kernel layers 1.018x at
+  #                                TP=4 (before that backward kernel) and 1.005x at TP=2:
+  #                                on with tp_overlap='kernel' on NVLink; 0.989x beside the
+  #                                FP8 collectives with P2P off
   p.interleave = 1               # sub-batches per micro-batch whose blocks run side by side, so
   #                                one's TP collectives can overlap another's matmuls; 1 = off
   p.save_tp_outputs = False      # with model.remat: keep the TP collectives' outputs, so the
