@@ -12,12 +12,13 @@ its peers over that time.
 ``matmul_backward``: the out-projection's input gradient under the exchange, ``dout [batch,
 seq / tp, d_model] @ w.T`` (w ``[d_model, d_model]``, gathered, read transposed) then the
 exchange back, as one kernel (``fused``: ``pallas_kernels.matmul_exchange``, each tile
-pushed to its owner from the epilogue) against the two apart: ``cublas+kernel`` (today's
-layers), ``cublas+xla``, ``core+kernel`` (our GEMM core with the fused kernel's tiles, then
-the exchange kernel: the fused kernel's result bit for bit), and the matmuls alone
-(``cublas``, the ideal; ``core``). The variants with an exchange are checked bit for bit, the cuBLAS ones against
-``cublas+xla``, the core's against the core then XLA's all-to-all; the matmuls alone against
-the product accumulated in fp32 and rounded to bf16 (``max_rel_err`` <= 1e-2). ``fused x8``:
+pushed to its owner from the epilogue) against the two apart: ``cublas+kernel`` (the
+layers before it, bench_train's ``_bsplit``), ``cublas+xla``, ``core+kernel`` (our GEMM core
+with the fused kernel's tiles, then the exchange kernel: the fused kernel's result bit for
+bit), and the matmuls alone (``cublas``, the ideal; ``core``). The variants with an exchange
+are checked bit for bit, the cuBLAS ones against ``cublas+xla``, the core's against the
+core then XLA's all-to-all; the matmuls alone against the product accumulated in fp32 and
+rounded to bf16 (``max_rel_err`` <= 1e-2). ``fused x8``:
 eight calls in one program, each output summed at once (`_chained`), against the core then
 XLA's all-to-all chained alike, bit for bit: the fused kernel's stores have all landed when
 it ends.

@@ -21,7 +21,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.pallas_kernels import ag_matmul, common, gemm, matmul_rs
+from taco_jax.pallas_kernels import ag_matmul, common, gemm, matmul_exchange, matmul_rs
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import collectives, mappings, testing
@@ -631,6 +631,50 @@ def test_custom_vjps_match_the_regions_they_replace(kind, codec, monkeypatch):
       np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+def test_exchange_matmul_vjp_matches_the_all_to_all_and_matmul(monkeypatch):
+  """`fused.exchange_matmul` (its XLA path on CPU) against ``all_to_all`` then the matmul
+  by autodiff: value and gradients, however `fused.EXCHANGE_GRADIENT` sends the input's
+  (the fused kernel's fallback, the two apart, XLA's)."""
+  n, b, s, f, d = 4, 2, 4, 64, 32
+  rng = np.random.default_rng(5)
+  y, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.float32)
+              for shape in ((n, b, n * s, f // n), (n, f, d), (n, b, s, d)))
+  want = _value_and_grads(lambda y, w: jnp.einsum("bsf,fd->bsd", collectives.all_to_all(
+      y, "x", split_axis=1, concat_axis=2), w), n, y, w, ct)
+  for how in fused.EXCHANGE_GRADIENTS:
+    monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", how)
+    got = _value_and_grads(lambda y, w: fused.exchange_matmul(y, w, "x"), n, y, w, ct)
+    for name, g, e in zip(("value", "dy", "dw"), got, want, strict=True):
+      np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=f"{how} {name}")
+
+
+def test_free_communication_runs_the_exchange_gradient_on_the_gemm_core(monkeypatch):
+  """Under `collectives.free_communication` (``ideal_cm``), where the matmul + exchange
+  kernel would run, the input's gradient is our GEMM core's matmul and the stand-in
+  all-to-all: on one rank (the interpreter runs one CPU device at a time) the value and
+  gradients are the XLA path's, and the core multiplied this rank's rows once."""
+  b, s, f, d = 1, 64, 128, 128
+  cores = []
+  monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
+      cores.append(a[0].shape), matmul(*a, **kw))[1])
+  monkeypatch.setattr(matmul_exchange, "TILINGS", (TILING,))
+  rng = np.random.default_rng(3)
+  y, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+              for shape in ((1, b, s, f), (1, f, d), (1, b, s, d)))
+
+  def free_step(kernels: bool):
+    monkeypatch.setattr(fused, "platform_problem", lambda devices: (
+        None if kernels else "no GPU"))
+    with collectives.free_communication("x"), _interpret():
+      return jax.block_until_ready(_value_and_grads(
+          lambda y, w: fused.exchange_matmul(y, w, "x"), 1, y, w, ct))
+  xla, core = free_step(False), free_step(True)
+  assert cores == [(b * s, d)]
+  for name, g, e in zip(("value", "dy", "dw"), core, xla, strict=True):
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(e, np.float32),
+                               rtol=2e-2, atol=2e-2, err_msg=name)
+
+
 @pytest.mark.parametrize("layer", ["kernel_column", "kernel_row", "ring_column"])
 @pytest.mark.parametrize("f32", [False, True], ids=["bf16_dot", "f32_dot"])
 def test_weight_gradient_is_a_dot_in_the_weights_dtype(layer, f32, monkeypatch):
@@ -925,7 +969,6 @@ def test_matmul_all_to_all_kernel_pushes_each_tile_to_its_owner(n, b, sms, trans
   tiles per owner's chunk, with several sequences and unequal shares per SM; the weight
   ``[K, N]`` or ``[N, K]`` as the backward pass holds it (the owners' other rows are the
   peers' stores). XLA's all-to-all of the product agrees with the reference."""
-  from taco_jax.pallas_kernels import matmul_exchange
   s, k = 64, 128
   chunk = 2 * TILING.cta_n
   ka, kw = jax.random.split(jax.random.key(n))
@@ -953,7 +996,7 @@ def test_matmul_all_to_all_lowers_for_hopper_and_refuses_bad_input():
   """With its peer stores and semaphores through the sm_90 lowering, on (2, 1, 2) and
   (2, 1, 4) meshes; the 256-column tiles where they tile a chunk, else 128; shapes that
   do not divide refused."""
-  from taco_jax.pallas_kernels import matmul_exchange as mx
+  mx = matmul_exchange
   for tp in (2, 4):
     fn = jax.shard_map(lambda a, w, tp=tp: mx.matmul_all_to_all(
         a, w, "tensor", n=tp, num_sms=132, transpose_w=True), mesh=_dp2_tp_mesh(tp),
