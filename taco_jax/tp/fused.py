@@ -86,15 +86,15 @@ ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (
 # (bench_train_nvlink_cm_wt_2gpu_20261127). False (bench_train's ``_wcopy``): the copies.
 WEIGHTS_READ_TRANSPOSED = True
 # How the exchange-matmul's input gradient (the out-projection's, ``dout @ w.T`` then the
-# all-to-all back) runs: "fused", one kernel that pushes each product tile to its owner from
-# the epilogue (``pallas_kernels.matmul_exchange``): 0.0775 ms against 0.1020 for cuBLAS
-# then our exchange kernel at the 1.3B TP=4 shapes, 0.1116 against 0.1532 at TP=2 (4 and
-# 2 H200s, bench_exchange_nvlink_mx_*_20261128), and a 1.3B step 92.99 ms against 93.34 at
-# TP=4, 160.02 against 162.54 at TP=2 (bench_train_nvlink_mx_tp4 / _tp2); "kernel": the two
-# apart, as before (bench_train's ``_bsplit``); "xla": cuBLAS then XLA's all-to-all, an asynchronous
-# collective its scheduler may overlap with the weight gradient's matmul (``_bxla``; a
-# wash against "kernel" at TP=2: 164.09 ms a 1.3B step against 164.57,
-# bench_train_nvlink_bxla_xchg_kernel_2gpu_20261128).
+# all-to-all back) runs. "fused": one kernel that pushes each product tile to its owner
+# from the epilogue (``pallas_kernels.matmul_exchange``): 0.0775 ms against 0.1020 for
+# cuBLAS then our exchange kernel at the 1.3B TP=4 shapes, 0.1116 against 0.1532 at TP=2
+# (4 and 2 H200s, bench_exchange_nvlink_mx_*_20261128), and a 1.3B step 92.99 ms against
+# 93.34 at TP=4, 160.02 against 162.54 at TP=2 (bench_train_nvlink_mx_tp4 / _tp2).
+# "kernel": the two apart, as before (bench_train's ``_bsplit``). "xla": cuBLAS then XLA's
+# all-to-all, an asynchronous collective its scheduler may overlap with the weight
+# gradient's matmul (``_bxla``; a wash against "kernel" at TP=2: 164.09 ms a 1.3B step
+# against 164.57, bench_train_nvlink_bxla_xchg_kernel_2gpu_20261128).
 EXCHANGE_GRADIENTS = ("fused", "kernel", "xla")
 EXCHANGE_GRADIENT = "fused"
 
