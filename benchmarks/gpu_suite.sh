@@ -40,9 +40,10 @@
 #   bash benchmarks/gpu_suite.sh peer_copy         # issue 15: in-kernel copies' link rate vs
 #                                                  # NCCL, all GPUs and 2 of them (<= 7 min)
 #   bash benchmarks/gpu_suite.sh exchange          # parallel.tp_exchange on all GPUs as TP:
-#                                                  # its kernel vs NCCL, then the 1.3B steps
-#                                                  # with and without it (<= 9.5 min; TP=2
-#                                                  # on 4 GPUs: CUDA_VISIBLE_DEVICES=0,1)
+#                                                  # its kernels vs NCCL / apart, then the
+#                                                  # 1.3B steps with and without it (<= 10
+#                                                  # min; TP=2 on 4 GPUs:
+#                                                  # CUDA_VISIBLE_DEVICES=0,1)
 #   bash benchmarks/gpu_suite.sh profile_exchange  # ... its kernel vs NCCL, then a trace of the
 #                                                  # kernel layers' step with it (<= 8.5 min)
 #   bash benchmarks/gpu_suite.sh cm_scan           # the kernel layers scanned vs unrolled
@@ -417,17 +418,20 @@ for job in "$@"; do
           benchmarks/bench_peer_copy.py --shard-mib 32 --label "${LABEL:-nvlink}" --out-dir "$out"
       fi ;;
     exchange)  # parallel.tp_exchange, TP = every visible GPU: the exchange kernel vs NCCL's
-      # all-to-all, then the collectives' step, its ideal, the kernel layers without and
-      # with the exchange (by our kernel; its backward by NCCL) in one process; a cold kernel
-      # step compiled in more than 80 s on 2026-11-28, so builds may take 200
+      # all-to-all and the backward's matmul + exchange kernel vs the two apart, then the
+      # collectives' step, its ideal, the kernel layers without and with the exchange (its
+      # backward one kernel, and apart: _bsplit) in one process; a cold kernel step compiled
+      # in more than 80 s on 2026-11-28, so builds may take 200. At TP=4 five variants
+      # outlast the deadline's compile share (2026-11-28): VARIANTS= four of them
       n=$(visible_gpus)
-      BENCH_WATCHDOG_S=80 timeout 90 python3 benchmarks/bench_exchange.py \
+      BENCH_WATCHDOG_S=150 timeout 160 python3 benchmarks/bench_exchange.py \
         --label "${LABEL:-nvlink}" --out-dir "$out"
       v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
-      v=$v,on_cm_xchg_save_dots_unroll_fgraphs,on_cm_xchg_bxla_save_dots_unroll_fgraphs
-      BENCH_WATCHDOG_S=450 timeout 460 python3 benchmarks/bench_train.py \
+      v=$v,on_cm_xchg_save_dots_unroll_fgraphs,on_cm_xchg_bsplit_save_dots_unroll_fgraphs
+      v=${VARIANTS:-$v}
+      BENCH_WATCHDOG_S=420 timeout 430 python3 benchmarks/bench_train.py \
         --label "${LABEL:-nvlink}_xchg_kernel" --layouts "1,1,$n" --attention cudnn \
-        --link nvlink --deadline-s 440 --build-timeout-s 200 --out-dir "$out" \
+        --link nvlink --deadline-s 410 --build-timeout-s 200 --out-dir "$out" \
         --variants "$v" ;;
     profile_exchange)  # ... the exchange kernel against NCCL, then a device trace of the
       # kernel layers' step with the exchange beside its free-communication ideal
