@@ -54,13 +54,13 @@ def misfit(shape, n: int, split_axis: int) -> str | None:
   if shape[split_axis] % n:
     return f"dimension {split_axis} of {tuple(shape)} does not divide over {n} ranks"
   rows, cols = _chunk(shape, n, split_axis)
-  if rows % ROWS or not _block_cols(cols):
+  if rows % ROWS or not block_cols(cols):
     return (f"blocks of {ROWS} rows and {COLS}, {COLS // 2}, ... {MIN_COLS} columns do not "
             f"tile the {rows} x {cols} chunks of {tuple(shape)}")
   return None
 
 
-def _block_cols(cols: int) -> int:
+def block_cols(cols: int) -> int:
   """The widest block (COLS, COLS / 2, ... MIN_COLS columns) that tiles ``cols``, or 0;
   e.g. 128 for the 640 columns of the 2.7B's chunks at TP=4."""
   width = COLS
@@ -99,9 +99,9 @@ def all_to_all(x, axis_name, *, n: int, split_axis: int, num_sms: int, depth: in
     out_shape = (b, n, rows, cols)
     at_src = lambda ref, bi, j, rs, cs: ref.at[bi, rs, j, cs]  # noqa: E731
     at_dst = lambda ref, bi, j, rs, cs: ref.at[bi, j, rs, cs]  # noqa: E731
-  block_cols = _block_cols(cols)
-  check_slots("exchange.all_to_all", depth, ROWS * block_cols * x.dtype.itemsize)
-  row_blocks, col_blocks = rows // ROWS, cols // block_cols
+  width = block_cols(cols)
+  check_slots("exchange.all_to_all", depth, ROWS * width * x.dtype.itemsize)
+  row_blocks, col_blocks = rows // ROWS, cols // width
   per_source = b * row_blocks * col_blocks
   local = local_x is not None
 
@@ -122,7 +122,7 @@ def all_to_all(x, axis_name, *, n: int, split_axis: int, num_sms: int, depth: in
       """``copy(s, b, rows, cols)`` for block ``item`` of this SM, sources interleaved."""
       flat = sm + item * num_sms
       s, q = lax.rem(flat, n), flat // n
-      cs = pl.ds(lax.rem(q, col_blocks) * block_cols, block_cols)
+      cs = pl.ds(lax.rem(q, col_blocks) * width, width)
       q = q // col_blocks
       rs, bi = pl.ds(lax.rem(q, row_blocks) * ROWS, ROWS), q // row_blocks
       for k in range(n):
@@ -143,7 +143,7 @@ def all_to_all(x, axis_name, *, n: int, split_axis: int, num_sms: int, depth: in
   f = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct(out_shape, x.dtype), grid=(num_sms,),
       grid_names=(gemm.SM,),
-      scratch_types=dict(smem=plgpu.SMEM((depth, ROWS, block_cols), x.dtype),
+      scratch_types=dict(smem=plgpu.SMEM((depth, ROWS, width), x.dtype),
                          loaded=plgpu.Barrier(num_barriers=depth)),
       kernel_name=f"taco_all_to_all_{n}")
   y = f(src, *((local_x.reshape(n, *src.shape),) if local else ()))

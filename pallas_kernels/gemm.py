@@ -208,20 +208,23 @@ class TileLoop:
           decode: Callable | None = None, decoded: Callable | None = None,
           after_mma: Callable | None = None,
           before_tile: Callable | None = None, acc_dtype=jnp.float32,
-          first_sm: int | jax.Array = 0, wait_rows: Callable | None = None):
+          first_sm: int | jax.Array = 0, wait_rows: Callable | None = None,
+          workers_from: int = 0):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
     compute warpgroup's fp32 ``[tile_m, tile_n]`` accumulator. The tiles are dealt to the
     SMs from ``first_sm`` on (``dealt``); with clusters, the rows of ``cluster_n``
     neighbouring tiles to the clusters, whose CTAs take one tile each. ``wait_rows(m_idx)``
-    runs in every warpgroup before a tile's first load: to wait until its A rows are there."""
+    runs in every warpgroup before a tile's first load: to wait until its A rows are there.
+    ``workers_from``: the tiles go to SMs ``workers_from`` on only (the others do other
+    work, e.g. moving the A rows in)."""
     t = self.t
     grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
     tiles = grid[0] * grid[1]
-    chained = self.chains(tiles, lax.axis_size(SM))
+    chained = self.chains(tiles, lax.axis_size(SM) - workers_from)
 
-    @dealt(tiles, first_sm)
+    @dealt(tiles, first_sm, workers_from)
     def _tile(idx, i, count):
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
       if t.cluster_n > 1:
@@ -283,15 +286,16 @@ class TileLoop:
         pl.when(when)(functools.partial(pipeline, *refs, w_block, allocations=allocs))
 
 
-def dealt(tiles: int, first_sm: int | jax.Array = 0):
+def dealt(tiles: int, first_sm: int | jax.Array = 0, workers_from: int = 0):
   """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
-  SM ``first_sm`` on: the body gets each tile's index, its place i in this SM's share and
-  the share's size. A kernel that runs several loops one after the other (the
-  reduce-scatter's phases) starts each where the last one's deal ended, so that no SM takes
-  the remainder of every loop: at a tile count just above a multiple of the SMs, that
-  remainder would make every loop take one more wave."""
+  SM ``first_sm`` on (counting from SM ``workers_from``, the first that takes tiles): the
+  body gets each tile's index, its place i in this SM's share and the share's size. A
+  kernel that runs several loops one after the other (the reduce-scatter's phases) starts
+  each where the last one's deal ended, so that no SM takes the remainder of every loop: at
+  a tile count just above a multiple of the SMs, that remainder would make every loop take
+  one more wave."""
   def loop(body):
-    sms, sm = lax.axis_size(SM), lax.axis_index(SM)
+    sms, sm = lax.axis_size(SM) - workers_from, lax.axis_index(SM) - workers_from
     place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
     count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
     lax.fori_loop(0, count, lambda i, _: body(i * sms + place, i, count), None)

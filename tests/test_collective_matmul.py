@@ -21,7 +21,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.pallas_kernels import ag_matmul, common, gemm, matmul_exchange, matmul_rs
+from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, gemm, matmul_exchange,
+                                     matmul_rs)
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import collectives, mappings, testing
@@ -634,15 +635,17 @@ def test_custom_vjps_match_the_regions_they_replace(kind, codec, monkeypatch):
 def test_exchange_matmul_vjp_matches_the_all_to_all_and_matmul(monkeypatch):
   """`fused.exchange_matmul` (its XLA path on CPU) against ``all_to_all`` then the matmul
   by autodiff: value and gradients, however `fused.EXCHANGE_GRADIENT` sends the input's
-  (the fused kernel's fallback, the two apart, XLA's)."""
+  (the fused kernel's fallback, the two apart, XLA's) and `fused.EXCHANGE_FORWARD` the
+  forward's (apart, the fused kernel's fallback)."""
   n, b, s, f, d = 4, 2, 4, 64, 32
   rng = np.random.default_rng(5)
   y, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.float32)
               for shape in ((n, b, n * s, f // n), (n, f, d), (n, b, s, d)))
   want = _value_and_grads(lambda y, w: jnp.einsum("bsf,fd->bsd", collectives.all_to_all(
       y, "x", split_axis=1, concat_axis=2), w), n, y, w, ct)
-  for how in fused.EXCHANGE_GRADIENTS:
+  for how, forward in zip(fused.EXCHANGE_GRADIENTS, fused.EXCHANGE_FORWARDS * 2):
     monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", how)
+    monkeypatch.setattr(fused, "EXCHANGE_FORWARD", forward)
     got = _value_and_grads(lambda y, w: fused.exchange_matmul(y, w, "x"), n, y, w, ct)
     for name, g, e in zip(("value", "dy", "dw"), got, want, strict=True):
       np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5, err_msg=f"{how} {name}")
@@ -927,6 +930,15 @@ def test_exchange_matmul_gradient_runs_as_exchange_gradient_says(monkeypatch):
                                                 "stablehlo.all_to_all"))
   k = counts["xla"][0]  # the text names a kernel k times
   assert k > 0 and counts == {"fused": (k, k, 0), "kernel": (2 * k, 0, 0), "xla": (k, 0, 1)}
+  monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", "fused")
+  monkeypatch.setattr(fused, "EXCHANGE_FORWARD", "fused")  # the forward's one kernel too
+  monkeypatch.setattr(gemm, "num_sms", lambda: 132)  # an H200's: room for the movers
+  fn = jax.shard_map(jax.grad(loss, (0, 1)), mesh=mesh, in_specs=(P("data"), P()),
+                     out_specs=(P("data"), P()), check_vma=False)
+  text = _lowers_for_hopper(fn, jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16),
+                            jax.ShapeDtypeStruct((512, 512), jnp.bfloat16))
+  assert [text.count(f"taco_{name}_2") for name in ("all_to_all", "all_to_all_matmul",
+                                                    "matmul_all_to_all")] == [0, k, k]
   monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", "nccl")
   with pytest.raises(ValueError, match="EXCHANGE_GRADIENT='nccl'"):
     fused.matmul_all_to_all(jnp.zeros((2, 64, 128), jnp.bfloat16),
@@ -1014,3 +1026,51 @@ def test_matmul_all_to_all_lowers_for_hopper_and_refuses_bad_input():
     with pytest.raises(ValueError, match=message):
       mx.matmul_all_to_all(a, jnp.zeros(w_shape, jnp.bfloat16), "x", n=n, num_sms=4,
                            tiling=TILING)
+
+
+# --- the all-to-all + matmul (the exchange-matmul's forward, `fused.EXCHANGE_FORWARD`) -----
+
+
+@pytest.mark.parametrize("n,b,sms,movers,c", [(2, 2, 4, 2, 64), (4, 1, 3, 1, 32)])
+def test_all_to_all_matmul_kernel_per_rank(n, b, sms, movers, c):
+  """One rank's kernel in local mode: its movers land every rank's columns of its sequence
+  shard in the exchanged x, its own included, exactly (several sequences, two row tiles,
+  unequal shares per mover, chunks narrower than a block), and the other SMs multiply x
+  by the whole weight (fp32 accumulation, bf16 out) over tiles dealt among themselves.
+  (The interpreter runs the CTAs one after the other, movers first: the row waits, which
+  need the GPU's semaphores, are left to the lowering test and the GPU benchmark. Its race
+  detector, which orders no CTA after another, reports the GEMM's reads of what the movers
+  wrote, so it is off here.)"""
+  s, d = 64, 128
+  ky, kw = jax.random.split(jax.random.key(n))
+  y_all = _bf16(ky, (n, b, n * s, c))
+  w = _bf16(kw, (n * c, d), (n * c) ** -0.5)
+  rank = n - 1
+  with _interpret():
+    out, x = all_to_all_matmul.all_to_all_matmul(y_all[rank], w, "x", n=n, num_sms=sms,
+                                                 movers=movers, tiling=TILING, rank=rank,
+                                                 local_y=y_all)
+  want_out, want_x = all_to_all_matmul.reference(y_all, w, rank)
+  np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want_x, np.float32))
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                             rtol=1e-2, atol=1e-2)
+
+
+def test_all_to_all_matmul_lowers_for_hopper_and_refuses_bad_input():
+  """With its peer reads, row counts and release through the sm_90 lowering, on (2, 1, 2)
+  and (2, 1, 4) meshes; shapes and SM splits that do not fit refused."""
+  for tp in (2, 4):
+    fn = jax.shard_map(lambda y, w, tp=tp: all_to_all_matmul.all_to_all_matmul(
+        y, w, "tensor", n=tp, num_sms=132)[0], mesh=_dp2_tp_mesh(tp),
+        in_specs=(P("data"), P()), out_specs=P("data"), check_vma=False)
+    sd = jax.ShapeDtypeStruct
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((4, 256 * tp, 512 // tp), jnp.bfloat16),
+                                              sd((512, 512), jnp.bfloat16))
+  y = jnp.zeros((2, 256, 64), jnp.bfloat16)
+  for w_shape, n, movers, message in (((64, 128), 2, 2, "do not contract"),
+                                      ((128, 128), 1, 2, "2 or more ranks"),
+                                      ((128, 128), 2, 4, "4 movers of 4 SMs"),
+                                      ((192, 128), 3, 1, "does not divide")):
+    with pytest.raises(ValueError, match=message):
+      all_to_all_matmul.all_to_all_matmul(y, jnp.zeros(w_shape, jnp.bfloat16), "x", n=n,
+                                          num_sms=4, movers=movers, tiling=TILING)

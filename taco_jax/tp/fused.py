@@ -11,8 +11,9 @@ one fused kernel:
       matmul of dout @ w.T, whose gathered dout gives dw = y.T @ dout_full.
   exchange_matmul(y_BTF, w_FD) ``parallel.tp_exchange``'s out-projection: the all-to-all
       [B, T, F/tp] -> [B, T/tp, F] (``pallas_kernels.exchange``), then the matmul by the
-      gathered weight; backward: dy = the matmul + all-to-all back of dout @ w.T
-      (``pallas_kernels.matmul_exchange``), dw = y_exchanged.T @ dout.
+      gathered weight (or both in one kernel: ``EXCHANGE_FORWARD``); backward: dy = the
+      matmul + all-to-all back of dout @ w.T (``pallas_kernels.matmul_exchange``),
+      dw = y_exchanged.T @ dout.
 
 The backward kernels read w as it is stored and multiply by its transpose
 (``transpose_w``), so no step copies its weights transposed.
@@ -48,8 +49,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax.pallas_kernels import (ag_matmul, exchange as exchange_kernel, gemm,
-                                     matmul_exchange, matmul_rs)
+from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul as all_to_all_matmul_kernel,
+                                     exchange as exchange_kernel, gemm, matmul_exchange,
+                                     matmul_rs)
 from taco_jax.pallas_kernels.common import warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
@@ -97,6 +99,12 @@ WEIGHTS_READ_TRANSPOSED = True
 # against 164.57, bench_train_nvlink_bxla_xchg_kernel_2gpu_20261128).
 EXCHANGE_GRADIENTS = ("fused", "kernel", "xla")
 EXCHANGE_GRADIENT = "fused"
+# How its forward runs: "kernel", our exchange kernel then cuBLAS's matmul (measured: the
+# numbers above); "fused", one kernel whose mover SMs pull the exchanged rows while the
+# others multiply the rows that have landed (``pallas_kernels.all_to_all_matmul``; not yet
+# run on a GPU: bench_train's ``_ffused`` measures it).
+EXCHANGE_FORWARDS = ("kernel", "fused")
+EXCHANGE_FORWARD = "kernel"
 
 
 def platform_problem(devices: int) -> str | None:
@@ -322,8 +330,32 @@ def exchange_matmul(y_BTF, w_FD, axis_name):
 
 
 def _exchange_matmul_fwd(y, w, axis_name):
-  y_BSF = _all_to_all(y, axis_name, 1)
-  return jnp.einsum("bsf,fd->bsd", y_BSF, w), (checkpoint_name(y_BSF, TP_OUTPUT), w)
+  out, y_BSF = all_to_all_matmul(y, w, axis_name)
+  return out, (checkpoint_name(y_BSF, TP_OUTPUT), w)
+
+
+def all_to_all_matmul(y_BTF, w_FD, axis_name):
+  """``(all_to_all(y, split_axis=1, concat_axis=2) @ w, the exchanged y)`` over
+  ``axis_name``: as ``EXCHANGE_FORWARD`` says, our exchange kernel then cuBLAS, or one
+  kernel where it runs (else the two apart, the reason said once); under free
+  communication the stand-in all-to-all and the kernel's matmul on our GEMM core."""
+  if EXCHANGE_FORWARD not in EXCHANGE_FORWARDS:
+    raise ValueError(f"fused.EXCHANGE_FORWARD={EXCHANGE_FORWARD!r}: expected one of "
+                     f"{EXCHANGE_FORWARDS}")
+  if EXCHANGE_FORWARD == "fused":
+    n = collectives.axis_size(axis_name, "exchange_matmul", y_BTF.shape)
+    tiling = all_to_all_matmul_kernel.default_tiling(y_BTF.shape, w_FD.shape, n)
+    problem = (platform_problem(_mesh_devices(n)) or all_to_all_matmul_kernel.misfit(
+        y_BTF.shape, w_FD.shape, n, tiling, num_sms=gemm.num_sms()))
+    if problem is None and collectives.communication_is_free(axis_name):
+      y_BSF = _xla_all_to_all(y_BTF, axis_name, 1)
+      return _core_matmul(y_BSF, w_FD, tiling, False), y_BSF
+    if problem is None:
+      return all_to_all_matmul_kernel.all_to_all_matmul(y_BTF, w_FD, axis_name, n=n,
+                                                        tiling=tiling, num_sms=gemm.num_sms())
+    _say_once(problem, f"all-to-all + matmul {y_BTF.shape} @ {w_FD.shape}")
+  y_BSF = _all_to_all(y_BTF, axis_name, 1)
+  return _xla_matmul(y_BSF, w_FD, False), y_BSF
 
 
 def _exchange_matmul_bwd(axis_name, res, dout):
