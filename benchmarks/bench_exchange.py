@@ -23,6 +23,12 @@ eight calls in one program, each output summed at once (`_chained`), against the
 XLA's all-to-all chained alike, bit for bit: the fused kernel's stores have all landed when
 it ends.
 
+``matmul_forward``: its forward, the exchange of ``y [batch, seq, d_model / tp]`` then ``@
+w``, as one kernel (``fused[movers=M]``: ``pallas_kernels.all_to_all_matmul``, M SMs
+pulling the exchanged rows while the others multiply) against ``xla+cublas``,
+``kernel+cublas`` (the layers) and ``kernel+core`` (the fused kernel's result bit for bit),
+and the matmuls alone on the same number of elements; checked alike (``fused x8`` too).
+
 GPU: ``python3 benchmarks/bench_exchange.py --out-dir $OUT`` (2 or more GPUs).
 CPU (--smoke): XLA's side and the checks' plumbing on fake devices.
 """
@@ -92,6 +98,7 @@ def run(args) -> dict:
         write_results("bench_exchange", args, results)
       _print(model, way, shape, case)
     _matmul_case(args, model, d, n, mesh, smap, on_gpu, results)
+    _forward_case(args, model, d, n, mesh, smap, on_gpu, results)
   return results
 
 
@@ -147,16 +154,88 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
   if ours_run:
     refs["core+xla"] = jax.jit(both(lambda a, w: xla_back(core(a, w))))(a, w)
     refs["core+xla x8"] = jax.jit(both(_chained(lambda a, w: xla_back(core(a, w)))))(a, w)
+  _check_and_time(args, results, case, fns, refs, wants, (a, w), n, on_gpu, ours_run,
+                  xla_only=("cublas+xla", "cublas"))
+
+
+def _forward_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, results):
+  """The ``matmul_forward`` case (module docstring) of one model, into ``results``."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from taco_jax.pallas_kernels import all_to_all_matmul, exchange, gemm
+  shape, w_shape = (args.batch, args.seq, d // n), (d, d)
+  tiling = all_to_all_matmul.default_tiling(shape, w_shape, n)
+  sms = gemm.num_sms()
+  y = jax.device_put(jax.random.normal(jax.random.key(5), (n * shape[0], *shape[1:]),
+                                       jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
+  w = jax.device_put(jax.random.normal(jax.random.key(6), w_shape, jnp.bfloat16) * d ** -0.5,
+                     NamedSharding(mesh, P()))
+  case = dict(model=model, way="matmul_forward", shape=list(shape), w_shape=list(w_shape),
+              tiling=str(tiling), variants={},
+              misfit=all_to_all_matmul.misfit(shape, w_shape, n, tiling, num_sms=sms))
+  results["cases"].append(case)
+
+  def exchanged_shape(y):  # y's elements as the exchanged x [B, S, D] (for the matmuls alone)
+    b, t, c = y.shape
+    return y.reshape(b, t // n, c * n)
+
+  def cublas(x, w):
+    return jnp.einsum("bsf,fd->bsd", x, w)
+
+  def core(x, w):
+    b, s, f = x.shape
+    return gemm.matmul(x.reshape(b * s, f), w, tiling=tiling, num_sms=sms).reshape(b, s, -1)
+
+  def xla_fwd(y):
+    return lax.all_to_all(y, AXIS, 1, 2, tiled=True)
+
+  def kernel_fwd(y):
+    return exchange.all_to_all(y, AXIS, n=n, split_axis=1, num_sms=sms)
+
+  def fused(movers):
+    return lambda y, w: all_to_all_matmul.all_to_all_matmul(
+        y, w, AXIS, n=n, num_sms=sms, movers=movers, tiling=tiling)[0]
+
+  variants = {"xla+cublas": lambda y, w: cublas(xla_fwd(y), w),
+              "kernel+cublas": lambda y, w: cublas(kernel_fwd(y), w),
+              "kernel+core": lambda y, w: core(kernel_fwd(y), w),
+              **{f"fused[movers={m}]": fused(m) for m in (8, all_to_all_matmul.MOVERS, 16)},
+              "fused x8": _chained(fused(all_to_all_matmul.MOVERS)),
+              "cublas": lambda y, w: cublas(exchanged_shape(y), w),
+              "core": lambda y, w: core(exchanged_shape(y), w)}
+  wants = {k: "xla+core" for k in variants if k.startswith(("fused[", "kernel+core"))}
+  wants.update({"xla+cublas": "xla+cublas", "kernel+cublas": "xla+cublas",
+                "fused x8": "xla+core x8", "cublas": "fp32", "core": "fp32"})
+  both = functools.partial(smap, in_specs=(P(AXIS), P()))
+  fns = {k: jax.jit(both(f)) for k, f in variants.items()}
+  ours_run = on_gpu and case["misfit"] is None
+  refs = {"xla+cublas": fns["xla+cublas"](y, w), "fp32": jax.jit(both(
+      lambda y, w: jnp.einsum("bsf,fd->bsd", exchanged_shape(y), w,
+                              preferred_element_type=jnp.float32).astype(y.dtype)))(y, w)}
+  if ours_run:
+    refs["xla+core"] = jax.jit(both(lambda y, w: core(xla_fwd(y), w)))(y, w)
+    refs["xla+core x8"] = jax.jit(both(_chained(lambda y, w: core(xla_fwd(y), w))))(y, w)
+  _check_and_time(args, results, case, fns, refs, wants, (y, w), n, on_gpu, ours_run,
+                  xla_only=("xla+cublas", "cublas"))
+
+
+def _check_and_time(args, results, case, fns, refs, wants, inputs, n: int, on_gpu: bool,
+                    ours_run: bool, xla_only: tuple[str, ...]) -> None:
+  """Each of ``fns`` checked against ``refs[wants[name]]`` (bit for bit; to bf16 rounding
+  against "fp32") and timed, into ``case``; those with our kernels (all but ``xla_only``)
+  only where they run."""
   for name, fn in fns.items():
-    if name not in ("cublas+xla", "cublas") and not ours_run:
+    if name not in xla_only and not ours_run:
       case["variants"][name] = dict(skipped=case["misfit"] if on_gpu else
                                     "the kernels run on a GPU only")
       continue
     rtol = 1e-2 if wants[name] == "fp32" else None  # the matmuls alone: bf16 rounding
-    case["variants"][name] = checked_then_timed(fn, (a, w), refs[wants[name]], args.iters, n,
+    case["variants"][name] = checked_then_timed(fn, inputs, refs[wants[name]], args.iters, n,
                                                 on_gpu, rtol=rtol)
     write_results("bench_exchange", args, results)
-  _print(model, "matmul_backward", shape, case)
+  _print(case["model"], case["way"], case["shape"], case)
 
 
 def _chained(fn, times: int = 8):

@@ -40,6 +40,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _bsplit (with _cm and _xchg) the backward's matmul by cuBLAS, then our exchange kernel
           (`fused.EXCHANGE_GRADIENT` "kernel"), where the layers run the two as one
           kernel (since 2026-11-28): the layers before that
+  _ffused (with _cm and _xchg) the exchange and the matmul of the forward as one kernel
+          (`fused.EXCHANGE_FORWARD` "fused", `pallas_kernels/all_to_all_matmul.py`), where
+          the layers run our exchange kernel, then cuBLAS
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
@@ -148,15 +151,15 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "1f1b", "vs2",
-             "il2", "save", "dots", "ogr", "zero", "unroll", "noremat", "cif2", "cif4", "pgle",
-             "graphs", "fgraphs")
+MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
+             "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat", "cif2", "cif4",
+             "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
 PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit",
-                           *GRAPHS_MODIFIERS)
+                           "ffused", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
 
@@ -178,6 +181,7 @@ class Variant:
   dw_f32: bool = False          # _dwf32: overlap.WEIGHT_GRADIENTS_F32
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
   gradient_exchange: str = "fused"  # _bxla: "xla", _bsplit: "kernel" (fused.EXCHANGE_GRADIENT)
+  forward_exchange: str = "kernel"  # _ffused: "fused" (fused.EXCHANGE_FORWARD)
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -214,7 +218,7 @@ def parse_variant(name: str) -> Variant:
       set(GRAPHS_MODIFIERS) & set(mods) and "cm" not in mods) or (
       {"push", "wcopy", "rsw"} & set(mods) and "cm" not in mods) or (
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
-      {"bxla", "bsplit"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
+      {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
@@ -222,7 +226,7 @@ def parse_variant(name: str) -> Variant:
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
-                     "_bxla or _bsplit, only with _cm and _xchg; _1f1b or _vs2; "
+                     "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
@@ -232,6 +236,7 @@ def parse_variant(name: str) -> Variant:
                  tp_exchange="xchg" in mods,
                  gradient_exchange=("xla" if "bxla" in mods else "kernel" if "bsplit" in mods
                                     else "fused"),
+                 forward_exchange="fused" if "ffused" in mods else "kernel",
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -365,7 +370,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
         + [mock.patch.object(matmul_rs, "TILING", dataclasses.replace(ag_matmul.WIDE, stages=3))]
         * variant.rs_wide
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
-        + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange)])
+        + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange),
+           mock.patch.object(fused, "EXCHANGE_FORWARD", variant.forward_exchange)])
   return step, state, batch, mesh, plan, ctx
 
 

@@ -418,16 +418,16 @@ for job in "$@"; do
           benchmarks/bench_peer_copy.py --shard-mib 32 --label "${LABEL:-nvlink}" --out-dir "$out"
       fi ;;
     exchange)  # parallel.tp_exchange, TP = every visible GPU: the exchange kernel vs NCCL's
-      # all-to-all and the backward's matmul + exchange kernel vs the two apart, then the
-      # collectives' step, its ideal, the kernel layers without and with the exchange (its
-      # backward one kernel, and apart: _bsplit) in one process; a cold kernel step compiled
+      # all-to-all and the matmul + exchange kernels vs the two apart, then the collectives'
+      # step, its ideal, the kernel layers with the exchange (its forward apart, and one
+      # kernel: _ffused) and without it, in one process; a cold kernel step compiled
       # in more than 80 s on 2026-11-28, so builds may take 200. At TP=4 five variants
       # outlast the deadline's compile share (2026-11-28): VARIANTS= four of them
       n=$(visible_gpus)
       BENCH_WATCHDOG_S=150 timeout 160 python3 benchmarks/bench_exchange.py \
         --label "${LABEL:-nvlink}" --out-dir "$out"
-      v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_save_dots_unroll_fgraphs
-      v=$v,on_cm_xchg_save_dots_unroll_fgraphs,on_cm_xchg_bsplit_save_dots_unroll_fgraphs
+      v=off_save_dots_unroll,ideal_save_dots_unroll,on_cm_xchg_save_dots_unroll_fgraphs
+      v=$v,on_cm_xchg_ffused_save_dots_unroll_fgraphs,on_cm_save_dots_unroll_fgraphs
       v=${VARIANTS:-$v}
       BENCH_WATCHDOG_S=420 timeout 430 python3 benchmarks/bench_train.py \
         --label "${LABEL:-nvlink}_xchg_kernel" --layouts "1,1,$n" --attention cudnn \

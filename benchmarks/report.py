@@ -1026,7 +1026,7 @@ def exchange_section() -> str:
     iters.add(d.get("iters", 20))  # runs before the field used the default, 20
     for case in d["cases"]:
       v = case["variants"]
-      if case["way"] == "matmul_backward":
+      if case["way"] in ("matmul_backward", "matmul_forward"):
         fused_rows.append(_matmul_exchange_row(name, d, case))
         continue
       xla, kernel = v.get("xla_all_to_all", {}), v.get("kernel", {})
@@ -1045,29 +1045,37 @@ def exchange_section() -> str:
       "bit first; GB/s that a rank receives.",
       [_table(["run", "GPUs", "model", "way", "x per rank", "MiB received", "NCCL ms",
                "kernel ms", "NCCL / kernel", "NCCL GB/s", "kernel GB/s"], rows) + "\n"]
-      + ["The out-projection's input gradient under the exchange (`matmul_backward`): "
-         "`dout @ w.T` (w the whole `[d_model, d_model]` weight, read transposed) then the "
-         "exchange back, as one kernel (`fused`, `pallas_kernels/matmul_exchange.py`) "
-         "against cuBLAS then NCCL's all-to-all or our exchange kernel, and the matmul alone "
-         "(cuBLAS: the ideal), ms of device time as above; every result checked first (the "
-         "fused kernel bit for bit against our GEMM core then XLA's all-to-all, also eight "
-         "calls chained in one program where the run has `fused x8`).\n",
-         _table(["run", "GPUs", "model", "dout per rank", "cuBLAS + NCCL ms",
-                 "cuBLAS + kernel ms", "fused ms", "cuBLAS alone ms",
-                 "(cuBLAS + kernel) / fused", "fused / cuBLAS alone", "fused x8 checked"],
-                fused_rows) + "\n"] * bool(fused_rows)
+      + ["The exchange's matmuls with their exchange in one kernel (`fused`): the "
+         "out-projection's input gradient (`matmul_backward`: `dout @ w.T`, w the whole "
+         "`[d_model, d_model]` weight read transposed, then the exchange back; "
+         "`pallas_kernels/matmul_exchange.py`) and its forward (`matmul_forward`: the "
+         "exchange, then `@ w`; `pallas_kernels/all_to_all_matmul.py`, the fastest of its "
+         "mover counts), against NCCL's all-to-all or our exchange kernel beside cuBLAS, and "
+         "the matmul alone (cuBLAS: the ideal), ms of device time as above; every result "
+         "checked first (the fused kernel bit for bit against our GEMM core and XLA's "
+         "all-to-all, also eight calls chained in one program where the run has `fused "
+         "x8`).\n",
+         _table(["run", "GPUs", "model", "way", "per rank", "NCCL + cuBLAS ms",
+                 "our exchange + cuBLAS ms", "fused ms", "cuBLAS alone ms", "apart / fused",
+                 "fused / cuBLAS alone", "fused x8 checked"], fused_rows) + "\n"
+         ] * bool(fused_rows)
       if rows else [])
 
 
 def _matmul_exchange_row(name: str, d: dict, case: dict) -> list:
-  """A ``matmul_backward`` case's row of `exchange_section`."""
+  """A ``matmul_backward`` or ``matmul_forward`` case's row of `exchange_section`."""
   v = {k: x.get("ms") for k, x in case["variants"].items()}
-  split, fused, alone = v.get("cublas+kernel"), v.get("fused"), v.get("cublas")
+  forward = case["way"] == "matmul_forward"
+  nccl, split = (v.get("xla+cublas"), v.get("kernel+cublas")) if forward else (
+      v.get("cublas+xla"), v.get("cublas+kernel"))
+  timed = [(ms, k) for k, ms in v.items() if k.startswith("fused") and k != "fused x8" and ms]
+  fused, label = min(timed) if timed else (None, "")
   chained = case["variants"].get("fused x8", {}).get("ok", "–")
   return [name.removesuffix(".json"), f"{d['gpus']}x {d['device']}", case["model"],
-          "x".join(map(str, case["shape"])), v.get("cublas+xla"), split, fused, alone,
+          case["way"].removeprefix("matmul_") + label.removeprefix("fused"),
+          "x".join(map(str, case["shape"])), nccl, split, fused, v.get("cublas"),
           split / fused if split and fused else None,
-          fused / alone if fused and alone else None, chained]
+          fused / v["cublas"] if fused and v.get("cublas") else None, chained]
 
 
 def _spec_of(variant: str) -> dict:

@@ -76,7 +76,8 @@ def test_exchange_smoke_checks_xlas_all_to_all_and_skips_the_kernel(tmp_path):
   cases = json.loads(bench_exchange.main(["--smoke", "--out-dir", str(tmp_path)]).read_text())[
       "cases"]
   assert [(c["way"], c["shape"]) for c in cases] == [
-      ("forward", [2, 512, 8]), ("backward", [2, 64, 64]), ("matmul_backward", [2, 64, 64])]
+      ("forward", [2, 512, 8]), ("backward", [2, 64, 64]), ("matmul_backward", [2, 64, 64]),
+      ("matmul_forward", [2, 512, 8])]
   for case in cases[:2]:
     assert case["misfit"] is None and case["variants"]["xla_all_to_all"]["ok"]
     assert "GPU only" in case["variants"]["kernel"]["skipped"]
@@ -86,6 +87,11 @@ def test_exchange_smoke_checks_xlas_all_to_all_and_skips_the_kernel(tmp_path):
   assert fused["variants"]["cublas"]["max_rel_err"] <= 1e-2
   assert all("GPU only" in v["skipped"] for k, v in fused["variants"].items()
              if k not in ("cublas+xla", "cublas"))
+  forward = cases[3]  # the same for the forward's, whose kernel needs more SMs than 4
+  assert "movers of 4 SMs" in forward["misfit"]
+  assert forward["variants"]["xla+cublas"]["ok"] and forward["variants"]["cublas"]["ok"]
+  assert all("GPU only" in v["skipped"] for k, v in forward["variants"].items()
+             if k not in ("xla+cublas", "cublas"))
 
 
 def test_exchange_section_rows_from_the_gpu_runs_only():
@@ -94,12 +100,13 @@ def test_exchange_section_rows_from_the_gpu_runs_only():
   rows = [r for r in text.splitlines() if r.startswith("| bench_exchange_")]
   assert rows and all("cpu" not in r for r in rows)
   cells = rows[0].split(" | ")
+  assert len(cells) == 11
   assert float(cells[-3]) == pytest.approx(float(cells[6]) / float(cells[7]), rel=0.01)
   # the fused matmul + exchange's table: the split pair over the fused kernel
-  fused = [c for c in (r.split(" | ") for r in rows) if c[3] not in ("forward", "backward")]
+  fused = [c for c in (r.split(" | ") for r in rows) if len(c) == 12]  # the second table
   assert fused and all(c[-1].strip(" |") in ("True", "–") for c in fused)
   for c in fused:
-    assert float(c[8]) == pytest.approx(float(c[5]) / float(c[6]), rel=0.02)
+    assert float(c[9]) == pytest.approx(float(c[6]) / float(c[7]), rel=0.02)
 
 
 def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):

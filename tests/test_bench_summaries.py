@@ -59,6 +59,8 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert bench_train.parse_variant("on_cm_xchg_bxla_save_fgraphs").gradient_exchange == "xla"
   assert bench_train.parse_variant("on_cm_xchg_bsplit_save").gradient_exchange == "kernel"
   assert bench_train.parse_variant("on_cm_xchg_save").gradient_exchange == "fused"
+  assert bench_train.parse_variant("on_cm_xchg_ffused_save").forward_exchange == "fused"
+  assert bench_train.parse_variant("on_cm_xchg_save").forward_exchange == "kernel"
   (s,) = bench_train.summarize(_rows(off_save=200.0, ideal_save=150.0, off_xchg_save=190.0,
                                      on_cm_xchg_save_fgraphs=170.0,
                                      on_cm_xchg_bxla_save_fgraphs=165.0))
@@ -146,7 +148,8 @@ def test_bench_train_variant_names():
               "off_save_fgraphs", "off_cm_graphs_fgraphs", "off_push", "off_save_cm_push",
               "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy", "off_rsw", "off_xchg_bxla",
               "off_dwf32",
-              "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit"):
+              "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit",
+              "on_cm_ffused", "on_cm_ffused_xchg"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):
