@@ -11,7 +11,7 @@ its peers over that time.
 
 ``matmul_backward``: the out-projection's input gradient under the exchange, ``dout [batch,
 seq / tp, d_model] @ w.T`` (w ``[d_model, d_model]``, gathered, read transposed) then the
-exchange back, as one kernel (``fused``: ``pallas_kernels.matmul_exchange``, each tile
+exchange back, as one kernel (``fused``: ``pallas_kernels.matmul_all_to_all``, each tile
 pushed to its owner from the epilogue) against the two apart: ``cublas+kernel`` (the
 layers before it, bench_train's ``_bsplit``), ``cublas+xla``, ``core+kernel`` (our GEMM core
 with the fused kernel's tiles, then the exchange kernel: the fused kernel's result bit for
@@ -108,16 +108,16 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
   import jax.numpy as jnp
   from jax import lax
   from jax.sharding import NamedSharding, PartitionSpec as P
-  from taco_jax.pallas_kernels import exchange, gemm, matmul_exchange
+  from taco_jax.pallas_kernels import exchange, gemm, matmul_all_to_all
   shape, w_shape = (args.batch, args.seq // n, d), (d, d)  # w [F, D], read transposed
-  tiling = matmul_exchange.default_tiling(shape, w_shape, n)
+  tiling = matmul_all_to_all.default_tiling(shape, w_shape, n)
   a = jax.device_put(jax.random.normal(jax.random.key(3), (n * shape[0], *shape[1:]),
                                        jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
   w = jax.device_put(jax.random.normal(jax.random.key(4), w_shape, jnp.bfloat16) * d ** -0.5,
                      NamedSharding(mesh, P()))
   case = dict(model=model, way="matmul_backward", shape=list(shape), w_shape=list(w_shape),
               tiling=str(tiling), variants={},
-              misfit=matmul_exchange.misfit(shape, w_shape, n, tiling, gemm.num_sms()))
+              misfit=matmul_all_to_all.misfit(shape, w_shape, n, tiling, gemm.num_sms()))
   results["cases"].append(case)
   sms = gemm.num_sms()
 
@@ -139,7 +139,7 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
   variants = {"cublas+xla": lambda a, w: xla_back(cublas(a, w)),
               "cublas+kernel": lambda a, w: kernel_back(cublas(a, w)),
               "core+kernel": lambda a, w: kernel_back(core(a, w)),
-              "fused": lambda a, w: matmul_exchange.matmul_all_to_all(
+              "fused": lambda a, w: matmul_all_to_all.matmul_all_to_all(
                   a, w, AXIS, n=n, num_sms=sms, tiling=tiling, transpose_w=True),
               "cublas": cublas, "core": core}
   variants["fused x8"] = _chained(variants["fused"])

@@ -1027,7 +1027,7 @@ def exchange_section() -> str:
     for case in d["cases"]:
       v = case["variants"]
       if case["way"] in ("matmul_backward", "matmul_forward"):
-        fused_rows.append(_matmul_exchange_row(name, d, case))
+        fused_rows.append(_fused_exchange_row(name, d, case))
         continue
       xla, kernel = v.get("xla_all_to_all", {}), v.get("kernel", {})
       ratio = xla["ms"] / kernel["ms"] if "ms" in xla and "ms" in kernel else None
@@ -1048,7 +1048,7 @@ def exchange_section() -> str:
       + ["The exchange's matmuls with their exchange in one kernel (`fused`): the "
          "out-projection's input gradient (`matmul_backward`: `dout @ w.T`, w the whole "
          "`[d_model, d_model]` weight read transposed, then the exchange back; "
-         "`pallas_kernels/matmul_exchange.py`) and its forward (`matmul_forward`: the "
+         "`pallas_kernels/matmul_all_to_all.py`) and its forward (`matmul_forward`: the "
          "exchange, then `@ w`; `pallas_kernels/all_to_all_matmul.py`, the fastest of its "
          "mover counts), against NCCL's all-to-all or our exchange kernel beside cuBLAS, and "
          "the matmul alone (cuBLAS: the ideal), ms of device time as above; every result "
@@ -1062,7 +1062,7 @@ def exchange_section() -> str:
       if rows else [])
 
 
-def _matmul_exchange_row(name: str, d: dict, case: dict) -> list:
+def _fused_exchange_row(name: str, d: dict, case: dict) -> list:
   """A ``matmul_backward`` or ``matmul_forward`` case's row of `exchange_section`."""
   v = {k: x.get("ms") for k, x in case["variants"].items()}
   forward = case["way"] == "matmul_forward"

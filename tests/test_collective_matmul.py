@@ -21,7 +21,7 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, gemm, matmul_exchange,
+from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, gemm, matmul_all_to_all,
                                      matmul_rs)
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
@@ -660,7 +660,7 @@ def test_free_communication_runs_the_exchange_gradient_on_the_gemm_core(monkeypa
   cores = []
   monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
       cores.append(a[0].shape), matmul(*a, **kw))[1])
-  monkeypatch.setattr(matmul_exchange, "TILINGS", (TILING,))
+  monkeypatch.setattr(matmul_all_to_all, "TILINGS", (TILING,))
   rng = np.random.default_rng(3)
   y, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
               for shape in ((1, b, s, f), (1, f, d), (1, b, s, d)))
@@ -988,12 +988,12 @@ def test_matmul_all_to_all_kernel_pushes_each_tile_to_its_owner(n, b, sms, trans
   w = _bf16(kw, (n * chunk, k) if transpose_w else (k, n * chunk), k ** -0.5)
   rank = 1
   with _interpret(detect_races=races):
-    got = matmul_exchange.matmul_all_to_all(a_all[rank], w, "x", n=n, num_sms=sms,
+    got = matmul_all_to_all.matmul_all_to_all(a_all[rank], w, "x", n=n, num_sms=sms,
                                             tiling=TILING, transpose_w=transpose_w, rank=rank)
   assert got.shape == (n, b, n * s, chunk)
   own = slice(rank * s, (rank + 1) * s)
   for owner in range(n):
-    want = matmul_exchange.reference(a_all, w, owner, transpose_w)
+    want = matmul_all_to_all.reference(a_all, w, owner, transpose_w)
     np.testing.assert_allclose(np.asarray(got[owner][:, own], np.float32),
                                np.asarray(want[:, own], np.float32), rtol=1e-2, atol=1e-2)
   lax_out = jax.jit(jax.shard_map(
@@ -1001,14 +1001,14 @@ def test_matmul_all_to_all_kernel_pushes_each_tile_to_its_owner(n, b, sms, trans
                                               a[0], w), "x", 2, 1, tiled=True)[None],
       mesh=testing.mesh_1d(n), in_specs=P("x"), out_specs=P("x")))(a_all)
   np.testing.assert_allclose(np.asarray(lax_out[0], np.float32), np.asarray(
-      matmul_exchange.reference(a_all, w, 0, transpose_w), np.float32), rtol=1e-2, atol=1e-2)
+      matmul_all_to_all.reference(a_all, w, 0, transpose_w), np.float32), rtol=1e-2, atol=1e-2)
 
 
 def test_matmul_all_to_all_lowers_for_hopper_and_refuses_bad_input():
   """With its peer stores and semaphores through the sm_90 lowering, on (2, 1, 2) and
   (2, 1, 4) meshes; the 256-column tiles where they tile a chunk, else 128; shapes that
   do not divide refused."""
-  mx = matmul_exchange
+  mx = matmul_all_to_all
   for tp in (2, 4):
     fn = jax.shard_map(lambda a, w, tp=tp: mx.matmul_all_to_all(
         a, w, "tensor", n=tp, num_sms=132, transpose_w=True), mesh=_dp2_tp_mesh(tp),

@@ -12,7 +12,7 @@ one fused kernel:
   exchange_matmul(y_BTF, w_FD) ``parallel.tp_exchange``'s out-projection: the all-to-all
       [B, T, F/tp] -> [B, T/tp, F] (``pallas_kernels.exchange``), then the matmul by the
       gathered weight (or both in one kernel: ``EXCHANGE_FORWARD``); backward: dy = the
-      matmul + all-to-all back of dout @ w.T (``pallas_kernels.matmul_exchange``),
+      matmul + all-to-all back of dout @ w.T (``pallas_kernels.matmul_all_to_all``),
       dw = y_exchanged.T @ dout.
 
 The backward kernels read w as it is stored and multiply by its transpose
@@ -50,7 +50,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul as all_to_all_matmul_kernel,
-                                     exchange as exchange_kernel, gemm, matmul_exchange,
+                                     exchange as exchange_kernel, gemm,
+                                     matmul_all_to_all as matmul_all_to_all_kernel,
                                      matmul_rs)
 from taco_jax.pallas_kernels.common import warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
@@ -89,7 +90,7 @@ ANY_MESH_ENV = "TACO_JAX_KERNELS_ANY_MESH"  # "1": run the kernels on any mesh (
 WEIGHTS_READ_TRANSPOSED = True
 # How the exchange-matmul's input gradient (the out-projection's, ``dout @ w.T`` then the
 # all-to-all back) runs. "fused": one kernel that pushes each product tile to its owner
-# from the epilogue (``pallas_kernels.matmul_exchange``): 0.0775 ms against 0.1020 for
+# from the epilogue (``pallas_kernels.matmul_all_to_all``): 0.0775 ms against 0.1020 for
 # cuBLAS then our exchange kernel at the 1.3B TP=4 shapes, 0.1116 against 0.1532 at TP=2
 # (4 and 2 H200s, bench_exchange_nvlink_mx_*_20261128), and a 1.3B step 92.99 ms against
 # 93.34 at TP=4, 160.02 against 162.54 at TP=2 (bench_train_nvlink_mx_tp4 / _tp2).
@@ -379,13 +380,13 @@ def matmul_all_to_all(a_BSD, w_FD, axis_name):
     return _xla_all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)
   n = collectives.axis_size(axis_name, "exchange_matmul", a_BSD.shape)
   w_shape = gemm.weight_kn(w_FD.shape, True)
-  tiling = matmul_exchange.default_tiling(a_BSD.shape, w_shape, n)
+  tiling = matmul_all_to_all_kernel.default_tiling(a_BSD.shape, w_shape, n)
   problem = (platform_problem(_mesh_devices(n))
-             or matmul_exchange.misfit(a_BSD.shape, w_shape, n, tiling, gemm.num_sms()))
+             or matmul_all_to_all_kernel.misfit(a_BSD.shape, w_shape, n, tiling, gemm.num_sms()))
   if EXCHANGE_GRADIENT == "fused" and problem is None:
     if collectives.communication_is_free(axis_name):
       return _xla_all_to_all(_core_matmul(a_BSD, w_FD, tiling, True), axis_name, 2)
-    return matmul_exchange.matmul_all_to_all(a_BSD, w_FD, axis_name, n=n, tiling=tiling,
+    return matmul_all_to_all_kernel.matmul_all_to_all(a_BSD, w_FD, axis_name, n=n, tiling=tiling,
                                              num_sms=gemm.num_sms(), transpose_w=True)
   if EXCHANGE_GRADIENT == "fused":
     _say_once(problem, f"matmul + all-to-all {a_BSD.shape} @ {w_shape}")
