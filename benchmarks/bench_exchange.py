@@ -107,14 +107,11 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
   import jax
   import jax.numpy as jnp
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
   from taco_jax.pallas_kernels import exchange, gemm, matmul_all_to_all
   shape, w_shape = (args.batch, args.seq // n, d), (d, d)  # w [F, D], read transposed
   tiling = matmul_all_to_all.default_tiling(shape, w_shape, n)
-  a = jax.device_put(jax.random.normal(jax.random.key(3), (n * shape[0], *shape[1:]),
-                                       jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
-  w = jax.device_put(jax.random.normal(jax.random.key(4), w_shape, jnp.bfloat16) * d ** -0.5,
-                     NamedSharding(mesh, P()))
+  a, w = _inputs(mesh, n, shape, w_shape, seed=3)
   case = dict(model=model, way="matmul_backward", shape=list(shape), w_shape=list(w_shape),
               tiling=str(tiling), variants={},
               misfit=matmul_all_to_all.misfit(shape, w_shape, n, tiling, gemm.num_sms()))
@@ -163,15 +160,12 @@ def _forward_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, re
   import jax
   import jax.numpy as jnp
   from jax import lax
-  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jax.sharding import PartitionSpec as P
   from taco_jax.pallas_kernels import all_to_all_matmul, exchange, gemm
   shape, w_shape = (args.batch, args.seq, d // n), (d, d)
   tiling = all_to_all_matmul.default_tiling(shape, w_shape, n)
   sms = gemm.num_sms()
-  y = jax.device_put(jax.random.normal(jax.random.key(5), (n * shape[0], *shape[1:]),
-                                       jnp.bfloat16), NamedSharding(mesh, P(AXIS)))
-  w = jax.device_put(jax.random.normal(jax.random.key(6), w_shape, jnp.bfloat16) * d ** -0.5,
-                     NamedSharding(mesh, P()))
+  y, w = _inputs(mesh, n, shape, w_shape, seed=5)
   case = dict(model=model, way="matmul_forward", shape=list(shape), w_shape=list(w_shape),
               tiling=str(tiling), variants={},
               misfit=all_to_all_matmul.misfit(shape, w_shape, n, tiling, num_sms=sms))
@@ -219,6 +213,20 @@ def _forward_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, re
     refs["xla+core x8"] = jax.jit(both(_chained(lambda y, w: core(xla_fwd(y), w))))(y, w)
   _check_and_time(args, results, case, fns, refs, wants, (y, w), n, on_gpu, ours_run,
                   xla_only=("xla+cublas", "cublas"))
+
+
+def _inputs(mesh, n: int, shape, w_shape, seed: int):
+  """Random bf16 inputs: each rank's ``shape`` sharded over the group, and a square weight
+  of ``w_shape`` (scaled by one over the square root of its width) on every rank."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  ka, kw = jax.random.split(jax.random.key(seed))
+  a = jax.device_put(jax.random.normal(ka, (n * shape[0], *shape[1:]), jnp.bfloat16),
+                     NamedSharding(mesh, P(AXIS)))
+  w = jax.device_put(jax.random.normal(kw, w_shape, jnp.bfloat16) * w_shape[1] ** -0.5,
+                     NamedSharding(mesh, P()))
+  return a, w
 
 
 def _check_and_time(args, results, case, fns, refs, wants, inputs, n: int, on_gpu: bool,

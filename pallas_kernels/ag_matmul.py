@@ -192,10 +192,8 @@ def ring_tiling(x_shape, w_shape, num_sms: int) -> gemm.Tiling:
 def fp8_tiling(x_shape, w_shape, group_size: int) -> gemm.Tiling:
   """The first of ``FP8_TILINGS`` that fits these shapes, else the last (whose ``misfit``
   then says why none does)."""
-  for tiling in FP8_TILINGS:
-    if misfit(x_shape, w_shape, tiling, group_size) is None:
-      return tiling
-  return FP8_TILINGS[-1]
+  return gemm.first_fitting(FP8_TILINGS,
+                            lambda tiling: misfit(x_shape, w_shape, tiling, group_size))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,10 +77,7 @@ def misfit(y_shape, w_shape, n: int, tiling: gemm.Tiling, movers: int = MOVERS,
 
 def default_tiling(y_shape, w_shape, n: int) -> gemm.Tiling:
   """The first of ``TILINGS`` that fits, else the last (whose ``misfit`` then says why)."""
-  for tiling in TILINGS:
-    if misfit(y_shape, w_shape, n, tiling) is None:
-      return tiling
-  return TILINGS[-1]
+  return gemm.first_fitting(TILINGS, lambda tiling: misfit(y_shape, w_shape, n, tiling))
 
 
 def all_to_all_matmul(y_BTC, w_FD, axis_name, *, n: int, num_sms: int,

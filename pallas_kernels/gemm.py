@@ -135,6 +135,12 @@ class Tiling:
     return None
 
 
+def first_fitting(tilings, misfit: Callable) -> Tiling:
+  """The first of ``tilings`` for which ``misfit(tiling)`` is None, else the last (whose
+  ``misfit`` then says why none fits)."""
+  return next((t for t in tilings if misfit(t) is None), tilings[-1])
+
+
 def swizzled(cols: int, dtype) -> tuple:
   """The shared-memory transforms of a block whose rows hold ``cols`` elements of ``dtype``."""
   bits = jnp.dtype(dtype).itemsize * 8

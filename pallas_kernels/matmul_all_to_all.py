@@ -69,10 +69,7 @@ def misfit(a_shape, w_shape, n: int, tiling: gemm.Tiling,
 
 def default_tiling(a_shape, w_shape, n: int) -> gemm.Tiling:
   """The first of ``TILINGS`` that fits, else the last (whose ``misfit`` then says why)."""
-  for tiling in TILINGS:
-    if misfit(a_shape, w_shape, n, tiling) is None:
-      return tiling
-  return TILINGS[-1]
+  return gemm.first_fitting(TILINGS, lambda tiling: misfit(a_shape, w_shape, n, tiling))
 
 
 def matmul_all_to_all(a_BSK, w, axis_name, *, n: int, num_sms: int,
