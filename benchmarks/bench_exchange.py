@@ -96,7 +96,7 @@ def run(args) -> dict:
         if "ms" in check:
           check["gb_s"] = received / (check["ms"] * 1e-3) / 1e9
         write_results("bench_exchange", args, results)
-      _print(model, way, shape, case)
+      _print(case)
     _matmul_case(args, model, d, n, mesh, smap, on_gpu, results)
     _forward_case(args, model, d, n, mesh, smap, on_gpu, results)
   return results
@@ -111,12 +111,12 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
   from taco_jax.pallas_kernels import exchange, gemm, matmul_all_to_all
   shape, w_shape = (args.batch, args.seq // n, d), (d, d)  # w [F, D], read transposed
   tiling = matmul_all_to_all.default_tiling(shape, w_shape, n)
+  sms = gemm.num_sms()
   a, w = _inputs(mesh, n, shape, w_shape, seed=3)
   case = dict(model=model, way="matmul_backward", shape=list(shape), w_shape=list(w_shape),
               tiling=str(tiling), variants={},
-              misfit=matmul_all_to_all.misfit(shape, w_shape, n, tiling, gemm.num_sms()))
+              misfit=matmul_all_to_all.misfit(shape, w_shape, n, tiling, sms))
   results["cases"].append(case)
-  sms = gemm.num_sms()
 
   def cublas(a, w):
     return jnp.einsum("bsk,nk->bsn", a, w)
@@ -243,7 +243,7 @@ def _check_and_time(args, results, case, fns, refs, wants, inputs, n: int, on_gp
     case["variants"][name] = checked_then_timed(fn, inputs, refs[wants[name]], args.iters, n,
                                                 on_gpu, rtol=rtol)
     write_results("bench_exchange", args, results)
-  _print(case["model"], case["way"], case["shape"], case)
+  _print(case)
 
 
 def _chained(fn, times: int = 8):
@@ -260,9 +260,10 @@ def _chained(fn, times: int = 8):
   return chained
 
 
-def _print(model, way, shape, case) -> None:
+def _print(case) -> None:
   timed = {k: v["ms"] for k, v in case["variants"].items() if "ms" in v}
-  print(f"{model} {way} {shape}: " + ", ".join(f"{k} {ms:.4f} ms" for k, ms in timed.items())
+  print(f"{case['model']} {case['way']} {tuple(case['shape'])}: "
+        + ", ".join(f"{k} {ms:.4f} ms" for k, ms in timed.items())
         + "".join(f" {k} FAILED: {v.get('error', 'wrong result')[:300]}"
                   for k, v in case["variants"].items() if v.get("ok") is False), flush=True)
 

@@ -378,16 +378,16 @@ def matmul_all_to_all(a_BSD, w_FD, axis_name):
                      f"{EXCHANGE_GRADIENTS}")
   if EXCHANGE_GRADIENT == "xla":
     return _xla_all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)
-  n = collectives.axis_size(axis_name, "exchange_matmul", a_BSD.shape)
-  w_shape = gemm.weight_kn(w_FD.shape, True)
-  tiling = matmul_all_to_all_kernel.default_tiling(a_BSD.shape, w_shape, n)
-  problem = (platform_problem(_mesh_devices(n))
-             or matmul_all_to_all_kernel.misfit(a_BSD.shape, w_shape, n, tiling, gemm.num_sms()))
-  if EXCHANGE_GRADIENT == "fused" and problem is None:
-    if collectives.communication_is_free(axis_name):
-      return _xla_all_to_all(_core_matmul(a_BSD, w_FD, tiling, True), axis_name, 2)
-    return matmul_all_to_all_kernel.matmul_all_to_all(a_BSD, w_FD, axis_name, n=n, tiling=tiling,
-                                             num_sms=gemm.num_sms(), transpose_w=True)
   if EXCHANGE_GRADIENT == "fused":
+    n = collectives.axis_size(axis_name, "exchange_matmul", a_BSD.shape)
+    w_shape = gemm.weight_kn(w_FD.shape, True)
+    tiling = matmul_all_to_all_kernel.default_tiling(a_BSD.shape, w_shape, n)
+    problem = (platform_problem(_mesh_devices(n)) or matmul_all_to_all_kernel.misfit(
+        a_BSD.shape, w_shape, n, tiling, gemm.num_sms()))
+    if problem is None and collectives.communication_is_free(axis_name):
+      return _xla_all_to_all(_core_matmul(a_BSD, w_FD, tiling, True), axis_name, 2)
+    if problem is None:
+      return matmul_all_to_all_kernel.matmul_all_to_all(
+          a_BSD, w_FD, axis_name, n=n, tiling=tiling, num_sms=gemm.num_sms(), transpose_w=True)
     _say_once(problem, f"matmul + all-to-all {a_BSD.shape} @ {w_shape}")
   return _all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)
