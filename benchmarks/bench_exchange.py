@@ -18,16 +18,17 @@ with the fused kernel's tiles, then the exchange kernel: the fused kernel's resu
 bit), and the matmuls alone (``cublas``, the ideal; ``core``). The variants with an exchange
 are checked bit for bit, the cuBLAS ones against ``cublas+xla``, the core's against the
 core then XLA's all-to-all; the matmuls alone against the product accumulated in fp32 and
-rounded to bf16 (``max_rel_err`` <= 1e-2). ``fused x8``:
-eight calls in one program, each output summed at once (`_chained`), against the core then
-XLA's all-to-all chained alike, bit for bit: the fused kernel's stores have all landed when
-it ends.
+rounded to bf16 (``max_rel_err`` <= 1e-2). ``fused x8``: eight calls in one program, each
+output summed at once (`_chained`), against the core then XLA's all-to-all chained alike,
+bit for bit, in 16 calls of the program (``wrong_calls``): the fused kernel's stores have
+all landed when it ends.
 
 ``matmul_forward``: its forward, the exchange of ``y [batch, seq, d_model / tp]`` then ``@
-w``, as one kernel (``fused[movers=M]``: ``pallas_kernels.all_to_all_matmul``, M SMs
-pulling the exchanged rows while the others multiply) against ``xla+cublas``,
-``kernel+cublas`` (the layers) and ``kernel+core`` (the fused kernel's result bit for bit),
-and the matmuls alone on the same number of elements; checked alike (``fused x8`` too).
+w``, as one kernel (``fused[movers=M,depth=D]``: ``pallas_kernels.all_to_all_matmul``, M SMs
+pulling the exchanged rows, D blocks in flight each, while the others multiply) against
+``xla+cublas``, ``kernel+cublas`` (the layers) and ``kernel+core`` (the fused kernel's
+result bit for bit), and the matmuls alone on the same number of elements; checked alike
+(``fused x8`` too), and the kernel's exchanged x (``fused: x``) against XLA's all-to-all.
 
 GPU: ``python3 benchmarks/bench_exchange.py --out-dir $OUT`` (2 or more GPUs).
 CPU (--smoke): XLA's side and the checks' plumbing on fake devices.
@@ -188,20 +189,22 @@ def _forward_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, re
   def kernel_fwd(y):
     return exchange.all_to_all(y, AXIS, n=n, split_axis=1, num_sms=sms)
 
-  def fused(movers):
+  def fused(movers=all_to_all_matmul.MOVERS, depth=all_to_all_matmul.DEPTH, output=0):
     return lambda y, w: all_to_all_matmul.all_to_all_matmul(
-        y, w, AXIS, n=n, num_sms=sms, movers=movers, tiling=tiling)[0]
+        y, w, AXIS, n=n, num_sms=sms, movers=movers, depth=depth, tiling=tiling)[output]
 
+  tried = [(12, 4), (16, 4), (24, 4), (32, 4), (16, 6), (24, 6)]  # (movers, depth)
   variants = {"xla+cublas": lambda y, w: cublas(xla_fwd(y), w),
               "kernel+cublas": lambda y, w: cublas(kernel_fwd(y), w),
               "kernel+core": lambda y, w: core(kernel_fwd(y), w),
-              **{f"fused[movers={m}]": fused(m) for m in (8, all_to_all_matmul.MOVERS, 16)},
-              "fused x8": _chained(fused(all_to_all_matmul.MOVERS)),
+              **{f"fused[movers={m},depth={d}]": fused(m, d) for m, d in tried},
+              "fused: x": fused(output=1),
+              "fused x8": _chained(fused()),
               "cublas": lambda y, w: cublas(exchanged_shape(y), w),
               "core": lambda y, w: core(exchanged_shape(y), w)}
   wants = {k: "xla+core" for k in variants if k.startswith(("fused[", "kernel+core"))}
   wants.update({"xla+cublas": "xla+cublas", "kernel+cublas": "xla+cublas",
-                "fused x8": "xla+core x8", "cublas": "fp32", "core": "fp32"})
+                "fused: x": "xla", "fused x8": "xla+core x8", "cublas": "fp32", "core": "fp32"})
   both = functools.partial(smap, in_specs=(P(AXIS), P()))
   fns = {k: jax.jit(both(f)) for k, f in variants.items()}
   ours_run = on_gpu and case["misfit"] is None
@@ -209,6 +212,7 @@ def _forward_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, re
       lambda y, w: jnp.einsum("bsf,fd->bsd", exchanged_shape(y), w,
                               preferred_element_type=jnp.float32).astype(y.dtype)))(y, w)}
   if ours_run:
+    refs["xla"] = jax.jit(both(lambda y, w: xla_fwd(y)))(y, w)
     refs["xla+core"] = jax.jit(both(lambda y, w: core(xla_fwd(y), w)))(y, w)
     refs["xla+core x8"] = jax.jit(both(_chained(lambda y, w: core(xla_fwd(y), w))))(y, w)
   _check_and_time(args, results, case, fns, refs, wants, (y, w), n, on_gpu, ours_run,
@@ -241,7 +245,8 @@ def _check_and_time(args, results, case, fns, refs, wants, inputs, n: int, on_gp
       continue
     rtol = 1e-2 if wants[name] == "fp32" else None  # the matmuls alone: bf16 rounding
     case["variants"][name] = checked_then_timed(fn, inputs, refs[wants[name]], args.iters, n,
-                                                on_gpu, rtol=rtol)
+                                                on_gpu, rtol=rtol,
+                                                repeats=16 if name.endswith(" x8") else 1)
     write_results("bench_exchange", args, results)
   _print(case)
 

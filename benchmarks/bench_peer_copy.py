@@ -136,17 +136,22 @@ def one_group(axis: str):
 
 
 def checked_then_timed(fn, args, want, iters: int, n: int, on_gpu: bool,
-                       rtol: float | None = None) -> dict:
-  """``{"ok": ...}`` of ``fn(*args)`` against ``want``, bit for bit, or with ``rtol`` to
-  within that ``max_rel_err`` (the largest difference over the largest ``|want|``), with
-  the error where it raised (reported, not fatal); where right on a GPU, its device time
-  too (`timed_or_error`: ``ms``, ``kernels``, or ``timing_error``)."""
+                       rtol: float | None = None, repeats: int = 1) -> dict:
+  """``{"ok": ...}`` of ``fn(*args)`` against ``want``, bit for bit (``repeats`` calls, the
+  wrong ones counted in ``wrong_calls``: a race shows in some calls only), or with ``rtol``
+  to within that ``max_rel_err`` (the largest difference over the largest ``|want|``),
+  with the error where it raised (reported, not fatal); where right on a GPU, its device
+  time too (`timed_or_error`: ``ms``, ``kernels``, or ``timing_error``)."""
   import jax.numpy as jnp
   check = {}
   try:
     got = fn(*args)
     if rtol is None:
-      check["ok"] = bool(jnp.array_equal(got, want))
+      wrong = sum(not bool(jnp.array_equal(fn(*args) if i else got, want))
+                  for i in range(repeats))
+      check["ok"] = wrong == 0
+      if repeats > 1:
+        check.update(calls=repeats, wrong_calls=wrong)
     else:
       want32 = jnp.asarray(want, jnp.float32)
       err = jnp.max(jnp.abs(jnp.asarray(got, jnp.float32) - want32)) / jnp.max(jnp.abs(want32))

@@ -2,7 +2,7 @@
 settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
 its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
-NCCL's stand-ins checked, the kernels left to the GPU), benchmarks/probe_energy.py (a
+NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls), benchmarks/probe_energy.py (a
 smoke run: XLA's matmul timed, no energy counter on CPU) and benchmarks/nvml.py's clock
 sampler (on fake GPUs)."""
 import json
@@ -70,6 +70,22 @@ def test_peer_copy_smoke_checks_nccls_stand_ins_and_skips_the_kernel(tmp_path):
     kernels = [k for k in case["variants"] if not k.startswith("xla_")]
     assert kernels == ["pull[sms=4+depth=2+rows=64]", "push[sms=4+depth=2+rows=64]"]
     assert all("GPU only" in case["variants"][k]["skipped"] for k in kernels)
+
+
+def test_checked_then_timed_counts_the_wrong_calls_of_a_sometimes_wrong_function():
+  """A race shows in some calls only: every one of ``repeats`` calls is checked."""
+  import jax.numpy as jnp
+  calls = []
+
+  def flaky(x):  # wrong on its third call
+    calls.append(1)
+    return x + (len(calls) == 3)
+
+  x = jnp.arange(4.0)
+  check = bench_peer_copy.checked_then_timed(flaky, (x,), x, iters=1, n=1, on_gpu=False,
+                                             repeats=5)
+  assert check == dict(ok=False, calls=5, wrong_calls=1) and len(calls) == 5
+  assert bench_peer_copy.checked_then_timed(lambda x: x, (x,), x, 1, 1, False) == {"ok": True}
 
 
 def test_exchange_smoke_checks_xlas_all_to_all_and_skips_the_kernel(tmp_path):
