@@ -93,11 +93,12 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
   every GEMM among them how long their calls took (``call_us``: calls per step by duration,
   in buckets of ``CALL_BUCKET_US`` named by their lower bound; whether one kind's calls all
   take the same time, as in a kernel benchmark, or some take much longer), and the same
-  for the first and the second half of each step's calls (``call_us_halves``: for a kernel
-  called alike in both passes, each layer's forward calls come before its backward's, so
-  the halves are the forward and the backward pass), and for the calls of each pass
-  (``call_us_passes``, where ``pass_bounds`` finds the passes: also for kernels called in
-  one pass only, as cuBLAS's are, each layout of operands a kernel of its own)."""
+  for the calls of each pass (``call_us_passes``, where ``pass_bounds`` finds the passes),
+  else for the first and the second half of each step's calls (``call_us_halves``: for a
+  kernel called alike in both passes, each layer's forward calls come before its
+  backward's, so the halves are the forward and the backward pass; a kernel called in one
+  pass only, as cuBLAS's are, each layout of operands a kernel of its own, needs the
+  passes)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
@@ -131,12 +132,13 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
                     top_kernels_ms={k: us / 1e3 / steps
                                     for k, us in kernels.most_common(top)},
                     call_us={k: _buckets([d for _, d in durations[dev][k]], steps)
-                             for k in timed},
-                    call_us_halves={k: _halves(durations[dev][k], steps) for k in timed})
+                             for k in timed})
     bounds = pass_bounds(fams.get("gemm", []), steps)
     if bounds:
       out[dev]["call_us_passes"] = {k: _by_pass(durations[dev][k], bounds, steps)
                                     for k in timed}
+    else:
+      out[dev]["call_us_halves"] = {k: _halves(durations[dev][k], steps) for k in timed}
   return out
 
 

@@ -321,7 +321,8 @@ def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
 
 def test_trace_summary_splits_each_steps_gemm_calls_into_halves():
   """Two steps of four calls: a layer's forward (10-12 us) before its backward (20-22),
-  the events not in time order; a fusion outside the first ``calls`` is not timed."""
+  the events not in time order, no pass boundary to find; a fusion outside the first
+  ``calls`` is not timed."""
   starts_durations = [(0, 10), (20, 12), (40, 20), (60, 22), (100, 12), (120, 10),
                       (140, 22), (160, 20)]
   events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0"))]
@@ -352,6 +353,7 @@ def test_trace_summary_splits_the_calls_by_pass_at_the_head_and_the_update():
   (_, got), = profile_step.summarize_trace(_step_trace(), steps=2).items()
   assert got["call_us_passes"]["nvjet_gemm"] == {"forward": {10: 2.0}, "backward": {20: 2.0}}
   assert got["call_us_passes"]["nvjet_head"] == {"forward": {}, "backward": {100: 1.0}}
+  assert "call_us_halves" not in got  # the passes found: no halves beside them
 
 
 def test_resummarize_rewrites_a_runs_summaries_from_its_kept_traces(tmp_path):
