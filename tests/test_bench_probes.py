@@ -2,9 +2,9 @@
 settings it parses; a smoke run on 8 CPU devices, each setting in a child process, one of
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
 its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
-NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls), benchmarks/probe_energy.py (a
-smoke run: XLA's matmul timed, no energy counter on CPU) and benchmarks/nvml.py's clock
-sampler (on fake GPUs)."""
+NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls),
+benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU) and
+benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
 
