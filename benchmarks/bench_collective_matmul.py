@@ -263,7 +263,8 @@ def run(args) -> dict:
       full_a, full_w, full_w_t = put(full_a, P(), one), put(full_w, P(), one), put(
           full_w.T, P(), one)
       timed = {"cublas": (ref_full, (full_a, full_w)),
-               "cublas" + TRANSPOSED: (ref_full_t, (full_a, full_w_t)),
+               "cublas" + TRANSPOSED: (functools.partial(ref_full, transpose_w=True),
+                                       (full_a, full_w_t)),
                "xla_f32_dot": (ref_f32_dot, (full_a, full_w))}
       if mesh is not None:
         a_s, w_s = put(a, a_spec), put(w, w_spec)
@@ -410,18 +411,12 @@ def _neighboured_variants(timed: dict, kinds) -> dict:
   return out
 
 
-def ref_full(a, w):
-  """One rank's matmul as the layers' XLA step runs it: a bf16 dot, which XLA gives to
-  cuBLAS on an H200 (its ``nvjet`` kernels)."""
-  import jax.numpy as jnp
-  return jnp.einsum("btk,kn->btn", a, w)
-
-
-def ref_full_t(a, w_t):
-  """``ref_full`` on a weight stored ``[N, K]``, which cuBLAS reads transposed in place (as
-  in the backward passes)."""
-  import jax.numpy as jnp
-  return jnp.einsum("btk,nk->btn", a, w_t)
+def ref_full(a, w, transpose_w: bool = False):
+  """One rank's matmul as the layers' XLA step runs it (``fused.xla_matmul``: a bf16 dot,
+  cuBLAS's ``nvjet`` kernels on an H200), with ``transpose_w`` on a weight stored ``[N,
+  K]``, which cuBLAS reads transposed in place (as in the backward passes)."""
+  from taco_jax.tp.fused import xla_matmul
+  return xla_matmul(a, w, transpose_w)
 
 
 def ref_f32_dot(a, w):

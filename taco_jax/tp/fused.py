@@ -191,7 +191,7 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_shape}")
   x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True,
                                   compression=Decided(codec))
-  return _xla_matmul(x_full, w_DF, transpose_w), x_full
+  return xla_matmul(x_full, w_DF, transpose_w), x_full
 
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | None,
@@ -223,12 +223,14 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
                                            num_sms=gemm.num_sms(), transpose_w=transpose_w,
                                            fp8=codec and _fp8(codec))
   _say_once(problem, f"matmul + reduce-scatter {y_BTF.shape} @ {w_shape}")
-  return collectives.reduce_scatter(_xla_matmul(y_BTF, w_FD, transpose_w), axis_name,
+  return collectives.reduce_scatter(xla_matmul(y_BTF, w_FD, transpose_w), axis_name,
                                     scatter_dimension=SEQ, compression=Decided(codec))
 
 
-def _xla_matmul(a_BTK, w, transpose_w: bool):
-  """``a @ w`` (or ``a @ w.T``) by XLA, which reads a transposed weight in place."""
+def xla_matmul(a_BTK, w, transpose_w: bool = False):
+  """``a @ w`` (or ``a @ w.T``) by XLA, which reads a transposed weight in place: the
+  layers' matmul where no kernel runs it (a bf16 dot, which XLA gives to cuBLAS on an H200;
+  bench_collective_matmul's ``cublas`` baseline)."""
   return jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", a_BTK, w)
 
 
@@ -357,7 +359,7 @@ def all_to_all_matmul(y_BTF, w_FD, axis_name):
                                                         tiling=tiling, num_sms=gemm.num_sms())
     _say_once(problem, f"all-to-all + matmul {y_BTF.shape} @ {w_FD.shape}")
   y_BSF = _all_to_all(y_BTF, axis_name, 1)
-  return _xla_matmul(y_BSF, w_FD, False), y_BSF
+  return xla_matmul(y_BSF, w_FD, False), y_BSF
 
 
 def _exchange_matmul_bwd(axis_name, res, dout):
@@ -378,7 +380,7 @@ def matmul_all_to_all(a_BSD, w_FD, axis_name):
     raise ValueError(f"fused.EXCHANGE_GRADIENT={EXCHANGE_GRADIENT!r}: expected one of "
                      f"{EXCHANGE_GRADIENTS}")
   if EXCHANGE_GRADIENT == "xla":
-    return _xla_all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)
+    return _xla_all_to_all(xla_matmul(a_BSD, w_FD, True), axis_name, 2)
   if EXCHANGE_GRADIENT == "fused":
     n = collectives.axis_size(axis_name, "exchange_matmul", a_BSD.shape)
     w_shape = gemm.weight_kn(w_FD.shape, True)
@@ -391,4 +393,4 @@ def matmul_all_to_all(a_BSD, w_FD, axis_name):
       return matmul_all_to_all_kernel.matmul_all_to_all(
           a_BSD, w_FD, axis_name, n=n, tiling=tiling, num_sms=gemm.num_sms(), transpose_w=True)
     _say_once(problem, f"matmul + all-to-all {a_BSD.shape} @ {w_shape}")
-  return _all_to_all(_xla_matmul(a_BSD, w_FD, True), axis_name, 2)
+  return _all_to_all(xla_matmul(a_BSD, w_FD, True), axis_name, 2)
