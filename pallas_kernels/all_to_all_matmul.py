@@ -44,7 +44,7 @@ from taco_jax.pallas_kernels.peer_copy import check_slots, copy_blocks, release_
 
 TILINGS = (WIDE, NARROW)
 # At the 1.3B shapes on H200s, 24 movers ran 1.14x faster than 12 at TP=4, 1.28x at TP=2
-# (bench_exchange_nvlink_movers_*gpu_20261128.json): the pulls need ~3 MB in flight.
+# (bench_exchange_nvlink_movers_*gpu_20261128.json), with ~3 MB of pulls in flight.
 MOVERS = 24
 DEPTH = 4  # blocks in flight per mover
 ROWS = exchange.ROWS  # a moved block's rows
