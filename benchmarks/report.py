@@ -1068,7 +1068,7 @@ def _fused_exchange_row(name: str, d: dict, case: dict) -> list:
   forward = case["way"] == "matmul_forward"
   nccl, split = (v.get("xla+cublas"), v.get("kernel+cublas")) if forward else (
       v.get("cublas+xla"), v.get("cublas+kernel"))
-  timed = [(ms, k) for k, ms in v.items() if k.startswith("fused") and k != "fused x8" and ms]
+  timed = [(ms, k) for k, ms in v.items() if (k == "fused" or k.startswith("fused[")) and ms]
   fused, label = min(timed) if timed else (None, "")
   chained = case["variants"].get("fused x8", {}).get("ok", "–")
   return [name.removesuffix(".json"), f"{d['gpus']}x {d['device']}", case["model"],

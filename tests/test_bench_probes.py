@@ -125,6 +125,17 @@ def test_exchange_section_rows_from_the_gpu_runs_only():
     assert float(c[9]) == pytest.approx(float(c[6]) / float(c[7]), rel=0.02)
 
 
+def test_fused_exchange_row_takes_the_fastest_product_kernel():
+  """The forward's row: the fastest ``fused[...]`` variant, not its exchanged-x check
+  (``fused: x``) nor the chained one, however fast they ran."""
+  ms = {"xla+cublas": 0.13, "kernel+cublas": 0.10, "fused[movers=12,depth=4]": 0.11,
+        "fused[movers=24,depth=4]": 0.09, "fused: x": 0.05, "fused x8": 0.04, "cublas": 0.05}
+  case = dict(model="1.3b", way="matmul_forward", shape=[8, 2048, 512],
+              variants={k: dict(ok=True, ms=v) for k, v in ms.items()})
+  row = report_lib._fused_exchange_row("run.json", dict(gpus=4, device="H200"), case)
+  assert row[3] == "forward[movers=24,depth=4]" and row[7] == 0.09 and row[-1] is True
+
+
 def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):
   path = probe_energy.main(["--smoke", "--out-dir", str(tmp_path), "--shapes", "mlp_in",
                             "--transposed"])
