@@ -15,8 +15,7 @@ count), the same random inputs go through:
   with D of the peers' partial blocks in flight per warpgroup instead of
   ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``); ``fused[accumulate]`` (``--rs-accumulate``):
-  each partial added into its owner's output by the TMA instead;
+  does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it; ``core[default][w_t]`` and
@@ -121,9 +120,6 @@ def parse_args(argv=None):
   p.add_argument("--check-calls", type=int, default=1,
                  help="check every multi-GPU kernel in this many calls, counting the wrong "
                       "ones (wrong_calls): a race shows in some calls only")
-  p.add_argument("--rs-accumulate", action="store_true",
-                 help="also time the reduce-scatter that adds each partial into its owner's "
-                      "output by TMA reductions (matmul_rs's accumulate): fused[accumulate]")
   p.add_argument("--rs-skip", default="",
                  help="comma-separated parts of the reduce-scatter kernels, plain and FP8, to "
                       "leave out ('waits', 'release', 'signals', 'remote', or several joined "
@@ -640,7 +636,7 @@ def kernel_options(args) -> tuple[list, list]:
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
-        + skips("rs_skip") + [("accumulate", dict(accumulate=True))] * args.rs_accumulate)
+        + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 
 

@@ -308,27 +308,26 @@ def dealt(tiles: int, first_sm: int | jax.Array = 0, workers_from: int = 0):
   return loop
 
 
-def stage_out(value, out_smem, wg, slot: int, dest, reduction_op=None) -> None:
+def stage_out(value, out_smem, wg, slot: int, dest) -> None:
   """Stores a ``[epi_m, epi_n]`` value to gmem ``dest`` through staging slot ``slot`` of
-  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it.
-  ``reduction_op="add"``: the TMA adds the value to what ``dest`` holds."""
+  warpgroup ``wg`` (``out_smem_type``); the slot's previous store must have read it."""
   plgpu.wait_smem_to_gmem(1, wait_read_only=True)
   out_smem[wg, slot] = value
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest, reduction_op=reduction_op)
+  plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dest)
 
 
-def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling, reduction_op=None):
+def store_tiles(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
   """Writes a compute warpgroup's ``[tile_m, tile_n]`` ``value`` through its two staging
   slots (``out_smem_type``) to gmem ``out_ref`` from (``row``, ``col``) on, one
   ``[epi_m, epi_n]`` sub-tile at a time: one sub-tile's TMA store overlaps the staging of
-  the next (``reduction_op``: ``stage_out``'s)."""
+  the next."""
   t = tiling
   parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
   for k, (i, j) in enumerate(parts):
     stage_out(value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n], out_smem,
               wg, k % 2, out_ref.at[pl.ds(row + i * t.epi_m, t.epi_m),
-                                    pl.ds(col + j * t.epi_n, t.epi_n)], reduction_op)
+                                    pl.ds(col + j * t.epi_n, t.epi_n)])
 
 
 def store_alone(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
@@ -347,28 +346,9 @@ def store_alone(value, out_smem, out_ref, row, col, wg, tiling: Tiling):
           pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)])
 
 
-def store_at_once(value, out_smem, out_ref, row, col, wg, tiling: Tiling, reduction_op=None):
-  """``store_tiles`` with every sub-tile in a staging slot of its own (``out_smem_type``'s
-  ``whole``) and their stores issued together, once the warpgroup's last tile's stores have
-  read their slots: a store that drains slowly (to a peer, at the SM's share of the link)
-  then holds the warpgroup only where it takes longer than a whole tile's matmul."""
-  t = tiling
-  parts = [(i, j) for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  for k, (i, j) in enumerate(parts):
-    out_smem[wg, k] = value[i * t.epi_m:(i + 1) * t.epi_m, j * t.epi_n:(j + 1) * t.epi_n]
-  plgpu.commit_smem()
-  for k, (i, j) in enumerate(parts):
-    plgpu.copy_smem_to_gmem(out_smem.at[wg, k], out_ref.at[
-        pl.ds(row + i * t.epi_m, t.epi_m), pl.ds(col + j * t.epi_n, t.epi_n)],
-        reduction_op=reduction_op)
-
-
-def out_smem_type(tiling: Tiling, dtype, whole: bool = False) -> plgpu.SMEM:
-  """The epilogue's staging buffers: two per compute warpgroup, or with ``whole`` one per
-  epilogue sub-tile of its tile (``store_at_once``)."""
-  slots = (tiling.tile_m // tiling.epi_m) * (tiling.tile_n // tiling.epi_n) if whole else 2
-  return plgpu.SMEM((COMPUTE_WGS, slots, tiling.epi_m, tiling.epi_n), dtype,
+def out_smem_type(tiling: Tiling, dtype) -> plgpu.SMEM:
+  """The epilogue's staging buffers: two per compute warpgroup."""
+  return plgpu.SMEM((COMPUTE_WGS, 2, tiling.epi_m, tiling.epi_n), dtype,
                     transforms=swizzled(tiling.epi_n, dtype))
 
 

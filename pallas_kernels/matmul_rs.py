@@ -457,114 +457,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   return kernel(y_RF, w_FD, *(received if local else ()))
 
 
-def _accumulate_call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-                     num_sms: int, out_dtype, transpose_w: bool, local: bool):
-  """The accumulating kernel (``matmul_reduce_scatter``'s ``accumulate``) on y's rows
-  ``[B T, F]``. Each rank first zeroes its output and tells its peers; then it computes the
-  peers' chunks (``c = r + 1, ..., r + n - 1``), each tile added by the TMA into its owner's
-  output (``copy_smem_to_gmem(..., reduction_op="add")`` on a ``plgpu.remote_ref``), and
-  last its own chunk, added locally while the last remote adds drain; once every
-  warpgroup's adds have landed, one relayed signal tells each peer, and the kernel ends
-  when every peer's has come. Local mode (jax's interpret mode simulates no TMA
-  reductions): plain stores, the own partial into the output and the partial for rank c
-  into slot c of a second output ``[n, B S, D]``."""
-  t = tiling
-  rows, f = y_RF.shape
-  t_len, d = n * s, gemm.weight_kn(w_FD.shape, transpose_w)[1]
-  out_rows = rows // n
-  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), y_RF.dtype, lambda kk: (0, kk))],
-                       w_FD.dtype, f, transpose_w)
-  signals = num_sms * gemm.COMPUTE_WGS  # every compute warpgroup counts
-  zeroed, landed = 0, 1  # the peers' relayed signals; this GPU's counts at 2 + the same
-  loop_tiles = out_rows // t.cta_m * (d // t.cta_n)
-  reduction = None if local else "add"
-
-  def body(y_ref, w_ref, out_ref, *rest, out_smem):
-    sent = rest[0] if local else None
-    r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 4)
-    sm, wg = lax.axis_index(gemm.SM), lax.axis_index(gemm.WG)
-    computes = wg < gemm.COMPUTE_WGS
-    relays = (sm == 0) & (wg == 0)
-
-    def count_and_relay(what: int):
-      """This warpgroup is done with ``what``: it counts on this GPU (a release at GPU
-      scope), and SM 0's first warpgroup, once all have counted, signals every peer behind
-      one fence (a release at system scope: given by every warpgroup, the signals were
-      served one after the other, matmul_rs's ``relay``)."""
-      count = sems.at[2 + what]
-      plgpu.semaphore_signal(count, memory_scope="gpu")
-
-      @pl.when(relays)
-      def _relay():
-        plgpu.semaphore_wait(count, value=signals, decrement=False, memory_scope="gpu")
-        plgpu.semaphore_signal_parallel(*(
-            plgpu.SemaphoreSignal(sems.at[what], device_id={axis_name: lax.rem(r + q, n)})
-            for q in range(1, n)))
-
-    if sems is not None:
-      @pl.when(computes)
-      def _zero():  # this rank's output, in [epi_m, epi_n] blocks dealt over the warpgroups
-        per_row = d // t.epi_n
-        out_smem[wg, 0] = jnp.zeros((t.epi_m, t.epi_n), out_dtype)
-        plgpu.commit_smem()
-
-        @pl.loop(sm * gemm.COMPUTE_WGS + wg, out_rows // t.epi_m * per_row, step=signals)
-        def _block(b):
-          plgpu.copy_smem_to_gmem(out_smem.at[wg, 0], out_ref.at[
-              pl.ds(b // per_row * t.epi_m, t.epi_m), pl.ds(b % per_row * t.epi_n, t.epi_n)])
-        plgpu.wait_smem_to_gmem(0)
-        count_and_relay(zeroed)
-
-    def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
-      row = m_idx * t.cta_m
-      return (row // s) * t_len + c * s + row % s
-
-    @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
-                       collective_axes=gemm.WG)
-    def _scope(allocs):
-      for q in range(1, n + 1):  # unrolled: a TMA's peer must follow from the rank alone
-        c, own = lax.rem(r + q, n), q == n
-        if own:
-          dest = out_ref
-        else:
-          dest = sent.at[c] if local else plgpu.remote_ref(out_ref, {axis_name: c})
-
-        def epilogue(m_idx, n_idx, wg, acc, dest=dest, own=own):
-          if sems is not None:  # the owner has zeroed its output (a poll, once it has)
-            if own:
-              plgpu.semaphore_wait(sems.at[2 + zeroed], value=signals, decrement=False,
-                                   memory_scope="gpu")
-            else:
-              pl.semaphore_wait(sems.at[zeroed], value=n - 1, decrement=False)
-          row0, col0 = t.wg_offsets(wg)
-          gemm.store_at_once(acc.astype(out_dtype), out_smem, dest, m_idx * t.cta_m + row0,
-                             n_idx * t.cta_n + col0, wg, t, reduction_op=reduction)
-
-        loop.run(allocs, m=out_rows, n=d, w_ref=w_ref, epilogue=epilogue,
-                 a_refs=lambda m_idx, c=c: [y_ref.at[pl.ds(y_row(c, m_idx), t.cta_m)]],
-                 first_sm=((q - 1) * loop_tiles) % num_sms)
-
-      if sems is not None:
-        @pl.when(computes)
-        def _landed():
-          plgpu.wait_smem_to_gmem(0)  # this warpgroup's adds have landed
-          count_and_relay(landed)
-
-          @pl.when(relays)
-          def _wait():  # the kernel ends once every peer's adds into this output have
-            pl.semaphore_wait(sems.at[landed], value=n - 1, decrement=False)
-    plgpu.wait_smem_to_gmem(0)
-
-  out_type = [jax.ShapeDtypeStruct((out_rows, d), out_dtype)]
-  if local:
-    out_type.append(jax.ShapeDtypeStruct((n, out_rows, d), out_dtype))
-  kernel = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms,
-                       scratch_types=dict(out_smem=gemm.out_smem_type(t, out_dtype,
-                                                                      whole=True)),
-                       name=f"taco_matmul_reduce_scatter_add_{n}")
-  return kernel(y_RF, w_FD)
-
-
 def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDtypeStruct]:
   """The outbox's arrays of a kernel whose chunk has ``rows`` rows of width ``d`` (the
   partials for rank c in slot c): ``[n, rows, D]`` values in the transfer dtype, or with
@@ -579,8 +471,8 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
-                          n=None, received=None, accumulate: bool = False,
-                          _skip: tuple[str, ...] = (), _probe: tuple[str, ...] = ()):
+                          n=None, received=None, _skip: tuple[str, ...] = (),
+                          _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
   settings (``group_size`` = ``tiling.tile_n``, ``fmt``, ``dual_scale``, ``lam``) for the
@@ -589,10 +481,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``transpose_w``: w is given
   ``[D, F]`` and multiplied transposed (``gemm.TileLoop``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
-  p; see ``slot_shapes``); it returns ``(out, outbox)``. ``accumulate`` (plain kernel): each
-  partial tile added by the TMA into its owner's output instead of pulled by the owner
-  (``_accumulate_call``); the sum is then in ``out_dtype``, in no fixed order; local mode
-  takes ``rank`` and ``n`` and returns ``(own partial, [n, B S, D] partials sent)``. ``_skip``, for timing experiments
+  p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
   signals, ``"release"`` the release at the end, ``"signals"`` the sent loops' signals (with
   ``"waits"`` and ``"release"`` only: else the peers wait for them forever), ``"remote"``
@@ -609,11 +498,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                   fp8 and fp8["group_size"], phases, pull_depth)
   if reason:
     raise ValueError(f"matmul_reduce_scatter: {reason}")
-  if accumulate:
-    return _accumulated(y_BTF, w_FD, axis_name, tiling=tiling, num_sms=num_sms,
-                        out_dtype=out_dtype or y_BTF.dtype, fp8=fp8, transpose_w=transpose_w,
-                        rank=rank, n=n, options=(phases, pull_depth != PULL_DEPTH,
-                                                 received is not None, _skip, _probe))
   b, t_len, f = y_BTF.shape
   phases = phases or default_phases(b * t_len // n // tiling.cta_m)
   if _probe and (fp8 is not None or n < 2
@@ -633,26 +517,3 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   if received is None:
     return result
   return result, tuple(out[1:])
-
-
-ACCUMULATES = (jnp.bfloat16, jnp.float16, jnp.float32)  # what the TMA adds
-
-
-def _accumulated(y_BTF, w_FD, axis_name, *, tiling, num_sms, out_dtype, fp8, transpose_w,
-                 rank, n, options):
-  """``matmul_reduce_scatter(..., accumulate=True)``: checked, then ``_accumulate_call``."""
-  if fp8 is not None:
-    raise ValueError("matmul_reduce_scatter: accumulate adds plain values; the FP8 kernel's "
-                     "partials must be decoded before they are summed")
-  if jnp.dtype(out_dtype) not in map(jnp.dtype, ACCUMULATES):
-    raise ValueError(f"matmul_reduce_scatter: the TMA cannot add {jnp.dtype(out_dtype)} "
-                     f"(accumulate takes {', '.join(jnp.dtype(a).name for a in ACCUMULATES)})")
-  if any(options):
-    raise ValueError("matmul_reduce_scatter: phases, pull_depth, received, _skip and _probe "
-                     "are the pulling kernel's; accumulate takes none of them")
-  b, t_len, f = y_BTF.shape
-  out = _accumulate_call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
-                         axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-                         out_dtype=out_dtype, transpose_w=transpose_w, local=rank is not None)
-  result = out[0].reshape(b, t_len // n, -1)
-  return result if rank is None else (result, out[1])

@@ -572,56 +572,6 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
-@pytest.mark.parametrize("n,b,s,transpose_w", [(2, 2, 64, True), (3, 1, 128, False)],
-                         ids=["2_ranks_w_transposed", "3_ranks"])
-def test_accumulating_reduce_scatter_per_rank(n, b, s, transpose_w):
-  """``accumulate``: rank p adds its partial of chunk c into rank c's output. jax's
-  interpreter simulates no TMA reductions, so local mode stores what would be added: the
-  own partial in the output and the partial for rank c in slot c (the own slot untouched),
-  each chunk's tiles dealt by three SMs from where the last chunk's deal ended; their sum
-  over ranks is the reduce-scatter."""
-  f, d = 128, 128
-  ys, ws = _partials(n, b, s, f, d, seed=5)
-  parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32)
-           for p in range(n)]
-  run = functools.partial(matmul_rs.matmul_reduce_scatter, axis_name="t", tiling=TILING,
-                          num_sms=3, n=n, accumulate=True, transpose_w=transpose_w)
-  with _interpret():
-    got = [run(ys[p], ws[p].T if transpose_w else ws[p], rank=p) for p in range(n)]
-  for c in range(n):
-    chunk = slice(c * s, (c + 1) * s)
-    want = [p[:, chunk].astype(jnp.bfloat16) for p in parts]
-    close = functools.partial(np.testing.assert_allclose, rtol=1e-2, atol=1e-2)
-    close(got[c][0].astype(jnp.float32), want[c].astype(jnp.float32))
-    for p in range(n):
-      if p != c:
-        close(got[p][1][c].reshape(b, s, d).astype(jnp.float32), want[p].astype(jnp.float32))
-
-
-def test_accumulating_reduce_scatter_refuses():
-  """What the TMA cannot add, and the pulling kernel's options, are refused by name."""
-  y, w = jnp.zeros((1, 256, 128), jnp.bfloat16), jnp.zeros((128, 128), jnp.bfloat16)
-  run = functools.partial(matmul_rs.matmul_reduce_scatter, y, w, "t", tiling=TILING,
-                          num_sms=3, n=2, rank=0, accumulate=True)
-  with pytest.raises(ValueError, match="plain values"):
-    run(fp8=FP8)
-  with pytest.raises(ValueError, match="cannot add int8"):
-    run(out_dtype=jnp.int8)
-  with pytest.raises(ValueError, match="takes none of them"):
-    run(phases=2)
-
-
-def test_accumulating_reduce_scatter_lowers_at_four_ranks():
-  """Remote TMA adds, the zeroing and both relayed signals lower for sm_90 at 4 ranks."""
-  sd = jax.ShapeDtypeStruct
-  fn = jax.shard_map(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "x", num_sms=132,
-                                                                  accumulate=True),
-                     mesh=testing.mesh_1d(4), in_specs=(P(None, None, "x"), P("x")),
-                     out_specs=P(None, "x"), check_vma=False)
-  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
-                                            sd((1024, 256), jnp.bfloat16))
-
-
 def test_reduce_scatter_lowers_at_four_ranks():
   """At 4 ranks a phase has 3 sent loops, then one signal to every peer, relayed by the SM
   dealt the phase's last tile behind one fence: the kernel lowers for sm_90."""
