@@ -476,15 +476,9 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
     if sems is not None:  # this CTA's reads have landed; no rank leaves while a peer reads it
       @pl.when(lax.axis_index(gemm.WG) == 0)
       def _release():
-        plgpu.semaphore_signal(sems.at[count], memory_scope="gpu")
-
-        @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.CLUSTER) == 0))
-        def _relay():
-          plgpu.semaphore_wait(sems.at[count], value=clusters * t.cluster_n,
-                               decrement=False, memory_scope="gpu")
-          for p in peers:
-            pl.semaphore_signal(sems.at[done], device_id={axis_name: p})
-          pl.semaphore_wait(sems.at[done], value=n - 1, decrement=False)
+        gemm.relay(sems.at[count], sems.at[done], expected=clusters * t.cluster_n,
+                   relays=(lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.CLUSTER) == 0),
+                   peers=peers, axis_name=axis_name, wait=n - 1)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = (jax.ShapeDtypeStruct((t_rows, n_out), out_dtype),

@@ -374,6 +374,26 @@ def rank_and_semaphores(axis_name, rank, n: int, local: bool, count: int):
   return r, pl.get_global(plgpu.SemaphoreType.REGULAR((count,)))
 
 
+def relay(count, signal, *, expected: int, relays, peers, axis_name, wait: int = 0) -> None:
+  """The end of a stage of a multi-GPU kernel: the caller (a warpgroup or an SM) counts on
+  ``count``, a semaphore of this GPU (a release at GPU scope); the one where ``relays``
+  holds waits until ``expected`` have counted, then signals ``signal`` on each of ``peers``
+  behind one fence (a release at system scope, which carries what the counts released),
+  and with ``wait`` then waits until that many peers have signalled it. One relayed signal
+  rather than one from every warpgroup: system-scope signals given by a GPU's 264 compute
+  warpgroups at once were served one after the other and held SMs for up to ~200 us
+  (benchmarks/profile_rs_kernel.py; docs/parallel.md, "Found on 2026-11-24")."""
+  plgpu.semaphore_signal(count, memory_scope="gpu")
+
+  @pl.when(relays)
+  def _relay():
+    plgpu.semaphore_wait(count, value=expected, decrement=False, memory_scope="gpu")
+    plgpu.semaphore_signal_parallel(*(
+        plgpu.SemaphoreSignal(signal, device_id={axis_name: p}) for p in peers))
+    if wait:
+      pl.semaphore_wait(signal, value=wait, decrement=False)
+
+
 _profile_dir: list[tuple[str, int]] = []  # set by ``profiling``
 
 

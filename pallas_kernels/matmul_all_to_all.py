@@ -125,15 +125,9 @@ def matmul_all_to_all(a_BSK, w, axis_name, *, n: int, num_sms: int,
     @pl.when(lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS)
     def _landed():
       plgpu.wait_smem_to_gmem(0)  # this warpgroup's stores, the peers' included, landed
-      plgpu.semaphore_signal(sems.at[COUNT], memory_scope="gpu")
-
-      @pl.when((lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.WG) == 0))
-      def _relay():
-        plgpu.semaphore_wait(sems.at[COUNT], value=signals, decrement=False,
-                             memory_scope="gpu")
-        plgpu.semaphore_signal_parallel(*(
-            plgpu.SemaphoreSignal(sems.at[DONE], device_id={axis_name: p}) for p in peers))
-        pl.semaphore_wait(sems.at[DONE], value=n - 1, decrement=False)
+      gemm.relay(sems.at[COUNT], sems.at[DONE], expected=signals,
+                 relays=(lax.axis_index(gemm.SM) == 0) & (lax.axis_index(gemm.WG) == 0),
+                 peers=peers, axis_name=axis_name, wait=n - 1)
 
   rows = b * n * s
   out_type = jax.ShapeDtypeStruct((n, rows, chunk) if local else (rows, chunk), out_dtype)

@@ -358,23 +358,11 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
 
     def relay(slot: int | jax.Array, last_loop):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
-      reads landed): it counts on a semaphore of this GPU, and one warpgroup (compute
-      warpgroup 0 of the SM dealt the last tile of the schedule's loop ``last_loop``,
-      ``(q, p)``) waits until every warpgroup has counted and signals every peer once,
-      all behind one fence. A signal to a peer is a release at system scope: given by every
-      warpgroup at once, the signals held each SM for up to ~200 us, one after the other
-      (benchmarks/profile_rs_kernel.py); a count on this GPU is a release at GPU scope, and
-      the relay's signal carries what it saw."""
-      count = sems.at[phases + 1 + slot]
-      plgpu.semaphore_signal(count, memory_scope="gpu")
+      reads landed): `gemm.relay`, from compute warpgroup 0 of the SM dealt the last tile of
+      the schedule's loop ``last_loop``, ``(q, p)``, to every peer."""
       relays = (lax.axis_index(gemm.SM) == last_sm(*last_loop)) & (lax.axis_index(gemm.WG) == 0)
-
-      @pl.when(relays)
-      def _relay():
-        plgpu.semaphore_wait(count, value=signals, decrement=False, memory_scope="gpu")
-        plgpu.semaphore_signal_parallel(*(
-            plgpu.SemaphoreSignal(sems.at[slot], device_id={axis_name: owner})
-            for owner in peers))
+      gemm.relay(sems.at[phases + 1 + slot], sems.at[slot], expected=signals, relays=relays,
+                 peers=peers, axis_name=axis_name)
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
 

@@ -105,15 +105,11 @@ def release_sources(sems, num_sms: int, sources, axis_name) -> None:
   """A pulling kernel's way out: once all ``num_sms`` SMs' reads have landed (each SM
   signals after `copy_blocks`), SM 0 tells each of ``sources`` that it may go, then waits
   until as many ranks have told it the same (the reads are symmetric: as many ranks read
-  this one as it reads), so no rank's input is freed while a peer still reads it."""
-  plgpu.semaphore_signal(sems.at[COUNT], memory_scope="gpu")
-
-  @pl.when(lax.axis_index(gemm.SM) == 0)
-  def _release():
-    plgpu.semaphore_wait(sems.at[COUNT], value=num_sms, decrement=False, memory_scope="gpu")
-    for source in sources:
-      pl.semaphore_signal(sems.at[DONE], device_id={axis_name: source})
-    pl.semaphore_wait(sems.at[DONE], value=len(sources), decrement=False)
+  this one as it reads), so no rank's input is freed while a peer still reads it
+  (`gemm.relay`)."""
+  gemm.relay(sems.at[COUNT], sems.at[DONE], expected=num_sms,
+             relays=lax.axis_index(gemm.SM) == 0, peers=sources, axis_name=axis_name,
+             wait=len(sources))
 
 
 def peer_copy(shard, axis_name, *, n: int, mode: str = "pull", peers: str = "all",
