@@ -456,9 +456,7 @@ def _core(a, w, *, tiling, sms, transpose_w=False):
   """Our GEMM core alone (``gemm.matmul``): no hooks, no copies; ``transpose_w``: w stored
   ``[N, K]``, as the backward kernels read it."""
   from taco_jax.pallas_kernels import gemm
-  b, t, k = a.shape
-  return (gemm.matmul(a.reshape(b * t, k), w, tiling=tiling, num_sms=sms,
-                      transpose_w=transpose_w).reshape(b, t, -1),)
+  return (gemm.matmul(a, w, tiling=tiling, num_sms=sms, transpose_w=transpose_w),)
 
 
 def _jax_gemm(a, w, cluster=None):

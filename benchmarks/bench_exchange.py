@@ -124,9 +124,7 @@ def _matmul_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, res
     return xla_matmul(a, w, transpose_w=True)
 
   def core(a, w):
-    b, s, k = a.shape
-    return gemm.matmul(a.reshape(b * s, k), w, tiling=tiling, num_sms=sms,
-                       transpose_w=True).reshape(b, s, -1)
+    return gemm.matmul(a, w, tiling=tiling, num_sms=sms, transpose_w=True)
 
   def xla_back(y):
     return lax.all_to_all(y, AXIS, 2, 1, tiled=True)
@@ -179,8 +177,7 @@ def _forward_case(args, model: str, d: int, n: int, mesh, smap, on_gpu: bool, re
     return y.reshape(b, t // n, c * n)
 
   def core(x, w):
-    b, s, f = x.shape
-    return gemm.matmul(x.reshape(b * s, f), w, tiling=tiling, num_sms=sms).reshape(b, s, -1)
+    return gemm.matmul(x, w, tiling=tiling, num_sms=sms)
 
   def xla_fwd(y):
     return lax.all_to_all(y, AXIS, 1, 2, tiled=True)

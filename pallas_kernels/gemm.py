@@ -438,16 +438,20 @@ def weight_kn(w_shape, transpose_w: bool = False) -> tuple[int, int]:
   return (n, k) if transpose_w else (k, n)
 
 
-def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None,
+def matmul(a_XK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None,
            transpose_w: bool = False):
   """``a @ w`` (fp32 accumulation) by the GEMM core alone, with no hooks: the yardstick of
   the collective-matmul kernels' own speed (bench_collective_matmul's ``core``: what the
-  kernels' copies and epilogues cost on top of it, and how far it is from cuBLAS).
-  ``transpose_w``: w is given ``[N, K]`` and multiplied transposed (``TileLoop``)."""
+  kernels' copies and epilogues cost on top of it, and how far it is from cuBLAS), and the
+  matmul of a kernel whose communication is free. a ``[..., K]``: its leading dimensions
+  are the rows, and the result keeps them. ``transpose_w``: w is given ``[N, K]`` and
+  multiplied transposed (``TileLoop``)."""
   t = tiling
-  (m, k), (wk, n) = a_MK.shape, weight_kn(w_KN.shape, transpose_w)
+  *lead, k = a_XK.shape
+  a_MK = a_XK.reshape(-1, k)
+  (m, _), (wk, n) = a_MK.shape, weight_kn(w_KN.shape, transpose_w)
   if wk != k:
-    raise ValueError(f"matmul: a {a_MK.shape} and w {w_KN.shape} do not contract"
+    raise ValueError(f"matmul: a {a_XK.shape} and w {w_KN.shape} do not contract"
                      + " (w transposed)" * transpose_w)
   reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, num_sms=num_sms)
   if reason:
@@ -468,9 +472,10 @@ def matmul(a_MK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
                a_refs=lambda m_idx: [a_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
     plgpu.wait_smem_to_gmem(0)
 
-  return kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), num_sms=num_sms,
-                scratch_types=dict(out_smem=out_smem_type(t, out_dtype)),
-                name="taco_gemm", cluster_n=t.cluster_n)(a_MK, w_KN)
+  y = kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), num_sms=num_sms,
+             scratch_types=dict(out_smem=out_smem_type(t, out_dtype)),
+             name="taco_gemm", cluster_n=t.cluster_n)(a_MK, w_KN)
+  return y.reshape(*lead, n)
 
 
 def num_sms(default: int = 4) -> int:

@@ -142,6 +142,20 @@ def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain, trans
     gemm.matmul(a, w[:64], tiling=tiling, num_sms=sms)
 
 
+def test_gemm_core_keeps_leading_dimensions():
+  """``gemm.matmul`` of a ``[B, S, K]`` takes its B S rows and returns ``[B, S, N]``: the same
+  values as the ``[B S, K]`` product."""
+  ka, kw = jax.random.split(jax.random.key(8))
+  a, w = _bf16(ka, (2, 64, 128)), _bf16(kw, (128, 128), 128 ** -0.5)
+  with _interpret():
+    y = gemm.matmul(a, w, tiling=TILING, num_sms=2)
+    flat = gemm.matmul(a.reshape(128, 128), w, tiling=TILING, num_sms=2)
+  assert y.shape == (2, 64, 128)
+  np.testing.assert_array_equal(np.asarray(y.reshape(128, 128)), np.asarray(flat))
+  want = jnp.einsum("bsk,kn->bsn", a, w, preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=1e-2, atol=1e-2)
+
+
 def _partials(n, b, s, f, d, seed):
   ky, kw = jax.random.split(jax.random.key(seed))
   ys = [_bf16(jax.random.fold_in(ky, p), (b, n * s, f)) for p in range(n)]
@@ -659,7 +673,7 @@ def test_free_communication_runs_the_exchange_gradient_on_the_gemm_core(monkeypa
   b, s, f, d = 1, 64, 128, 128
   cores = []
   monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
-      cores.append(a[0].shape), matmul(*a, **kw))[1])
+      cores.append(a[0].reshape(-1, a[0].shape[-1]).shape), matmul(*a, **kw))[1])
   monkeypatch.setattr(matmul_all_to_all, "TILINGS", (TILING,))
   rng = np.random.default_rng(3)
   y, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
@@ -710,7 +724,7 @@ def test_free_communication_runs_the_kernels_matmuls_on_the_gemm_core(kind, monk
   layer = fused.gather_matmul if kind == "column" else fused.matmul_scatter
   cores = []
   monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
-      cores.append(a[0].shape), matmul(*a, **kw))[1])
+      cores.append(a[0].reshape(-1, a[0].shape[-1]).shape), matmul(*a, **kw))[1])
   monkeypatch.setattr(ag_matmul, "plain_tiling", lambda *shapes: TILING)
   monkeypatch.setattr(matmul_rs, "TILING", TILING)
 

@@ -238,10 +238,8 @@ def _core_matmul(a_BTK, w, tiling: gemm.Tiling, transpose_w: bool):
   """``a @ w`` (or ``a @ w.T``) on our GEMM core with a kernel's tiles (one CTA per
   cluster: the core in clusters is slower, and only the pulled all-gather needs them): the
   matmul of a kernel whose communication is free (the module docstring)."""
-  b, t, k = a_BTK.shape
-  y = gemm.matmul(a_BTK.reshape(b * t, k), w, num_sms=gemm.num_sms(), transpose_w=transpose_w,
-                  tiling=dataclasses.replace(tiling, cluster_n=1))
-  return y.reshape(b, t, -1)
+  return gemm.matmul(a_BTK, w, num_sms=gemm.num_sms(), transpose_w=transpose_w,
+                     tiling=dataclasses.replace(tiling, cluster_n=1))
 
 
 # --- all-gather -> matmul ------------------------------------------------------------------
