@@ -75,7 +75,8 @@ SOURCES = ['collectives_nvlink_2gpu_20261121.json',
  'bench_collective_matmul_nvlink_phases_fp8_2gpu_20261128.json',
  'bench_collective_matmul_nvlink_rs_stages_2gpu_20261128.json',
  'bench_collective_matmul_nvlink_rs_wide_2gpu_20261128.json',
- 'bench_collective_matmul_nvlink_relay_merged_4gpu_20261128.json']
+ 'bench_collective_matmul_nvlink_relay_merged_4gpu_20261128.json',
+ 'bench_collective_matmul_nvlink_relay_merged_2gpu_20261128.json']
 
 MIN_BYTES = {'nvlink': {2: {'all_gather': 1048576, 'all_reduce': None, 'reduce_scatter': 4194304},
             4: {'all_gather': 1048576,
