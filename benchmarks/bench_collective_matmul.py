@@ -213,6 +213,12 @@ def device_time_ms(fn, args, iters: int, n_devices: int,
               kernels=breakdowns[mid])
 
 
+def wrong_calls(fn, args, want, calls: int) -> int:
+  """How many of ``calls`` more calls of ``fn(*args)`` miss ``want`` (the first output's
+  ``rel_err`` at ``TOL`` or more)."""
+  return sum(rel_err(fn(*args)[0], want) >= TOL for _ in range(calls))
+
+
 def rel_err(a, b) -> float:
   import jax.numpy as jnp
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
@@ -325,9 +331,8 @@ def run(args) -> dict:
           check["rel_err"] = rel_err(got, want)
           check["ok"] = check["rel_err"] < TOL and check.get("gathered_equal", True)
           if args.check_calls > 1 and not alone:  # a race shows in some calls only
-            wrong = sum(rel_err(jax.jit(fn)(*fargs)[0], want) >= TOL
-                        for _ in range(args.check_calls - 1))
-            check.update(calls=args.check_calls, wrong_calls=int(wrong) + (not check["ok"]))
+            wrong = wrong_calls(jax.jit(fn), fargs, want, args.check_calls - 1)
+            check.update(calls=args.check_calls, wrong_calls=wrong + (not check["ok"]))
             check["ok"] = check["ok"] and not wrong
         except Exception as e:  # noqa: BLE001 (reported, not timed)
           check.update(ok=False, error=f"{type(e).__name__}: {e}"[:2000])

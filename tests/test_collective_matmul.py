@@ -438,6 +438,20 @@ def test_benchmark_entries_name_their_tiles_sms_and_options():
   assert bench.DIAGNOSTIC in "fused[skip=waits+release]"  # timed unchecked
 
 
+def test_benchmark_counts_the_wrong_calls():
+  """``--check-calls``: every call of a kernel is checked; one that is wrong on one call of
+  five (as a race would be) is counted once, a right one never."""
+  from benchmarks import bench_collective_matmul as bench
+  want = jnp.ones((4, 8), jnp.float32)
+  count = iter(range(100))
+
+  def racy(x):
+    return (jnp.where(next(count) % 5 == 2, 2.0, 1.0) * x,)
+  assert bench.wrong_calls(racy, (want,), want, 5) == 1
+  assert bench.wrong_calls(lambda x: (x,), (want,), want, 5) == 0
+  assert bench.parse_args([]).check_calls == 1
+
+
 def test_benchmark_reports_a_failed_timing_and_goes_on(monkeypatch):
   """A profiler error in one variant's timing is tried once more, then recorded in that
   variant's entry (``timing_error``) instead of ending the run."""
