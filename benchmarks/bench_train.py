@@ -146,7 +146,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.args import (add_output_args, parse_with_smoke, results_path,  # noqa: E402
                              start_watchdog)
 from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
-    SMOKE, TIMING, add_run_args, bench_setup, build_step, comm_summary, compression_plan,
+    SMOKE, TIMING, add_run_args, bench_setup, build_step, comm_record, compression_plan,
     model_and_optimizer, step_interleaved, timing_record)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
@@ -384,18 +384,6 @@ def _all_of(contexts):
     yield
 
 
-def _relabel(summary: dict, mesh) -> dict:
-  """GSPMD-made replica groups may print as mesh['axis_0'=..]: name them by the mesh."""
-  names = {f"axis_{i}": a for i, a in enumerate(mesh.axis_names)}
-  out = {}
-  for key, v in summary.items():
-    key = "+".join(sorted(names.get(a, a) for a in key.split("+")))
-    for dt, b in v.items():
-      out.setdefault(key, {}).setdefault(dt, 0)
-      out[key][dt] += b
-  return out
-
-
 class BuildHung(Exception):
   """A variant's build did not return within --build-timeout-s."""
 
@@ -426,7 +414,6 @@ def build_within(seconds: float, *args):
 def run_layout(layout, args, cfg, tx, corpus, until):
   from benchmarks import common
   from taco_jax import data
-  from taco_jax.testing import hlo
   from taco_jax.tp.schedules import bubble_fraction
   from taco_jax.tp.zero import bytes_per_device
 
@@ -469,8 +456,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                    state_bytes=dict(params_bytes_per_device=bytes_per_device(state[0]),
                                     opt_state_bytes_per_device=bytes_per_device(state[1])),
                    plan=dataclasses.asdict(plan) if plan else None, pgle_profiled=profiled,
-                   comm_static=_relabel(comm_summary(hlo.collectives(exe.as_text(), mesh)),
-                                        mesh))
+                   **comm_record(exe.as_text(), mesh))
     if variant.kernels:  # the reasons any kernel layer took XLA's collective so far
       from taco_jax.tp import fused
       runs[v]["kernel_fallbacks"] = fused.fallbacks()

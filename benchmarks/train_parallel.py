@@ -12,7 +12,8 @@ samples. MFU = model FLOP/s / (devices x the device's dense bf16 peak,
 the same run instead. The compiled program's collective instructions are
 summarized per mesh axis and dtype (`comm_bytes_static`: bytes per device summed over the
 instructions, each counted once even inside the layer / pipeline loops), so the JSON shows
-which dtypes each axis moves and their ratio.
+which dtypes each axis moves and their ratio, and listed one by one (`comm_ops`: kind, dtype,
+shape, axes and the jax op that made it).
 
 GPU (the lead's 4xH200 run; --deadline-s keeps it under ~6 minutes including 6 compiles;
 NVLink multicast off):
@@ -27,6 +28,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import statistics
 import sys
 import tempfile
@@ -102,15 +104,23 @@ def parse_args(argv=None):
   return parse_with_smoke(p, argv, dict(SMOKE, layouts="2,1,4;2,2,2;4,1,2"))
 
 
-def comm_summary(colls) -> dict:
-  """Bytes per device of the compiled step's collective instructions by mesh axis and dtype
-  (static: an instruction inside a loop counts once)."""
-  out = {}
-  for c in colls:
-    key = "+".join(sorted(c.axes)) or "none"
-    out.setdefault(key, {}).setdefault(c.dtype, 0)
-    out[key][c.dtype] += c.bytes
-  return out
+def comm_record(hlo_text: str, mesh) -> dict:
+  """What the compiled step (its HLO text) communicates, statically (an instruction inside a
+  loop counts once): ``comm_static``, bytes per device by mesh axis and dtype, and
+  ``comm_ops``, each collective instruction's kind, dtype, shape, mesh axes and the end of
+  the jax op that made it (which collectives XLA still runs, e.g. beside the kernel
+  layers). GSPMD's replica groups may print as mesh['axis_0'=..]: named by the mesh."""
+  from taco_jax.testing import hlo
+  names = {f"axis_{i}": a for i, a in enumerate(mesh.axis_names)}
+  summary, ops = {}, []
+  for c in hlo.collectives(hlo_text, mesh):
+    axes = sorted(names.get(a, a) for a in c.axes)
+    per_dtype = summary.setdefault("+".join(axes) or "none", {})
+    per_dtype[c.dtype] = per_dtype.get(c.dtype, 0) + c.bytes
+    op = re.search(r'op_name="([^"]*)"', c.line)
+    ops.append(dict(kind=c.kind, dtype=c.dtype, shape=list(c.shape), axes=axes,
+                    op=op[1][-120:] if op else ""))
+  return dict(comm_static=summary, comm_ops=ops)
 
 
 def model_and_optimizer(args, *, remat: bool):
@@ -167,7 +177,6 @@ def run_layout(layout, args, cfg, tx, corpus, step_until):
   """Compiles both variants, then steps them interleaved until `args.steps` or the time
   `step_until(compile_s)` returns (an absolute perf_counter deadline)."""
   from taco_jax import data
-  from taco_jax.testing import hlo
   from taco_jax.plan import CompressionPlan
 
   dp, pp, tp = layout
@@ -179,8 +188,7 @@ def run_layout(layout, args, cfg, tx, corpus, step_until):
     t0 = time.perf_counter()
     exe = step.lower(*state, batch(tokens_at(0))).compile()
     runs[name] = dict(exe=exe, state=state, compile_s=time.perf_counter() - t0,
-                      batch=batch, plan=plan,
-                      comm_static=comm_summary(hlo.collectives(exe.as_text(), mesh)))
+                      batch=batch, plan=plan, **comm_record(exe.as_text(), mesh))
   t_end = step_until(sum(r["compile_s"] for r in runs.values()))
   failed = step_interleaved(runs, tokens_at, args, t_end)
   if failed:  # off and on are a pair: one alone compares nothing
@@ -265,7 +273,7 @@ def timing_record(r: dict, args) -> dict:
               step_ms_synced=statistics.median(synced) * 1e3,
               tokens_per_s=args.batch * args.seq / med, step_times_s=r["times"],
               loss_curve=r["losses"], final_loss=statistics.fmean(r["losses"][-10:]),
-              comm_bytes_static=r["comm_static"])
+              comm_bytes_static=r["comm_static"], comm_ops=r["comm_ops"])
 
 
 def bench_setup(args):

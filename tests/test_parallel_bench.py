@@ -60,3 +60,28 @@ def test_runs_take_turns_of_steps_timed_back_to_back():
   assert all(r["losses"] == [10.0 * i for i in range(7)] for r in runs.values())
   assert all(r["state"] == (7, 0) for r in runs.values())
   assert all(len(r["times"]) == 2 + 2 + 1 and len(r["synced"]) == 3 for r in runs.values())
+
+
+def test_comm_record_lists_each_collective_of_the_step():
+  """``comm_record``: the compiled program's collectives summed per axis and dtype, and each
+  one listed with its kind, axes and the jax op that made it."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from benchmarks.train_parallel import comm_record
+  mesh = jax.make_mesh((2, 4), ("data", "tensor"), devices=jax.devices()[:8])
+
+  def body(x):
+    gathered = jax.lax.all_gather(x, "tensor", axis=1, tiled=True)
+    return gathered[:, :x.shape[1]] + jax.lax.psum(x, "data")
+  f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("data", "tensor"),
+                            out_specs=P("data", "tensor")))
+  x = jax.ShapeDtypeStruct((2, 8), jnp.float32,
+                           sharding=NamedSharding(mesh, P("data", "tensor")))
+  record = comm_record(f.lower(x).compile().as_text(), mesh)
+  ops = {(op["kind"], tuple(op["axes"])): op for op in record["comm_ops"]}
+  assert set(ops) == {("all-gather", ("tensor",)), ("all-reduce", ("data",))}
+  assert ops[("all-gather", ("tensor",))]["shape"] == [1, 8]
+  assert "all_gather" in ops[("all-gather", ("tensor",))]["op"]
+  assert "psum" in ops[("all-reduce", ("data",))]["op"]
+  assert record["comm_static"] == {"tensor": {"f32": 32}, "data": {"f32": 8}}
