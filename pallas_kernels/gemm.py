@@ -84,12 +84,6 @@ class Tiling:
   # along the contraction, each part's wgmma issued before the next part is decoded, so a
   # warpgroup decodes while its own last wgmma runs, not only while its neighbour's does.
   decode_parts: int = 1
-  # wgmmas a compute warpgroup leaves in flight at the end of a pipeline step
-  # (``plgpu.wgmma_wait(mma_lag)``), so the next step's wgmma is issued before the last one
-  # ends; each step's blocks are then released ``mma_lag`` steps later (``delay_release``).
-  # jax chains no pipelines that delay their releases, so a lagged loop runs a pipeline per
-  # tile; decoded A operands (registers) take no lag.
-  mma_lag: int = 0
 
   def __post_init__(self):
     for field in ("split", "grid_minor"):
@@ -98,9 +92,6 @@ class Tiling:
     for field in ("grid_width", "cluster_n", "decode_parts"):
       if getattr(self, field) < 1:
         raise ValueError(f"Tiling.{field} must be >= 1, got {getattr(self, field)}")
-    if not 0 <= self.mma_lag < self.stages:
-      raise ValueError(f"Tiling.mma_lag must be in [0, stages={self.stages}), got "
-                       f"{self.mma_lag}")
 
   @property
   def cta_m(self) -> int:
@@ -166,12 +157,11 @@ class Operand:
   index: Callable
   swizzle: bool = True
 
-  def spec(self, multicast: bool = False, delay_release: int = 0) -> plgpu.BlockSpec:
-    """``multicast``: one load into every CTA of the cluster (they share the block);
-    ``delay_release``: the block is released that many steps after its own."""
+  def spec(self, multicast: bool = False) -> plgpu.BlockSpec:
+    """``multicast``: one load into every CTA of the cluster (they share the block)."""
     return plgpu.BlockSpec(self.block, self.index,
                            transforms=swizzled(self.block[1], self.dtype) if self.swizzle else (),
-                           memory_space=plgpu.SMEM, delay_release=delay_release,
+                           memory_space=plgpu.SMEM,
                            collective_axes=(CLUSTER,) if multicast else None)
 
 
@@ -202,8 +192,7 @@ class TileLoop:
     else:
       b = Operand((tiling.tile_k, tiling.cta_n), w_dtype, lambda kk: (kk, 0))
     shared = tiling.cluster_n > 1  # the A blocks go to the cluster's CTAs at once
-    lag = tiling.mma_lag
-    self.specs = [s.spec(shared, lag) for s in a_ops] + [b.spec(delay_release=lag)]
+    self.specs = [s.spec(shared) for s in a_ops] + [b.spec()]
 
   def _pipeline(self, body, context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -215,8 +204,7 @@ class TileLoop:
     """Whether a loop of ``tiles`` tiles dealt over ``sms`` SMs (or clusters) runs as one
     pipeline per SM (``Tiling.chain``): jax chains pipelines of whole rounds of the stages
     only, and a chain needs a first and a last tile on every SM."""
-    return (self.t.chain and not self.t.mma_lag and self.k_iters % self.t.stages == 0
-            and tiles >= 2 * sms)
+    return self.t.chain and self.k_iters % self.t.stages == 0 and tiles >= 2 * sms
 
   def allocations(self, *gmem_refs):
     ignore = lambda *_, **__: None  # noqa: E731 (the bodies do not change the allocations)
@@ -238,8 +226,6 @@ class TileLoop:
     ``workers_from``: the tiles go to SMs ``workers_from`` on only (the others do other
     work, e.g. moving the A rows in)."""
     t = self.t
-    if decode is not None and t.mma_lag:
-      raise ValueError("a decoded A operand (registers) takes no Tiling.mma_lag")
     grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
     tiles = grid[0] * grid[1]
     chained = self.chains(tiles, lax.axis_size(SM) - workers_from)
@@ -260,8 +246,6 @@ class TileLoop:
         def _acc(acc):
           with jax.named_scope("mma"):
             run_pipeline(acc)
-            if t.mma_lag:
-              plgpu.wgmma_wait(0)
           with jax.named_scope("epilogue"):
             epilogue(m_idx, n_idx, wg, acc[...])
 
@@ -287,7 +271,7 @@ class TileLoop:
               decoded(m_idx, n_idx, wg, idxs[0], cols, a)
         if after_mma is not None:
           after_mma(m_idx, n_idx, idxs[0], a_blocks)
-        plgpu.wgmma_wait(t.mma_lag)
+        plgpu.wgmma_wait(0)
         return acc
 
       if wait_rows is not None:

@@ -51,9 +51,8 @@ def _bf16(key, shape, scale=1.0):
   return (jax.random.normal(key, shape, jnp.float32) * scale).astype(jnp.bfloat16)
 
 
-@pytest.mark.parametrize("transpose_w,lag", [(False, 0), (True, 0), (False, 1)],
-                         ids=["w", "w_transposed", "w_lagged"])
-def test_all_gather_matmul_kernel_per_rank(transpose_w, lag):
+@pytest.mark.parametrize("transpose_w", [False, True], ids=["w", "w_transposed"])
+def test_all_gather_matmul_kernel_per_rank(transpose_w):
   """Each rank's output rows equal the gathered x @ w (fp32 accumulation, bf16 out), its
   own chunk lands in the gathered x, and it forwards every chunk but the one rank r - 1
   started from to rank r - 1. Two by two output tiles per chunk: the tile order
@@ -61,10 +60,9 @@ def test_all_gather_matmul_kernel_per_rank(transpose_w, lag):
   to the peer of a tile's last A block (released by the pipeline as the tile ends)
   overwritten by the next tile's first. The warpgroups split the rows, as the layers'
   tiles do (``ag_matmul.WIDE``). The weight comes ``[K, N]``, or ``[N, K]`` as the backward
-  pass holds it (``transpose_w``). Lagged (``Tiling.mma_lag``), each step's blocks are
-  released a step later, after the copies out of them."""
+  pass holds it (``transpose_w``)."""
   n, b, s, k, nout = 2, 2, 128, 128, 128
-  tiling = dataclasses.replace(TILING, split="m", mma_lag=lag)
+  tiling = dataclasses.replace(TILING, split="m")
   kx, kw = jax.random.split(jax.random.key(1))
   x_full = _bf16(kx, (b, n * s, k))
   w = _bf16(kw, (k, nout), k ** -0.5)
@@ -116,26 +114,24 @@ def test_pulled_all_gather_matmul_kernel_per_rank(n, cluster_n, sms, nout, b, ra
       np.testing.assert_array_equal(xg, x_full)
 
 
-@pytest.mark.parametrize("split,sms,cluster_n,n,k,chain,transpose_w,lag", [
-    ("n", 1, 1, 256, 192, True, False, 0), ("m", 3, 1, 256, 128, True, True, 0),
-    ("n", 3, 1, 256, 128, False, True, 0), ("n", 4, 2, 512, 128, True, False, 0),
-    ("m", 4, 4, 512, 128, True, False, 0), ("n", 3, 1, 256, 192, True, True, 1)])
-def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain, transpose_w, lag):
+@pytest.mark.parametrize("split,sms,cluster_n,n,k,chain,transpose_w", [
+    ("n", 1, 1, 256, 192, True, False), ("m", 3, 1, 256, 128, True, True),
+    ("n", 3, 1, 256, 128, False, True), ("n", 4, 2, 512, 128, True, False),
+    ("m", 4, 4, 512, 128, True, False)])
+def test_gemm_core_alone_is_the_matmul(split, sms, cluster_n, n, k, chain, transpose_w):
   """``gemm.matmul``, the yardstick of the kernels' GEMM core: fp32-accumulated a @ w in
   bf16, over tiles dealt to 1 or 3 SMs (3 leaves one SM a tile fewer), or in clusters of 2
   or 4 CTAs along N that share each A block (multicast); each SM's tiles in one chained
   pipeline (two steps of two stages each), or a pipeline per tile (three steps, which
   do not chain, or ``chain=False``); w given ``[N, K]`` and read transposed
-  (``transpose_w``), as the backward kernels take it. With a wgmma left in flight at the
-  end of each step (``mma_lag``) the tiles do not chain."""
+  (``transpose_w``), as the backward kernels take it."""
   m = 256
   ka, kw = jax.random.split(jax.random.key(7))
   a, w = _bf16(ka, (m, k)), _bf16(kw, (k, n), k ** -0.5)
-  tiling = dataclasses.replace(TILING, split=split, cluster_n=cluster_n, chain=chain,
-                               mma_lag=lag)
+  tiling = dataclasses.replace(TILING, split=split, cluster_n=cluster_n, chain=chain)
   loop = gemm.TileLoop(tiling, [], jnp.bfloat16, k)
   tiles = m // tiling.cta_m * n // (tiling.cta_n * cluster_n)
-  assert loop.chains(tiles, gemm.clusters(sms, cluster_n)) == (chain and k == 128 and not lag)
+  assert loop.chains(tiles, gemm.clusters(sms, cluster_n)) == (chain and k == 128)
   with _interpret():
     y = gemm.matmul(a, w.T if transpose_w else w, tiling=tiling, num_sms=sms,
                     transpose_w=transpose_w)
@@ -533,25 +529,6 @@ def test_gemm_core_in_clusters_lowers_for_hopper():
     ag_matmul.all_gather_matmul(jnp.zeros((1, 128, 128), jnp.bfloat16),
                                 jnp.zeros((128, 512), jnp.bfloat16), "t", tiling=clusters,
                                 num_sms=3)
-
-
-def test_lagged_gemm_core_lowers_for_hopper_and_refuses_what_it_cannot_lag():
-  """A wgmma left in flight at each step's end (``Tiling.mma_lag``) lowers for sm_90 at the
-  production tiles; a lag as deep as the pipeline, or on a decoded A operand (the FP8
-  all-gather's registers), is an error."""
-  sd = jax.ShapeDtypeStruct
-  fn = functools.partial(gemm.matmul, tiling=gemm.Tiling(mma_lag=1, chain=False), num_sms=132)
-  assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((1024, 512), jnp.bfloat16),
-                                            sd((512, 1024), jnp.bfloat16))
-  with pytest.raises(ValueError, match="mma_lag must be in"):
-    gemm.Tiling(mma_lag=4)
-  with pytest.raises(ValueError, match="decoded A operand"):
-    ag_matmul.all_gather_matmul_fp8(
-        jnp.zeros((1, 256, 256), jnp.float8_e4m3fn), jnp.ones((2, 256), jnp.float32),
-        jnp.zeros((256, 256), jnp.bfloat16), "t", group_size=128, num_sms=2, rank=0,
-        tiling=gemm.Tiling(tile_m=64, tile_n=128, split="m", mma_lag=1),
-        local_gathered=(jnp.zeros((1, 256, 256), jnp.float8_e4m3fn),
-                        jnp.ones((2, 256), jnp.float32)))
 
 
 def test_the_ring_narrows_its_tiles_where_a_step_leaves_a_wave_half_empty():
