@@ -15,8 +15,7 @@ count), the same random inputs go through:
   with D of the peers' partial blocks in flight per warpgroup instead of
   ``matmul_rs.PULL_DEPTH``;
   ``fused[probe=...]`` (``--rs-probe``): every sent tile also reads partials as an own tile
-  does, unread (``matmul_rs``'s ``_probe``); ``fused[mix]`` and ``fused_fp8[mix]``
-  (``--rs-mix``): each phase's sent loops and the previous own loop as one (``mix``);
+  does, unread (``matmul_rs``'s ``_probe``);
 * ``gemm``: our kernel's GEMM with no communication (one rank, the full matmul);
   ``core[...]``: the GEMM core alone (``gemm.matmul``: no copies, plain epilogue), per
   ``--core-tilings``: what the kernels' hooks cost on top of it; ``core[default][w_t]`` and
@@ -84,7 +83,7 @@ def _ag_fp8() -> dict:
   return dict(FP8, implementation="pallas" if jax.default_backend() == "gpu" else "xla")
 TOL = 1e-2  # relative error of a bf16 result against its reference
 # the reduce-scatter options (``kernel_options``) timed on the FP8 kernel too
-RS_FP8_OPTIONS = {"phases", "pull_depth", "mix", "_skip"}
+RS_FP8_OPTIONS = {"phases", "pull_depth", "_skip"}
 DIAGNOSTIC = "[skip="  # in the names of variants timed though wrong by design (--*-skip)
 # in the names of the kernels that take the weight as the layers' backward passes hold it,
 # [N, K] (``transpose_w``): they run on the same weight, stored transposed
@@ -118,10 +117,6 @@ def parse_args(argv=None):
                       "('sent_reads', 'sent_local_reads', 'sent_all_reads': matmul_rs's "
                       "_probe), each timed and checked as fused[probe=...]: what remote "
                       "reads cost the tiles beside them")
-  p.add_argument("--rs-mix", action="store_true",
-                 help="also time the reduce-scatter kernels, plain and FP8, with each phase's "
-                      "sent loops and the previous own loop as one loop whose tiles take "
-                      "turns (matmul_rs's mix): fused[mix], fused_fp8[mix]")
   p.add_argument("--check-calls", type=int, default=1,
                  help="check every multi-GPU kernel in this many calls, counting the wrong "
                       "ones (wrong_calls): a race shows in some calls only")
@@ -644,7 +639,7 @@ def kernel_options(args) -> tuple[list, list]:
   rs = ([(f"phases={x}", dict(phases=int(x))) for x in listed("rs_phases")]
         + [(f"pull={x}", dict(pull_depth=int(x))) for x in listed("rs_pull_depth")]
         + [(f"probe={x}", dict(_probe=(x,))) for x in listed("rs_probe")]
-        + skips("rs_skip") + [("mix", dict(mix=True))] * args.rs_mix)
+        + skips("rs_skip"))
   return rs, skips("ag_skip") + [("chunk_waits", dict(_chunk_waits=True))] * args.ag_chunk_waits
 
 

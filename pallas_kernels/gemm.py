@@ -215,7 +215,7 @@ class TileLoop:
           after_mma: Callable | None = None,
           before_tile: Callable | None = None, acc_dtype=jnp.float32,
           first_sm: int | jax.Array = 0, wait_rows: Callable | None = None,
-          workers_from: int = 0, interleave: int = 1):
+          workers_from: int = 0):
     """Computes the ``[m, n]`` output tiles of one chunk: tile (m_idx, n_idx) multiplies
     the A blocks of ``a_refs(m_idx)`` (gmem refs of ``cta_m`` rows) by ``w_ref``'s columns
     ``[n_idx cta_n, (n_idx + 1) cta_n)``; ``epilogue(m_idx, n_idx, wg, acc)`` gets each
@@ -224,20 +224,15 @@ class TileLoop:
     neighbouring tiles to the clusters, whose CTAs take one tile each. ``wait_rows(m_idx)``
     runs in every warpgroup before a tile's first load: to wait until its A rows are there.
     ``workers_from``: the tiles go to SMs ``workers_from`` on only (the others do other
-    work, e.g. moving the A rows in). ``interleave`` = E > 1: the ``m`` rows are E groups
-    (group e: row tiles ``e m / E`` on) whose tiles are dealt in turn, one of each group,
-    the deal rotating by one SM each round (``dealt``'s ``rotate``), so that every SM takes
-    the groups' tiles by turns and at any time about 1 / E of the SMs run each group's."""
+    work, e.g. moving the A rows in)."""
     t = self.t
-    grid = (m // t.cta_m // interleave, n // (t.cta_n * t.cluster_n))
-    tiles = interleave * grid[0] * grid[1]
+    grid = (m // t.cta_m, n // (t.cta_n * t.cluster_n))
+    tiles = grid[0] * grid[1]
     chained = self.chains(tiles, lax.axis_size(SM) - workers_from)
 
-    @dealt(tiles, first_sm, workers_from, rotate=interleave > 1)
+    @dealt(tiles, first_sm, workers_from)
     def _tile(idx, i, count):
-      group, idx = lax.rem(idx, interleave), idx // interleave
       m_idx, n_idx = plgpu.planar_snake(idx, grid, "mn".index(t.grid_minor), t.grid_width)
-      m_idx = group * grid[0] + m_idx
       if t.cluster_n > 1:
         n_idx = n_idx * t.cluster_n + lax.axis_index(CLUSTER)
       wg = lax.axis_index(WG)
@@ -297,40 +292,20 @@ class TileLoop:
         pl.when(when)(functools.partial(pipeline, *refs, w_block, allocations=allocs))
 
 
-def dealt(tiles: int, first_sm: int | jax.Array = 0, workers_from: int = 0,
-          rotate: bool = False):
+def dealt(tiles: int, first_sm: int | jax.Array = 0, workers_from: int = 0):
   """A loop over this SM's share of ``tiles`` tiles, dealt round-robin over the SMs from
   SM ``first_sm`` on (counting from SM ``workers_from``, the first that takes tiles): the
   body gets each tile's index, its place i in this SM's share and the share's size. A
   kernel that runs several loops one after the other (the reduce-scatter's phases) starts
   each where the last one's deal ended, so that no SM takes the remainder of every loop: at
   a tile count just above a multiple of the SMs, that remainder would make every loop take
-  one more wave. ``rotate``: round i deals its tiles from one SM further on than round
-  i - 1 (tile ``i S + (place + i) mod S`` of S SMs), so that tiles whose kind follows the
-  index modulo a divisor of S (``TileLoop.run``'s ``interleave``) go to every SM by turns."""
+  one more wave."""
   def loop(body):
     sms, sm = lax.axis_size(SM) - workers_from, lax.axis_index(SM) - workers_from
     place = lax.rem(sm + (sms - first_sm % sms), sms)  # this SM's place in the deal
-    last = dealt_tile(place, tiles // sms, sms, rotate)  # its tile in the last round, if any
-    count = tiles // sms + lax.convert_element_type(last < tiles, place.dtype)
-    lax.fori_loop(0, count, lambda i, _: body(dealt_tile(place, i, sms, rotate), i, count),
-                  None)
+    count = tiles // sms + lax.convert_element_type(place < tiles % sms, place.dtype)
+    lax.fori_loop(0, count, lambda i, _: body(i * sms + place, i, count), None)
   return loop
-
-
-def dealt_tile(place, i, sms: int, rotate: bool = False):
-  """The tile that ``dealt`` over ``sms`` SMs gives the SM at ``place`` in round i."""
-  return i * sms + (lax.rem(place + i, sms) if rotate else place)
-
-
-def dealt_sm(idx, first_sm, sms: int, rotate: bool = False):
-  """The SM (counting from the first that takes tiles) that ``dealt(.., first_sm, ..,
-  rotate)`` over ``sms`` SMs gives tile ``idx`` (``dealt_tile``'s inverse, shifted by
-  ``first_sm``): e.g. the one that finishes a loop."""
-  place = lax.rem(idx, sms)
-  if rotate:
-    place = lax.rem(place + sms - lax.rem(idx // sms, sms), sms)
-  return lax.rem(place + first_sm, sms)
 
 
 def stage_out(value, out_smem, wg, slot: int, dest) -> None:

@@ -21,12 +21,6 @@ kernel 0.025-0.031 ms (``_skip``'s ``signals``, bench_collective_matmul_nvlink_s
 the peers' own loops of a phase come after their sent loops of the next one, so a signal
 sent after all of a phase's sent loops still comes before it is waited for.
 A last one holds every rank until its peers have read its outbox.
-So the owner reads its partials only in its own loops, a quarter of the tiles at TP=4, and
-the link idles through the sent loops. ``mix`` runs phase p's sent loops and the own phase
-p - 1 as one loop whose entries take turns (``gemm.TileLoop.run``'s ``interleave``): every
-SM computes own and sent tiles by turns, so at any time about 1 / n of the SMs read
-partials while the others compute sent tiles, and each own tile waits for its phase's
-signal before its reads.
 The relaying warpgroup waits for all the others, and its SM's tiles with it: it is the one
 on the SM dealt the phase's last tile, which is about the last to finish anyway, rather
 than always SM 0, which would wait out the other SMs' lag at every phase; and it signals
@@ -53,8 +47,6 @@ simulates no peer copies or semaphores): the peers' partials for this rank come 
 from __future__ import annotations
 
 import functools
-from typing import Callable
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -315,7 +307,7 @@ class _Epilogues:
 
 def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           num_sms: int, out_dtype, phases: int, pull_depth: int, transpose_w: bool,
-          mix: bool = False, fp8=None, received=None, skip=(), probe=()):
+          fp8=None, received=None, skip=(), probe=()):
   """The kernel on y's rows ``[B T, F]`` (``s`` rows per sequence shard). ``received``
   (local mode): what the peers sent this rank, the outbox slots' arrays stacked by
   sender. Returns the output rows ``[B S, D]`` and the outbox (``slot_shapes``)."""
@@ -354,83 +346,61 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     phase_tiles = out_rows // t.cta_m // phases
     cols = d // t.cta_n
 
+    def first_sm(q, p):  # loop (q, p)'s tiles are dealt on from where the last one's ended
+      return lax.rem(loop_index(q, p, n, phases) * (phase_tiles * cols), num_sms)
+
+    def last_sm(q, p):  # the SM dealt loop (q, p)'s last tile (``gemm.dealt``)
+      return lax.rem(first_sm(q, p) + phase_tiles * cols - 1, num_sms)
+
     def y_row(c, m_idx):  # the row of chunk c's row tile m_idx in y
       row = m_idx * t.cta_m
       return (row // s) * t_len + c * s + row % s
 
-    def relay(slot: int | jax.Array, start, tiles: int, rotate: bool = False):
+    def relay(slot: int | jax.Array, last_loop):
       """This warpgroup's part of a loop is done (its partials are in the outbox, or its
       reads landed): `gemm.relay`, from compute warpgroup 0 of the SM dealt the last tile of
-      the loop of ``tiles`` tiles dealt on from tile ``start`` (``rotate``: by
-      ``gemm.dealt``'s turns), to every peer."""
-      last = gemm.dealt_sm(tiles - 1, lax.rem(start, num_sms), num_sms, rotate)
-      relays = (lax.axis_index(gemm.SM) == last) & (lax.axis_index(gemm.WG) == 0)
+      the schedule's loop ``last_loop``, ``(q, p)``, to every peer."""
+      relays = (lax.axis_index(gemm.SM) == last_sm(*last_loop)) & (lax.axis_index(gemm.WG) == 0)
       gemm.relay(sems.at[phases + 1 + slot], sems.at[slot], expected=signals, relays=relays,
                  peers=peers, axis_name=axis_name)
 
     computes = lax.axis_index(gemm.WG) < gemm.COMPUTE_WGS  # the warpgroups that store
-    waits = sems is not None and "waits" not in skip
 
-    def wait_peers(p):  # every peer's partials of phase p are in its outbox
-      with jax.named_scope("wait_peers"):
-        pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
-
-    def tile_loop(allocs, entries, start):
-      """A loop of the schedule over ``entries``, ``(q, p, own)``: phase p of chunk r + q,
-      sent, or with ``own`` (q = n) this rank's own. Its tiles are dealt on from tile
-      ``start``, where the loops before it ended (``gemm.dealt``); several entries (``mix``)
-      take their row tiles by turns (``gemm.TileLoop.run``'s ``interleave``), each own tile
-      waiting for its phase's partials before its reads."""
-      mixed = len(entries) > 1
-      if not mixed and entries[0][2] and waits:
-        wait_peers(entries[0][1])
-
-      def entry(m_idx):  # (q, p, own, row tile in the phase) of the loop's row tile m_idx
-        if not mixed:
-          return (*entries[0], m_idx)
-        e = m_idx // phase_tiles
-        q, p, own = (_pick(e, [x[i] for x in entries]) for i in range(3))
-        return q, p, own, lax.rem(m_idx, phase_tiles)
+    def tile_loop(allocs, q, p, own: bool):
+      """Loop (q, p) of the schedule: phase p of chunk r + q, sent (q < n) or this rank's
+      own (q = n). Its tiles are dealt on from where the loops before it ended
+      (``gemm.dealt``)."""
+      if own and sems is not None and "waits" not in skip:  # the peers' phase p is written
+        with jax.named_scope("wait_peers"):
+          pl.semaphore_wait(sems.at[p], value=n - 1, decrement=False)
+      c = lax.rem(r + q, n)
 
       def at(m_idx, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
-        _, p, _, m = entry(m_idx)
         row0, col0 = t.wg_offsets(wg)
-        return (p * phase_tiles + m) * t.cta_m + row0, n_idx * t.cta_n + col0
+        return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
 
       def epilogue(m_idx, n_idx, wg, acc):
-        q, _, own, _ = entry(m_idx)
         row, col = at(m_idx, n_idx, wg)
-
-        def send():
-          dest = tuple(a.at[lax.rem(r + q, n)] for a in outbox) + ((None,) * (fp8 is None))
-          epi.send(acc, wg, row, col, [dest])
-          if probe:
-            epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
-        _branch(own, lambda: epi.finish(acc, wg, r, row, col, peer, out_ref), send)
+        if own:
+          epi.finish(acc, wg, r, row, col, peer, out_ref)
+          return
+        dest = tuple(a.at[c] for a in outbox) + ((None,) * (fp8 is None))
+        epi.send(acc, wg, row, col, [dest])
+        if probe:
+          epi.discard(wg, r, row, col, probed, every="sent_all_reads" in probe)
 
       def prefetch(m_idx, n_idx, wg):  # an own (or probed) tile's first reads
-        _, p, own, _ = entry(m_idx)
+        epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer if own else probed)
 
-        def own_reads():
-          if mixed and waits:
-            wait_peers(p)
-          epi.prefetch(wg, r, *at(m_idx, n_idx, wg), peer)
-        _branch(own, own_reads, (lambda: epi.prefetch(wg, r, *at(m_idx, n_idx, wg), probed))
-                if probe else (lambda: None))
+      loop.run(allocs, m=phase_tiles * t.cta_m, n=d,
+               a_refs=lambda m_idx: [y_ref.at[pl.ds(
+                   y_row(c, p * phase_tiles + m_idx), t.cta_m)]],
+               w_ref=w_ref, epilogue=epilogue, before_tile=prefetch if own or probe else None,
+               first_sm=first_sm(q, p))
 
-      def a_rows(m_idx):
-        q, p, _, m = entry(m_idx)
-        return [y_ref.at[pl.ds(y_row(lax.rem(r + q, n), p * phase_tiles + m), t.cta_m)]]
-
-      has_own = any(own for *_, own in entries)
-      loop.run(allocs, m=len(entries) * phase_tiles * t.cta_m, n=d, a_refs=a_rows,
-               w_ref=w_ref, epilogue=epilogue,
-               before_tile=prefetch if has_own or probe else None,
-               first_sm=lax.rem(start, num_sms), interleave=len(entries))
-
-    def signal_phase(p, start, tiles: int, rotate: bool = False):
-      """After the phase's last sent loop (of ``tiles`` tiles from tile ``start``): this
-      rank's partials of phase p are in its outbox, which one signal tells every peer."""
+    def signal_phase(p):
+      """After the phase's last sent loop: this rank's partials of phase p are in its
+      outbox, which one signal tells every peer."""
       if sems is None or "signals" in skip:
         return
 
@@ -438,53 +408,33 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       def _signal():
         with jax.named_scope("signal"):
           plgpu.wait_smem_to_gmem(0)  # the stores are local: they land at once
-          relay(p, start, tiles, rotate)
-
-    loop_tiles = phase_tiles * cols
+          relay(p, (n - 1, p))
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(y_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
       # ``schedule``'s order, as loops rather than unrolled, so that the kernel holds two
-      # tile loops (sent, own; and with ``mix`` the mixed one) whatever n and the phases:
-      # unrolled, the FP8 kernel at TP=4 took XLA more than 300 s to compile into the
-      # training step, and the FP8 kernel ran 16-17% slower at TP=2
-      # (bench_collective_matmul_nvlink_rolled_2gpu_20261127)
-      def start(q, p):  # tiles dealt before loop (q, p) (``mix``: of phase 0, or own)
-        if mix:
-          return jnp.where(q < n, q - 1, n * (p + 1) - 1) * loop_tiles
-        return loop_index(q, p, n, phases) * loop_tiles
+      # tile loops (sent, own) whatever n and the phases: unrolled, the FP8 kernel at TP=4
+      # took XLA more than 300 s to compile into the training step, and the FP8 kernel ran
+      # 16-17% slower at TP=2 (bench_collective_matmul_nvlink_rolled_2gpu_20261127)
+      @pl.loop(0, phases + 1)
+      def _phase(p):
+        @pl.when(p < phases)
+        def _sends():
+          @pl.loop(1, n)
+          def _send(q):
+            tile_loop(allocs, q, p, own=False)
+          signal_phase(p)
 
-      def sent_loops(p):  # phase p's sent loops, then its signal
-        @pl.loop(1, n)
-        def _send(q):
-          tile_loop(allocs, [(q, p, False)], start(q, p))
-        signal_phase(p, start(n - 1, p), loop_tiles)
-
-      if mix:
-        sent_loops(0)
-
-        @pl.loop(1, phases)
-        def _mixed(p):  # phase p's sent loops and the own phase p - 1 by turns
-          first = (n * p - 1) * loop_tiles
-          entries = [(q, p, False) for q in range(1, n)] + [(n, p - 1, True)]
-          tile_loop(allocs, entries, first)
-          signal_phase(p, first, n * loop_tiles, rotate=True)
-        tile_loop(allocs, [(n, phases - 1, True)], start(n, phases - 1))
-      else:
-        @pl.loop(0, phases + 1)
-        def _phase(p):
-          pl.when(p < phases)(lambda: sent_loops(p))
-
-          @pl.when(p > 0)
-          def _own():
-            tile_loop(allocs, [(n, p - 1, True)], start(n, p - 1))
+        @pl.when(p > 0)
+        def _own():
+          tile_loop(allocs, n, p - 1, own=True)
 
       if sems is not None and "release" not in skip:  # the reads have landed: peers may go
         @pl.when(computes)
         def _release():
           with jax.named_scope("release"):
-            relay(phases, start(n, phases - 1), loop_tiles)
+            relay(phases, (n, phases - 1))
             pl.semaphore_wait(sems.at[phases], value=n - 1, decrement=False)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -493,24 +443,6 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
                        scratch_types=epilogues(scratch=None).scratch_types(),
                        name=f"taco_matmul_reduce_scatter{'_fp8' if fp8 else ''}_{n}")
   return kernel(y_RF, w_FD, *(received if local else ()))
-
-
-def _pick(i, values):
-  """``values[i]`` for a traced index i into a static list (of ints or traced scalars)."""
-  out = values[-1]
-  for j, v in enumerate(values[:-1]):
-    out = jnp.where(i == j, v, out)
-  return out
-
-
-def _branch(cond, if_true: Callable, if_false: Callable) -> None:
-  """``if_true()`` where ``cond`` holds, else ``if_false()``: decided here for a Python
-  bool, in the kernel for a traced one."""
-  if isinstance(cond, bool):
-    (if_true if cond else if_false)()
-    return
-  pl.when(cond)(if_true)
-  pl.when(jnp.logical_not(cond))(if_false)
 
 
 def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDtypeStruct]:
@@ -526,9 +458,8 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
-                          pull_depth: int = PULL_DEPTH, transpose_w: bool = False,
-                          mix: bool = False, rank=None, n=None, received=None,
-                          _skip: tuple[str, ...] = (),
+                          pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,
+                          n=None, received=None, _skip: tuple[str, ...] = (),
                           _probe: tuple[str, ...] = ()):
   """``reduce_scatter(y @ w)`` along the sequence as one kernel (module docstring): returns
   this rank's chunk ``[B, S, D]`` (``out_dtype``, default y's). ``fp8``: the codec's
@@ -536,8 +467,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   compressed kernel. ``num_sms``: the GPU's multiprocessor count. ``phases``: row-tile
   groups of the schedule (default ``default_phases``). ``pull_depth``: the peers' partial
   blocks each warpgroup has in flight (1 to ``MAX_PULL_DEPTH``). ``transpose_w``: w is given
-  ``[D, F]`` and multiplied transposed (``gemm.TileLoop``). ``mix``: each phase's sent
-  loops and the previous own loop as one loop (module docstring). Local mode: ``rank``,
+  ``[D, F]`` and multiplied transposed (``gemm.TileLoop``). Local mode: ``rank``,
   ``n`` and ``received`` (what each peer p sent this rank, slot r of its outbox, stacked by
   p; see ``slot_shapes``); it returns ``(out, outbox)``. ``_skip``, for timing experiments
   only (the result is wrong): ``"waits"`` leaves out the own phases' waits for the peers'
@@ -562,8 +492,6 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
                  or not set(_probe) <= {"sent_reads", "sent_local_reads", "sent_all_reads"}):
     raise ValueError(f"matmul_reduce_scatter: _probe {_probe} is for the plain kernel with "
                      f"peers")
-  if _probe and mix:
-    raise ValueError("matmul_reduce_scatter: _probe is for the unmixed schedule")
   if "signals" in _skip and not {"waits", "release"} <= set(_skip):
     raise ValueError("matmul_reduce_scatter: _skip 'signals' needs 'waits' and 'release'")
   if fp8 is not None:
@@ -572,8 +500,7 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None 
   out = _call(y_BTF.reshape(b * t_len, f), w_FD, s=t_len // n, n=n, rank=rank,
               axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or y_BTF.dtype, phases=phases, pull_depth=pull_depth,
-              transpose_w=transpose_w, mix=mix, fp8=fp8, received=received, skip=_skip,
-              probe=_probe)
+              transpose_w=transpose_w, fp8=fp8, received=received, skip=_skip, probe=_probe)
   result = out[0].reshape(b, t_len // n, -1)
   if received is None:
     return result

@@ -185,10 +185,8 @@ TALL = dataclasses.replace(TILING, tile_m=128)
 
 @pytest.mark.parametrize("n,tiling,b,s,depth,options", [
     (2, TILING, 2, 64, 2, dict(transpose_w=True)), (3, TALL, 1, 128, 3, {}),
-    (2, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",))),
-    (3, TILING, 2, 64, 3, dict(mix=True))],
-    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "2_ranks_tall_probed",
-         "3_ranks_mixed"])
+    (2, TALL, 1, 128, 2, dict(_probe=("sent_all_reads",)))],
+    ids=["2_ranks_w_transposed", "3_ranks_tall_pull_depth_3", "2_ranks_tall_probed"])
 def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   """Rank r's output is the fp32 sum of every rank's y_p @ w_p over its chunk; what it
   sends to rank c is its own partial of chunk c, in bf16. Two ranks: two row tiles per
@@ -199,9 +197,7 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
   detector). Probed (``_probe``, a timing tool; two ranks, tall tiles: four sub-tiles
   through two slots), every sent tile also reads and drops what an own tile reads, through
   the same slots: the results do not change. Two ranks take each weight as the backward
-  pass holds it, ``[D, F]`` (``transpose_w``). Mixed (``mix``, three ranks, two phases,
-  under the race detector): phase 1's sent tiles and the own phase 0's in one loop, by
-  turns."""
+  pass holds it, ``[D, F]`` (``transpose_w``)."""
   f, d = 128, 128
   if tiling is TILING:  # two row tiles a chunk: two phases
     assert matmul_rs.default_phases(b * s // tiling.cta_m) == 2
@@ -226,19 +222,16 @@ def test_matmul_reduce_scatter_kernel_per_rank(n, tiling, b, s, depth, options):
                        np.float32), rtol=1e-2, atol=1e-2)
 
 
-@pytest.mark.parametrize("n,tiling,row_tiles,mix", [
-    (1, TILING, 1, False), (2, TILING, 1, False), (3, TALL, 1, False), (2, TILING, 2, False),
-    (3, TILING, 2, True)],
-    ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases", "3_ranks_mixed"])
-def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles,
-                                                                        mix):
+@pytest.mark.parametrize("n,tiling,row_tiles", [(1, TILING, 1), (2, TILING, 1),
+                                                (3, TALL, 1), (2, TILING, 2)],
+                         ids=["1_rank", "2_ranks", "3_ranks_tall", "2_ranks_two_phases"])
+def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tiling, row_tiles):
   """The FP8 kernel encodes each partial tile as the codec does (same codes, same
   multipliers) and the owner's output is the reference's decode-and-sum. Integer inputs
   make every partial exact, so accumulation order cannot change a code. Two phases: the
   own tiles' prefetch into the send buffers comes after sent tiles and waits for them;
   under the race detector, which found a tile's one epilogue slab (these tiles) refilling
-  a send slot still being copied out. Mixed (``mix``): own tiles, which read into the send
-  slots, and sent tiles by turns in one loop, under the race detector too."""
+  a send slot still being copied out."""
   b, s, f, d = 1, tiling.cta_m * row_tiles, 128, 128
   ky, kw = jax.random.split(jax.random.key(3))
   ys = [jax.random.randint(jax.random.fold_in(ky, p), (b, n * s, f), -3, 4).astype(
@@ -248,8 +241,7 @@ def test_compressed_matmul_reduce_scatter_kernel_sends_the_codecs_codes(n, tilin
   fp8 = dict(FP8)
   slots = (jnp.zeros((n, b * s, d), jnp.float8_e4m3fn),
            jnp.zeros((n, d // fp8["group_size"], b * s), jnp.float32))
-  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, detect_races=row_tiles == 2,
-                         mix=mix)
+  outs, sent = _exchange(n, fp8, ys, ws, slots, tiling, detect_races=row_tiles == 2)
   parts = [jnp.einsum("btf,fd->btd", ys[p], ws[p], preferred_element_type=jnp.float32
                       ).astype(jnp.bfloat16) for p in range(n)]
   g = fp8["group_size"]
@@ -308,27 +300,6 @@ def test_reduce_scatter_schedule_sends_before_it_waits(n, phases):
     assert all(loops.index((q, p)) < own for q in range(1, n))
     if p + 1 < phases:
       assert all(loops.index((q, p + 1)) < own for q in range(1, n))
-
-
-@pytest.mark.parametrize("sms,tiles,groups", [(3, 7, 1), (4, 10, 2), (132, 256, 4),
-                                              (6, 30, 3)])
-def test_rotated_deal_gives_every_sm_every_group_by_turns(sms, tiles, groups):
-  """``gemm.dealt``'s rounds, plain or rotated, give every tile once; ``dealt_sm`` names the
-  SM that takes it; rotated, each SM's tiles cycle through the groups of an interleaved loop
-  (tile index modulo a divisor of the SMs), so none takes only one group's tiles."""
-  for rotate in (False, True):
-    for first in (0, 2):
-      taken = {}
-      for place in range(sms):
-        for i in range(tiles // sms + 1):
-          idx = int(gemm.dealt_tile(place, i, sms, rotate))
-          if idx < tiles:
-            taken[idx] = (place + first) % sms
-            assert int(gemm.dealt_sm(idx, first, sms, rotate)) == taken[idx]
-          if rotate and i + 1 < tiles // sms:
-            assert idx % groups != int(gemm.dealt_tile(place, i + 1, sms, rotate)) % groups or (
-                groups == 1)
-      assert sorted(taken) == list(range(tiles))
 
 
 def _reduce_scatter_call(y_shape, n=2, **options):
@@ -629,14 +600,11 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
-@pytest.mark.parametrize("mix", [False, True], ids=["phases", "mixed"])
-def test_reduce_scatter_lowers_at_four_ranks(mix):
+def test_reduce_scatter_lowers_at_four_ranks():
   """At 4 ranks a phase has 3 sent loops, then one signal to every peer, relayed by the SM
-  dealt the phase's last tile behind one fence (mixed: by the rotated deal's last SM): the
-  kernel lowers for sm_90."""
+  dealt the phase's last tile behind one fence: the kernel lowers for sm_90."""
   sd = jax.ShapeDtypeStruct
-  fn = jax.shard_map(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "x", num_sms=132,
-                                                                  mix=mix),
+  fn = jax.shard_map(lambda y, w: matmul_rs.matmul_reduce_scatter(y, w, "x", num_sms=132),
                      mesh=testing.mesh_1d(4), in_specs=(P(None, None, "x"), P("x")),
                      out_specs=P(None, "x"), check_vma=False)
   assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((2, 1024, 1024), jnp.bfloat16),
