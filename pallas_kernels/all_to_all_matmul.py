@@ -21,8 +21,9 @@ before a collective kernel. A rank leaves only once its peers' reads of its y ha
 (``peer_copy.release_sources``, from the movers).
 
 Measured on H200s at the 1.3B shapes (2026-11-28): 1.10x faster than the exchange kernel
-then cuBLAS at TP=4, 1.05x at TP=2, and no faster in the training step (docs/parallel.md),
-so the layers' forward runs the two apart unless ``fused.EXCHANGE_FORWARD`` is "fused".
+then cuBLAS at TP=4, 1.05x at TP=2, but no faster in the training step at TP=4 and 1.4%
+slower at TP=2 (docs/parallel.md), so the layers' forward runs the two apart unless
+``fused.EXCHANGE_FORWARD`` is "fused".
 
 Local mode (``rank`` and ``local_y``, every rank's y ``[n, B, T, C]``) runs this rank's
 kernel with no peers, for the CPU tests in jax's GPU interpret mode, which runs the grid's

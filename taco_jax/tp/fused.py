@@ -103,8 +103,9 @@ EXCHANGE_GRADIENT = "fused"
 # How its forward runs: "kernel", our exchange kernel then cuBLAS's matmul (measured: the
 # numbers above); "fused", one kernel whose mover SMs pull the exchanged rows while the
 # others multiply the rows that have landed (``pallas_kernels.all_to_all_matmul``): 1.05-1.10x
-# faster alone, a wash in the step (92.57 ms against 92.54 at TP=4,
-# bench_train_nvlink_ffused24_tp4_4gpu_20261128).
+# faster alone, a wash in the step at TP=4 (92.57 ms against 92.54,
+# bench_train_nvlink_ffused24_tp4_4gpu_20261128) and slower at TP=2 (163.01 against 160.83,
+# bench_train_nvlink_ffused_tp2_2gpu_20261128).
 EXCHANGE_FORWARDS = ("kernel", "fused")
 EXCHANGE_FORWARD = "kernel"
 
