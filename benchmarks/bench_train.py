@@ -71,6 +71,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           the backward pass recomputes each block without communicating again
   _dots   the layer remat keeps the blocks' weight-matmul outputs too (`parallel.save_dots`):
           the backward pass recomputes only norms, activation and attention
+  _attn   the layer remat keeps the attention's inputs and, with cuDNN, its outputs
+          (`parallel.save_attention`): the backward pass does not run its forward again
   _ogr    each layer's gradients all-reduced over "data" inside the backward pass
           (`parallel.overlap_grad_reduce`: they travel while the earlier layers' backward
           runs), not all of them after it; pp = 1 and no _zero
@@ -152,7 +154,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "ogr", "zero", "unroll", "noremat", "cif2", "cif4",
+             "vs2", "il2", "save", "dots", "attn", "ogr", "zero", "unroll", "noremat", "cif2", "cif4",
              "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -161,7 +163,7 @@ GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel laye
 PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit",
                            "ffused", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
-REMAT_SAVES = ("save", "dots")  # modifiers that say what the remat keeps: not with noremat
+REMAT_SAVES = ("save", "dots", "attn")  # modifiers that say what the remat keeps: not with noremat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +174,7 @@ class Variant:
   interleave: int = 1           # _il2: parallel.interleave=2
   save_tp_outputs: bool = False  # _save: parallel.save_tp_outputs (with remat)
   save_dots: bool = False       # _dots: parallel.save_dots (with remat)
+  save_attention: bool = False  # _attn: parallel.save_attention (with remat)
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
@@ -230,6 +233,7 @@ def parse_variant(name: str) -> Variant:
                      "_cif2 or _cif4; no ideal_zero)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
+                 save_attention="attn" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
                  dw_f32="dwf32" in mods,
@@ -275,7 +279,7 @@ def parse_args(argv=None):
     args._variants = [parse_variant(v) for v in args.variants.split(",")]
   except ValueError as e:
     p.error(str(e))
-  if any(v.save_tp_outputs or v.save_dots for v in args._variants) and args.no_remat:
+  if any(v.save_tp_outputs or v.save_dots or v.save_attention for v in args._variants) and args.no_remat:
     p.error("_save / _dots variants say what the recomputation keeps: not with --no-remat")
   return args
 
@@ -360,6 +364,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           virtual_stages=variant.virtual_stages,
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots,
+                                          save_attention=variant.save_attention,
                                           shard_optimizer=variant.shard_optimizer,
                                           overlap_grad_reduce=variant.overlap_grad_reduce,
                                           scan_layers=variant.scan_layers)
@@ -476,6 +481,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     remat=cfg.remat and r["variant"].remat,
                     save_tp_outputs=r["variant"].save_tp_outputs,
                     save_dots=r["variant"].save_dots,
+                    save_attention=r["variant"].save_attention,
                     shard_optimizer=r["variant"].shard_optimizer,
                     scan_layers=r["variant"].scan_layers, **r["memory"],
                     **r["state_bytes"],

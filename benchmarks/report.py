@@ -299,7 +299,7 @@ def _mfu_of_measured(d: dict, r: dict):
 POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
 # The modifiers that make a step program of its own, a row each (its off / on / ideal ...
 # in the columns); any other modifier (_cm, _pgle, _1f1b, ...) is listed among the others.
-ROW_MODIFIERS = ("save", "dots", "ogr", "zero", "unroll", "noremat")
+ROW_MODIFIERS = ("save", "dots", "attn", "ogr", "zero", "unroll", "noremat")
 
 
 def _row_suffix(variant: str) -> str | None:
@@ -318,7 +318,8 @@ def _row_suffix(variant: str) -> str | None:
 def _row_words(suffix: str, remat: bool) -> str:
   """'save TP outputs + dots, ZeRO, unrolled' for '_save_dots_zero_unroll'."""
   mods = suffix.split("_")
-  kept = [w for m, w in (("save", "save TP outputs"), ("dots", "dots")) if m in mods]
+  kept = [w for m, w in (("save", "save TP outputs"), ("dots", "dots"), ("attn", "attention"))
+          if m in mods]
   words = [("save " + " + ".join(kept).removeprefix("save ") if kept else
             "none" if "noremat" in mods or not remat else "recompute")]
   words += [w for m, w in (("ogr", "grads reduced in backward"), ("zero", "ZeRO"),
@@ -389,7 +390,8 @@ BENCH_TRAIN_WORDS = (
     "recomputes its forward, TP collectives included; `save TP outputs` = the "
     "recomputation keeps what the TP collectives returned (`parallel.save_tp_outputs`, "
     "the `_save` variants); `dots` = it keeps the outputs of the blocks' weight matmuls "
-    "too (`parallel.save_dots`, `_dots`); `none` = no remat (`_noremat`). `attention`: "
+    "too (`parallel.save_dots`, `_dots`); `attention` = and the attention's inputs and "
+    "cuDNN's outputs (`parallel.save_attention`, `_attn`); `none` = no remat (`_noremat`). `attention`: "
     "the attention that ran (`model.attention`: cuDNN flash attention or XLA's). "
     "`ideal` = the step with every TP collective replaced by a local stand-in of the "
     "same shape (free communication); `ring` = the TP layers as ring collective "

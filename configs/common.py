@@ -108,6 +108,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                backward pass's recomputation does not communicate again
   p.save_dots = False            # with model.remat: keep the blocks' matmul outputs too, so the
   #                                backward recomputes only norms, activations and attention
+  p.save_attention = False       # with model.remat: keep the attention's inputs and (cuDNN)
+  #                                outputs too, so the backward does not run its forward again
   p.scan_layers = True           # run the layers as one lax.scan (fast to compile); False
   #                                unrolls them: no per-layer stacking of saved activations,
   #                                faster and with less memory on CPU and GPU (the one-GPU

@@ -15,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+from taco_jax.models import attention
 from taco_jax.models.decoder import loss_fn
 from taco_jax.pallas_kernels import wire
 from taco_jax import testing
@@ -472,6 +473,10 @@ def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   _assert_f32_close(*got["dots_unrolled"][:2], *got["remat"][:2])  # parallel.scan_layers
   _assert_f32_close(*got["saved_on"][:2], *got["remat_on"][:2])
   assert step_lib.remat_policy(step_lib.ParallelSpec(cfg, 1, 1, 4)) is None
+  every_save = step_lib.ParallelSpec(cfg, 1, 1, 4, MICRO, save_tp_outputs=True, save_dots=True,
+                                     save_attention=True)
+  _assert_f32_close(*_loss_grads_collectives(every_save, mesh, params, tokens)[:2],
+                    *got["remat"][:2])  # parallel.save_attention too
 
 
 def _dot_counts(jaxpr, out=None) -> collections.Counter:
@@ -512,3 +517,56 @@ def test_save_dots_keeps_the_recomputation_from_redoing_the_matmuls(tp):
   assert remat == none + collections.Counter(weight=3, batched=2), (remat, none)
   for saves in (dict(save_dots=True), dict(save_dots=True, save_tp_outputs=True)):
     assert counts(cfg, **saves) == none + collections.Counter(batched=2), saves
+
+
+def _named(jaxpr, name, out=0) -> int:
+  """How many values `jaxpr` (and every jaxpr inside it) gives the checkpoint name `name`."""
+  for e in jaxpr.eqns:
+    out += e.primitive.name == "name" and e.params["name"] == name
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out = _named(sub, name, out)
+  return out
+
+
+@pytest.mark.parametrize("block", ["gpt", "qwen"])
+def test_save_attention_keeps_the_recomputation_from_redoing_the_attention_inputs(block):
+  """`save_attention` keeps q, k, v: the step's program makes them (slices of the QKV output,
+  rotary embedding for Qwen) once per block as without remat, where the plain remat and
+  `save_dots` make them again in the backward pass. With `save_dots` as well, the weight
+  matmuls are not recomputed either."""
+  tp = 2
+  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
+  base = CFG if block == "gpt" else layout_lib.model_config(dict(
+      block="qwen", vocab_size=256, n_layers=2, d_model=128, n_heads=8, n_kv_heads=2,
+      d_ff=256, max_seq_len=SEQ))
+  params = layout_lib.abstract_params(base, mesh)
+  tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
+                                sharding=step_lib.batch_sharding(mesh))
+  cfg = dataclasses.replace(base, remat=True)
+
+  def program(c, **saves):
+    spec = step_lib.ParallelSpec(c, 1, 1, tp, MICRO, **saves)
+    return jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(params, tokens).jaxpr
+
+  names = lambda jaxpr: _named(jaxpr, attention.ATTENTION_INPUTS)  # noqa: E731
+  once = names(program(base))
+  assert once == 3, once  # q, k, v in the one body of the layers' scan
+  assert names(program(cfg)) == names(program(cfg, save_dots=True)) == 2 * once
+  assert names(program(cfg, save_attention=True)) == once
+  both = program(cfg, save_dots=True, save_attention=True)
+  assert names(both) == once
+  if block == "gpt":
+    assert _dot_counts(both) == _dot_counts(program(base)) + collections.Counter(batched=2)
+
+
+def test_cudnn_forward_primitive_is_the_one_jax_binds():
+  """`attention.save_attention_policy` keeps cuDNN's forward outputs by its primitive's name:
+  the name of the primitive jax's cuDNN attention binds (a jax internal; pinned version)."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  assert cudnn_attention._dot_product_attention_fwd_p_wrapper.name == attention.CUDNN_FORWARD
+  policy = attention.save_attention_policy()
+  assert policy(cudnn_attention._dot_product_attention_fwd_p_wrapper)
+  assert not policy(jax.lax.exp_p)

@@ -46,6 +46,8 @@ def _config(cache_dir="", **parallel):
                                                  "model.remat would recompute"]),
     (dict(parallel=dict(save_dots=True)), ["parallel.save_dots=True keeps what model.remat "
                                            "would recompute"]),
+    (dict(parallel=dict(save_attention=True)), ["parallel.save_attention=True keeps what "
+                                                "model.remat would recompute"]),
     (dict(parallel=dict(dp=1, pp=1, tp=8), data=dict(seq_len=36), model=dict(vocab_size=260,
                                                                              max_seq_len=36)),
      ["data.seq_len=36", "model.vocab_size=260"]),

@@ -43,7 +43,7 @@ def _model_sizes(m) -> dict:
 
 
 def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_outputs=False,
-                  save_dots=False, tp_overlap="none", schedule="gpipe", virtual_stages=1,
+                  save_dots=False, save_attention=False, tp_overlap="none", schedule="gpipe", virtual_stages=1,
                   log_errors=False, overlap_grad_reduce=False, shard_optimizer=False,
                   batch_size: int | None = None, seq_len: int | None = None,
                   n_devices: int | None = None, n_local_devices: int | None = None
@@ -68,7 +68,8 @@ def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_ou
     return errs
   if tp_overlap not in TP_OVERLAP:
     errs.append(f"parallel.tp_overlap={tp_overlap!r} must be one of {TP_OVERLAP}")
-  for name, on in (("save_tp_outputs", save_tp_outputs), ("save_dots", save_dots)):
+  for name, on in (("save_tp_outputs", save_tp_outputs), ("save_dots", save_dots),
+                   ("save_attention", save_attention)):
     if on and not model.remat:
       errs.append(f"parallel.{name}=True keeps what model.remat would recompute, but "
                   f"model.remat is off; set model.remat=True or leave {name} off")

@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import mappings, monitor
+from taco_jax.models import attention
 from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline, zero
 from taco_jax.plan import CompressionPlan
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors, sending_families
@@ -121,6 +122,10 @@ class ParallelSpec:
   # with model.remat: keep the outputs of the blocks' matmuls (the weight matmuls, not the
   # attention's batched ones) as well (parallel.save_dots; see `remat_policy`)
   save_dots: bool = False
+  # with model.remat: keep the attention's inputs q, k, v and (cuDNN) its output and softmax
+  # statistics, so the backward pass does not run its forward again
+  # (parallel.save_attention; see `remat_policy`)
+  save_attention: bool = False
   # pipeline schedule (parallel.schedule): "gpipe" (jax.grad of a forward over the ticks),
   # "1f1b" or "interleaved" (`taco_jax.tp.schedules`: a backward as soon as it can)
   schedule: str = "gpipe"
@@ -152,7 +157,8 @@ class ParallelSpec:
                          schedule=self.schedule, virtual_stages=self.virtual_stages,
                          log_errors=self.plan.log_errors,
                          save_tp_outputs=self.save_tp_outputs,
-                         save_dots=self.save_dots, tp_overlap=self.tp_overlap,
+                         save_dots=self.save_dots, save_attention=self.save_attention,
+                         tp_overlap=self.tp_overlap,
                          overlap_grad_reduce=self.overlap_grad_reduce,
                          shard_optimizer=self.shard_optimizer, **batch)
 
@@ -230,12 +236,20 @@ def remat_policy(spec: ParallelSpec):
     pass needs of them: the QKV and MLP-in outputs [b, T, 3 D / tp + d_ff / tp] (bf16), and
     the attention's out-projection [b, T, D] unless its reduce-scatter's output is kept.
     At tp > 1 the gathered inputs are not matmul outputs: add `save_tp_outputs`.
+  * `spec.save_attention`: the attention's inputs q, k, v and, with cuDNN, its output and
+    softmax statistics (`attention.save_attention_policy`), so the recomputation neither
+    slices q, k, v out of the QKV output nor runs cuDNN's forward again. Per layer and
+    micro-batch [b, T, 3 D / tp] for q, k, v (with `save_dots` in place of the QKV output,
+    which the backward then does not read), [b, T, D / tp] for the output and
+    [b, heads / tp, T] fp32 for the statistics.
   """
-  names = mappings.save_tp_outputs_policy() if spec.save_tp_outputs else None
-  dots = DOTS_POLICY if spec.save_dots else None
-  if names and dots:
-    return jax.checkpoint_policies.save_from_both_policies(names, dots)
-  return names or dots
+  policies = [policy for on, policy in (
+      (spec.save_tp_outputs, mappings.save_tp_outputs_policy()),
+      (spec.save_dots, DOTS_POLICY),
+      (spec.save_attention, attention.save_attention_policy())) if on]
+  if len(policies) < 2:
+    return policies[0] if policies else None
+  return lambda *args, **params: any(policy(*args, **params) for policy in policies)
 
 
 def _embed(spec: ParallelSpec, params, tokens_BT):

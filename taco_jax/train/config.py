@@ -127,7 +127,7 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
       microbatches=p.microbatches, interleave=p.interleave, schedule=p.schedule,
       virtual_stages=p.virtual_stages, log_errors=log_errors,
       save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
-      overlap_grad_reduce=p.overlap_grad_reduce, shard_optimizer=p.shard_optimizer,
+      save_attention=p.save_attention, overlap_grad_reduce=p.overlap_grad_reduce, shard_optimizer=p.shard_optimizer,
       batch_size=c.data.batch_size, seq_len=c.data.seq_len, n_devices=n_devices,
       n_local_devices=n_local_devices)
 
@@ -140,7 +140,7 @@ def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
                       virtual_stages=p.virtual_stages, tp_overlap=p.tp_overlap,
                       tp_exchange=p.tp_exchange, interleave=p.interleave,
                       save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
-                      scan_layers=p.scan_layers,
+                      save_attention=p.save_attention, scan_layers=p.scan_layers,
                       shard_optimizer=p.shard_optimizer,
                       overlap_grad_reduce=p.overlap_grad_reduce)
 
