@@ -318,7 +318,7 @@ def _row_suffix(variant: str) -> str | None:
 def _row_words(suffix: str, remat: bool) -> str:
   """'save TP outputs + dots, ZeRO, unrolled' for '_save_dots_zero_unroll'."""
   mods = suffix.split("_")
-  kept = [w for m, w in (("save", "save TP outputs"), ("dots", "dots"), ("attn", "attention"))
+  kept = [w for m, w in (("save", "save TP outputs"), ("dots", "dots"), ("attn", "attn"))
           if m in mods]
   words = [("save " + " + ".join(kept).removeprefix("save ") if kept else
             "none" if "noremat" in mods or not remat else "recompute")]
@@ -390,7 +390,7 @@ BENCH_TRAIN_WORDS = (
     "recomputes its forward, TP collectives included; `save TP outputs` = the "
     "recomputation keeps what the TP collectives returned (`parallel.save_tp_outputs`, "
     "the `_save` variants); `dots` = it keeps the outputs of the blocks' weight matmuls "
-    "too (`parallel.save_dots`, `_dots`); `attention` = and the attention's inputs and "
+    "too (`parallel.save_dots`, `_dots`); `attn` = and the attention's inputs and "
     "cuDNN's outputs (`parallel.save_attention`, `_attn`); `none` = no remat (`_noremat`). `attention`: "
     "the attention that ran (`model.attention`: cuDNN flash attention or XLA's). "
     "`ideal` = the step with every TP collective replaced by a local stand-in of the "
