@@ -81,6 +81,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           where --compress lists dp (gradients) and dp_params (weight differences)
   _unroll the layers unrolled instead of a scan over the stacked blocks
           (`parallel.scan_layers=False`)
+  _idx    (with _unroll) the unrolled layers index the stacked parameters once a layer
+          (`step.UNSTACK_LAYERS` off), where the layers unstack them (since 2026-11-28):
+          the layers before that
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _cif2   (GSPMD too) XLA's latency-hiding scheduler may keep two asynchronous collectives
@@ -154,7 +157,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "ogr", "zero", "unroll", "noremat", "cif2", "cif4",
+             "vs2", "il2", "save", "dots", "attn", "ogr", "zero", "unroll", "idx", "noremat", "cif2", "cif4",
              "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -190,6 +193,7 @@ class Variant:
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
   overlap_grad_reduce: bool = False  # _ogr: parallel.overlap_grad_reduce
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
+  indexed: bool = False         # _idx: step.UNSTACK_LAYERS off
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
   graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
 
@@ -223,14 +227,14 @@ def parse_variant(name: str) -> Variant:
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
-      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1):
+      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
-                     "_cif2 or _cif4; no ideal_zero)")
+                     "_cif2 or _cif4; no ideal_zero; _idx only with _unroll)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  save_attention="attn" in mods,
@@ -244,7 +248,7 @@ def parse_variant(name: str) -> Variant:
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
-                 scan_layers="unroll" not in mods,
+                 scan_layers="unroll" not in mods, indexed="idx" in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
                  graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
                              "none"))
@@ -331,7 +335,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from benchmarks import gspmd
   from taco_jax import collectives
   from taco_jax.pallas_kernels import ag_matmul, matmul_rs
-  from taco_jax.tp import fused, overlap
+  from taco_jax.tp import fused, overlap, step as step_lib
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
   from taco_jax.train.trainer import opt_state_target, shardings
@@ -375,6 +379,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         + [mock.patch.object(matmul_rs, "TILING", dataclasses.replace(ag_matmul.WIDE, stages=3))]
         * variant.rs_wide
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
+        + [mock.patch.object(step_lib, "UNSTACK_LAYERS", False)] * variant.indexed
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange),
            mock.patch.object(fused, "EXCHANGE_FORWARD", variant.forward_exchange)])
   return step, state, batch, mesh, plan, ctx

@@ -570,3 +570,39 @@ def test_cudnn_forward_primitive_is_the_one_jax_binds():
   policy = attention.save_attention_policy()
   assert policy(cudnn_attention._dot_product_attention_fwd_p_wrapper)
   assert not policy(jax.lax.exp_p)
+
+
+def _count(jaxpr, primitive: str, out=0) -> int:
+  """How many `primitive` equations `jaxpr` (and every jaxpr inside it) has."""
+  for e in jaxpr.eqns:
+    out += e.primitive.name == primitive
+    for v in e.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          out = _count(sub, primitive, out)
+  return out
+
+
+def test_unrolled_layers_unstack_their_parameters(monkeypatch):
+  """With `scan_layers=False` each stacked leaf is unstacked once, so its gradient is one
+  concatenate, not a sum of n padded arrays, one per layer (which XLA fused with the
+  gradients' norm into one slow pass: `step.UNSTACK_LAYERS`). Loss and gradients are the
+  per-layer indexing's, bit for bit."""
+  mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
+  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  spec = step_lib.ParallelSpec(CFG, 1, 1, 2, MICRO, scan_layers=False)
+  leaves = len(jax.tree.leaves(params["blocks"]))
+  got = {}
+  for unstack in (True, False):
+    monkeypatch.setattr(step_lib, "UNSTACK_LAYERS", unstack)
+    fn = step_lib.loss_and_grads_fn(spec, mesh)
+    jaxpr = jax.make_jaxpr(fn)(params, tokens).jaxpr
+    got[unstack] = (_count(jaxpr, "unstack"), _count(jaxpr, "pad"),
+                    jax.device_get(jax.jit(fn)(params, tokens)))
+  assert got[True][0] == leaves and got[False][0] == 0
+  assert got[False][1] - got[True][1] == leaves * CFG.n_layers
+  for a, b in zip(jax.tree.leaves(got[True][2]), jax.tree.leaves(got[False][2])):
+    np.testing.assert_array_equal(a, b)

@@ -41,6 +41,13 @@ from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors, sending_families
 
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
 
+# Unrolled layers (parallel.scan_layers=False) take their parameters from the stacked blocks
+# by one unstack per leaf, whose gradient is one concatenate. Indexing the stack once per
+# layer makes the gradient a sum of n padded arrays, which XLA fused with the gradients'
+# norm into one slow pass (1.3B on an H200: 10.5 ms a step). False: that indexing, for
+# bench_train's A/B (`_idx`).
+UNSTACK_LAYERS = True
+
 # XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
 # chain: DotMerger fuses dots sharing an operand (here the weight: A's and B's projection
 # become one dot over both gathered inputs, which waits for both all-gathers), and the
@@ -299,11 +306,20 @@ def _trunk(spec: ParallelSpec, constrain: Callable | None = None, reduce_grads_o
     if spec.scan_layers:
       hs = jax.lax.scan(layer, hs, blocks)[0]
     else:
-      for i in range(jax.tree.leaves(blocks)[0].shape[0]):
-        hs = layer(hs, jax.tree.map(lambda x, i=i: x[i], blocks))[0]
+      for p in _layer_params(blocks):
+        hs = layer(hs, p)[0]
     return jnp.concatenate(hs) if k > 1 else hs[0]
 
   return trunk
+
+
+def _layer_params(blocks) -> list:
+  """The stacked blocks' parameters [n, ...] as n per-layer trees (`UNSTACK_LAYERS`)."""
+  n = jax.tree.leaves(blocks)[0].shape[0]
+  if not UNSTACK_LAYERS:
+    return [jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(n)]
+  leaves, tree = jax.tree.flatten(blocks)
+  return [jax.tree.unflatten(tree, layer) for layer in zip(*map(jnp.unstack, leaves))]
 
 
 def _head_loss(spec: ParallelSpec, params, h_BSD, tgt_BT):
