@@ -84,9 +84,6 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _idx    (with _unroll) the unrolled layers index the stacked parameters once a layer
           (`step.UNSTACK_LAYERS` off), where the layers unstack them (since 2026-11-28):
           the layers before that
-  _jgelu  the GPT MLP's activation as jax.nn.gelu on bf16 (`models.gpt.ACTIVATION`), where
-          the model computes it in fp32 with its own derivative (since 2026-11-28): the
-          model before that
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _cif2   (GSPMD too) XLA's latency-hiding scheduler may keep two asynchronous collectives
@@ -138,7 +135,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import pathlib
@@ -161,7 +157,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "ogr", "zero", "unroll", "idx", "jgelu", "noremat", "cif2", "cif4",
+             "vs2", "il2", "save", "dots", "attn", "ogr", "zero", "unroll", "idx", "noremat", "cif2", "cif4",
              "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -198,7 +194,6 @@ class Variant:
   overlap_grad_reduce: bool = False  # _ogr: parallel.overlap_grad_reduce
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
   indexed: bool = False         # _idx: step.UNSTACK_LAYERS off
-  jax_gelu: bool = False        # _jgelu: models.gpt.ACTIVATION = jax.nn.gelu on bf16
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
   graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
 
@@ -254,7 +249,6 @@ def parse_variant(name: str) -> Variant:
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
                  scan_layers="unroll" not in mods, indexed="idx" in mods,
-                 jax_gelu="jgelu" in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
                  graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
                              "none"))
@@ -341,7 +335,6 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from benchmarks import gspmd
   from taco_jax import collectives
   from taco_jax.pallas_kernels import ag_matmul, matmul_rs
-  from taco_jax.models import gpt
   from taco_jax.tp import fused, overlap, step as step_lib
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
@@ -387,8 +380,6 @@ def _program(variant: Variant, layout, args, cfg, tx):
         * variant.rs_wide
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
         + [mock.patch.object(step_lib, "UNSTACK_LAYERS", False)] * variant.indexed
-        + [mock.patch.object(gpt, "ACTIVATION", functools.partial(
-            jax.nn.gelu, approximate=True))] * variant.jax_gelu
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange),
            mock.patch.object(fused, "EXCHANGE_FORWARD", variant.forward_exchange)])
   return step, state, batch, mesh, plan, ctx

@@ -16,11 +16,7 @@ from flax import nnx
 
 from taco_jax.models.attention import causal_attention
 from taco_jax.models.decoder import Decoder, DecoderBlock, DecoderConfig
-from taco_jax.models.layers import gelu_tanh, layer_norm, normal_init
-
-# The MLP's activation: GELU's tanh approximation, computed in fp32 (`layers.gelu_tanh`).
-# bench_train's `_jgelu` A/B sets jax's own on bf16, the model's before 2026-11-28.
-ACTIVATION = gelu_tanh
+from taco_jax.models.layers import layer_norm, normal_init
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +51,7 @@ class Block(DecoderBlock):
     return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:
-    return self.mlp_out(ACTIVATION(self.mlp_in(x_BTD)))
+    return self.mlp_out(jax.nn.gelu(self.mlp_in(x_BTD), approximate=True))
 
 
 class GPT(Decoder):

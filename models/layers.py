@@ -18,7 +18,6 @@ Contract a factory must keep (what `Block` relies on):
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Protocol
 
 import jax
@@ -94,37 +93,3 @@ def layer_norm(d_model: int, *, eps: float, dtype, rngs: nnx.Rngs) -> nnx.LayerN
   """Pre-LN norm: fp32 scale/bias, statistics in fp32, output in `dtype`."""
   return nnx.LayerNorm(d_model, epsilon=eps, dtype=dtype, param_dtype=jnp.float32,
                        rngs=rngs)
-
-
-_GELU_C = math.sqrt(2 / math.pi)  # the tanh approximation's constants
-_GELU_K = 0.044715
-
-
-def _gelu_tanh_f32(x32):
-  """(gelu(x), tanh of its inner term), fp32."""
-  t = jnp.tanh(_GELU_C * (x32 + _GELU_K * x32 * x32 * x32))
-  return 0.5 * x32 * (1 + t), t
-
-
-@jax.custom_vjp
-def gelu_tanh(x: jax.Array) -> jax.Array:
-  """GELU, tanh approximation (`jax.nn.gelu(x, approximate=True)`), in fp32 and rounded to
-  x's dtype once; its derivative likewise, from x alone. On bf16 inputs jax's own runs each
-  step in bf16, and XLA split its backward pass into two fusions: at 1.3B on an H200 the
-  activation took 0.74 ms a layer, about twice what its bytes take
-  (benchmarks/probe_activation.py)."""
-  return _gelu_tanh_f32(x.astype(jnp.float32))[0].astype(x.dtype)
-
-
-def _gelu_tanh_fwd(x):
-  return gelu_tanh(x), x
-
-
-def _gelu_tanh_bwd(x, g):
-  x32 = x.astype(jnp.float32)
-  _, t = _gelu_tanh_f32(x32)
-  slope = 0.5 * (1 + t) + 0.5 * x32 * (1 - t * t) * _GELU_C * (1 + 3 * _GELU_K * x32 * x32)
-  return ((g.astype(jnp.float32) * slope).astype(x.dtype),)
-
-
-gelu_tanh.defvjp(_gelu_tanh_fwd, _gelu_tanh_bwd)
