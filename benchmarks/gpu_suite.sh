@@ -63,6 +63,7 @@
 #   bash benchmarks/gpu_suite.sh trainer_1gpu        # the trainer itself, 1.3B on one GPU: XLA's
 #                                                    # overlap options off / on, and with PGLE
 #   bash benchmarks/gpu_suite.sh trainer_remat_1gpu  # ... as configured, save_dots, + unrolled
+#   bash benchmarks/gpu_suite.sh trainer_attn_1gpu   # ... without / with save_attention
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
@@ -215,6 +216,12 @@ for job in "$@"; do
         read -r first second <<< "$v"
         trainer_40 gpt_1_3b "trainer_1gpu_b${BATCH:-8}_$(slug "$v")" 180 \
           --config.parallel.$first --config.parallel.$second --config.data.batch_size=${BATCH:-8}
+      done ;;
+    trainer_attn_1gpu)  # the trainer's own 1.3B step (batch 8, 40 steps) without and with
+      # parallel.save_attention (gpt_1_3b's setting since 2026-11-28)
+      for v in save_attention=False save_attention=True; do
+        trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "$v")" 180 --config.parallel.$v \
+          --config.data.batch_size=8
       done ;;
     trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'
       # batch; 40 steps) with the layers scanned (with and without XLA's overlap options,
