@@ -12,7 +12,7 @@ def get_config():
   # keep the blocks' matmul outputs through remat and unroll the layers: the trainer's own
   # step on one H200 (batch 8) went from MFU 0.455 to 0.491 (save_dots) and 0.521 (both),
   # compiling in 18 s instead of 9 (benchmarks/results/trainer_summary_1.3b_*_1gpu_*.json)
-  # keeping the attention's inputs and cuDNN's outputs too: 278.53 ms a step against 288.05
-  # on one H200 at batch 8 (bench_train_attn_1gpu_20261128.json)
+  # keeping the attention's inputs and cuDNN's outputs too: the trainer's step at batch 8 on
+  # one H200 went from MFU 0.542 to 0.563 (trainer_summary_1.3b_h200_b8_save_attention_*)
   c.parallel.update(save_dots=True, save_attention=True, scan_layers=False)
   return c
