@@ -73,6 +73,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           the backward pass recomputes only norms, activation and attention
   _attn   the layer remat keeps the attention's inputs and, with cuDNN, its outputs
           (`parallel.save_attention`): the backward pass does not run its forward again
+  _head   the loss head keeps its softmax for the backward pass (`parallel.save_head`): the
+          backward pass does not run the head's matmul again
   _ogr    each layer's gradients all-reduced over "data" inside the backward pass
           (`parallel.overlap_grad_reduce`: they travel while the earlier layers' backward
           runs), not all of them after it; pp = 1 and no _zero
@@ -157,7 +159,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "ogr", "zero", "unroll", "idx", "noremat", "cif2", "cif4",
+             "vs2", "il2", "save", "dots", "attn", "head", "ogr", "zero", "unroll", "idx", "noremat", "cif2", "cif4",
              "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -178,6 +180,7 @@ class Variant:
   save_tp_outputs: bool = False  # _save: parallel.save_tp_outputs (with remat)
   save_dots: bool = False       # _dots: parallel.save_dots (with remat)
   save_attention: bool = False  # _attn: parallel.save_attention (with remat)
+  save_head: bool = False       # _head: parallel.save_head
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
@@ -237,7 +240,7 @@ def parse_variant(name: str) -> Variant:
                      "_cif2 or _cif4; no ideal_zero; _idx only with _unroll)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
-                 save_attention="attn" in mods,
+                 save_attention="attn" in mods, save_head="head" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
                  dw_f32="dwf32" in mods,
@@ -369,6 +372,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                           save_tp_outputs=variant.save_tp_outputs,
                                           save_dots=variant.save_dots,
                                           save_attention=variant.save_attention,
+                                          save_head=variant.save_head,
                                           shard_optimizer=variant.shard_optimizer,
                                           overlap_grad_reduce=variant.overlap_grad_reduce,
                                           scan_layers=variant.scan_layers)
@@ -487,6 +491,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     save_tp_outputs=r["variant"].save_tp_outputs,
                     save_dots=r["variant"].save_dots,
                     save_attention=r["variant"].save_attention,
+                    save_head=r["variant"].save_head,
                     shard_optimizer=r["variant"].shard_optimizer,
                     scan_layers=r["variant"].scan_layers, **r["memory"],
                     **r["state_bytes"],

@@ -110,6 +110,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   #                                backward recomputes only norms, activations and attention
   p.save_attention = False       # with model.remat: keep the attention's inputs and (cuDNN)
   #                                outputs too, so the backward does not run its forward again
+  p.save_head = False            # keep the loss head's softmax [b, T, V / tp] (fp32) for the
+  #                                backward pass, which then does not run the head's matmul again
   p.scan_layers = True           # run the layers as one lax.scan (fast to compile); False
   #                                unrolls them: no per-layer stacking of saved activations,
   #                                faster and with less memory on CPU and GPU (the one-GPU

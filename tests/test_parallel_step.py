@@ -606,3 +606,25 @@ def test_unrolled_layers_unstack_their_parameters(monkeypatch):
   assert got[False][1] - got[True][1] == leaves * CFG.n_layers
   for a, b in zip(jax.tree.leaves(got[True][2]), jax.tree.leaves(got[False][2])):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tp", [2, 1])
+def test_save_head_keeps_the_backward_from_redoing_the_head(tp):
+  """`save_head` keeps the loss head's softmax (`layers.HEAD_SOFTMAX`) and gathered input: the
+  step's program has one weight matmul fewer (the head's recomputed logits) and, at tp > 1,
+  two all-gathers fewer (the head's input and the logits' maxima, gathered again); loss and
+  gradients are the same."""
+  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
+  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  got = {}
+  for save in (False, True):
+    spec = step_lib.ParallelSpec(CFG, 1, 1, tp, MICRO, save_head=save)
+    fn = step_lib.loss_and_grads_fn(spec, mesh)
+    jaxpr = jax.make_jaxpr(fn)(params, tokens).jaxpr
+    got[save] = (_dot_counts(jaxpr)["weight"], _count(jaxpr, "all_gather"),
+                 jax.device_get(jax.jit(fn)(params, tokens)))
+  assert got[False][0] - got[True][0] == 1
+  assert got[False][1] - got[True][1] == (2 if tp > 1 else 0), (got[False][1], got[True][1])
+  _assert_f32_close(*got[True][2], *got[False][2])

@@ -251,9 +251,33 @@ def _head_logits_bwd(res, g_BTV):
 head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
 
 
+HEAD_SOFTMAX = "taco_head_softmax"  # checkpoint name of the loss's exp(logits - max), sum
+
+
+@jax.custom_vjp
+def _sum_exp(z):
+  """sum(exp(z)) over the last axis, whose backward pass reads exp(z) by the checkpoint name
+  ``HEAD_SOFTMAX`` (autodiff's would read exp's own output, which no name reaches), so that a
+  policy keeping that name spares the backward pass the logits (parallel.save_head)."""
+  return jnp.sum(jnp.exp(z), axis=-1)
+
+
+def _sum_exp_fwd(z):
+  e = checkpoint_name(jnp.exp(z), HEAD_SOFTMAX)
+  return jnp.sum(e, axis=-1), e
+
+
+def _sum_exp_bwd(e, g):
+  return (e * g[..., None],)
+
+
+_sum_exp.defvjp(_sum_exp_fwd, _sum_exp_bwd)
+
+
 def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array,
                         ctx: TPContext) -> jax.Array:
-  """Per-token cross-entropy (fp32) of the tied head h @ w.T, never gathering full logits."""
+  """Per-token cross-entropy (fp32) of the tied head h @ w.T, never gathering full logits.
+  The softmax's numerators and their sum carry the checkpoint name ``HEAD_SOFTMAX``."""
   if ctx.overlap == "ring" and ctx.tp > 1:
     logits_BTV = overlap.gather_matmul(h_BSD.astype(ctx.dtype), w_VD.astype(ctx.dtype).T,
                                        TENSOR, *ctx.codecs("gather_from_sp"), jnp.float32)
@@ -262,7 +286,8 @@ def vocab_parallel_xent(h_BSD: jax.Array, w_VD: jax.Array, targets_BT: jax.Array
   m_BT = jax.lax.stop_gradient(jnp.max(logits_BTV, axis=-1))
   if ctx.tp > 1:  # any common shift >= each local max keeps exp() finite; no gradient
     m_BT = jnp.max(collectives.all_gather(m_BT, TENSOR, axis=0, tiled=False), axis=0)
-  sumexp_BT = _sum_tp(jnp.sum(jnp.exp(logits_BTV - m_BT[..., None]), axis=-1), ctx)
+  sumexp_BT = checkpoint_name(_sum_tp(_sum_exp(logits_BTV - m_BT[..., None]), ctx),
+                              HEAD_SOFTMAX)
   rows_BT, mine_BT = _local_ids(targets_BT, w_VD.shape[0], ctx)
   tgt_BT = jnp.take_along_axis(logits_BTV, rows_BT[..., None], axis=-1)[..., 0]
   tgt_BT = _sum_tp(jnp.where(mine_BT, tgt_BT, 0.0), ctx)

@@ -133,6 +133,10 @@ class ParallelSpec:
   # statistics, so the backward pass does not run its forward again
   # (parallel.save_attention; see `remat_policy`)
   save_attention: bool = False
+  # keep the loss head's softmax numerators [b, T, V / tp] (fp32) and its gathered input for
+  # the backward pass, which then does not run the head's matmul (and gather) again
+  # (parallel.save_head; see `_head_policy`)
+  save_head: bool = False
   # pipeline schedule (parallel.schedule): "gpipe" (jax.grad of a forward over the ticks),
   # "1f1b" or "interleaved" (`taco_jax.tp.schedules`: a backward as soon as it can)
   schedule: str = "gpipe"
@@ -379,10 +383,21 @@ def _local_loss(spec: ParallelSpec, params, tokens_BT1, reduce_grads_over_data=F
   trunk = _trunk(spec, reduce_grads_over_data=reduce_grads_over_data)
   out_MBSD = pipeline.gpipe(lambda h: trunk(params["blocks"], h), h_MBSD, pp=spec.pp,
                             fwd=spec.plan.codec("pp/fwd"), bwd=spec.plan.codec("pp/bwd"))
-  head = jax.checkpoint(lambda h, tgt: _head_loss(spec, params, h, tgt))  # no [b, T, V/tp]
-  #                                                    logits kept for the backward pass
+  head = jax.checkpoint(lambda h, tgt: _head_loss(spec, params, h, tgt),
+                        policy=_head_policy(spec))
   return _on_stage(spec, spec.pp - 1, lambda: jnp.mean(jax.lax.map(
       lambda a: head(*a), (out_MBSD, targets))), jnp.zeros((), jnp.float32))
+
+
+def _head_policy(spec: ParallelSpec):
+  """The GPipe head's `jax.checkpoint` policy: keep nothing (None), so no [b, T, V / tp]
+  array lives from a micro-batch's forward pass to its backward pass, or with
+  `spec.save_head` keep the softmax's numerators and sums (`layers.HEAD_SOFTMAX`) and the
+  gathered input (`mappings.TP_OUTPUT`): then the backward pass runs neither the head's
+  matmul nor its all-gather again. 1.3B on one H200 at batch 8: 3.3 GB."""
+  if not spec.save_head:
+    return None
+  return jax.checkpoint_policies.save_only_these_names(layers.HEAD_SOFTMAX, mappings.TP_OUTPUT)
 
 
 def _scheduled_loss_grads(spec: ParallelSpec, params, tokens_BT1):

@@ -140,7 +140,8 @@ def parallel_spec(c: ml_collections.ConfigDict) -> ParallelSpec:
                       virtual_stages=p.virtual_stages, tp_overlap=p.tp_overlap,
                       tp_exchange=p.tp_exchange, interleave=p.interleave,
                       save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
-                      save_attention=p.save_attention, scan_layers=p.scan_layers,
+                      save_attention=p.save_attention, save_head=p.save_head,
+                      scan_layers=p.scan_layers,
                       shard_optimizer=p.shard_optimizer,
                       overlap_grad_reduce=p.overlap_grad_reduce)
 
