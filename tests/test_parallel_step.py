@@ -628,3 +628,15 @@ def test_save_head_keeps_the_backward_from_redoing_the_head(tp):
   assert got[False][0] - got[True][0] == 1
   assert got[False][1] - got[True][1] == (2 if tp > 1 else 0), (got[False][1], got[True][1])
   _assert_f32_close(*got[True][2], *got[False][2])
+
+
+def test_save_head_with_a_pipeline_matches():
+  """`save_head` on a (1, 2, 2) mesh (the head under `_on_stage`, two micro-batches' softmax
+  kept at once): the same loss and gradients as without it."""
+  mesh = make_mesh(1, 2, 2, devices=jax.devices()[:4])
+  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  got = [_loss_grads_collectives(step_lib.ParallelSpec(CFG, 1, 2, 2, MICRO, save_head=save),
+                                 mesh, params, tokens)[:2] for save in (True, False)]
+  _assert_f32_close(*got[0], *got[1])
