@@ -159,8 +159,8 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "head", "ogr", "zero", "unroll", "idx", "noremat", "cif2", "cif4",
-             "pgle", "graphs", "fgraphs")
+             "vs2", "il2", "save", "dots", "attn", "head", "ogr", "zero", "unroll", "idx",
+             "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
@@ -286,8 +286,10 @@ def parse_args(argv=None):
     args._variants = [parse_variant(v) for v in args.variants.split(",")]
   except ValueError as e:
     p.error(str(e))
-  if any(v.save_tp_outputs or v.save_dots or v.save_attention for v in args._variants) and args.no_remat:
-    p.error("_save / _dots variants say what the recomputation keeps: not with --no-remat")
+  if args.no_remat and any(v.save_tp_outputs or v.save_dots or v.save_attention
+                           for v in args._variants):
+    p.error("_save / _dots / _attn variants say what the recomputation keeps: not with "
+            "--no-remat")
   return args
 
 

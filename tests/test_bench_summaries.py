@@ -143,7 +143,8 @@ def test_bench_train_variant_names():
   assert [bench_train.parse_variant(n).scan_layers for n in ("off_dots_unroll", "off_dots")] == [
       False, True]
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
-              "off_save_noremat", "off_dots_noremat", "off_attn_noremat", "off_attn_dots", "gspmd_dots", "gspmd_zero", "ideal_zero",
+              "off_save_noremat", "off_dots_noremat", "off_attn_noremat", "off_attn_dots",
+              "gspmd_dots", "gspmd_zero", "ideal_zero",
               "off_zero_save", "gspmd_unroll", "off_unroll_dots", "on_cif2_cif4",
               "on_pgle_cif2", "gspmd_save_cif2", "off_save_graphs", "off_cm_graphs_pgle",
               "off_save_fgraphs", "off_cm_graphs_fgraphs", "off_push", "off_save_cm_push",

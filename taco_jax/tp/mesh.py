@@ -43,8 +43,9 @@ def _model_sizes(m) -> dict:
 
 
 def layout_errors(model, *, dp, pp, tp, microbatches=1, interleave=1, save_tp_outputs=False,
-                  save_dots=False, save_attention=False, tp_overlap="none", schedule="gpipe", virtual_stages=1,
-                  log_errors=False, overlap_grad_reduce=False, shard_optimizer=False,
+                  save_dots=False, save_attention=False, tp_overlap="none", schedule="gpipe",
+                  virtual_stages=1, log_errors=False, overlap_grad_reduce=False,
+                  shard_optimizer=False,
                   batch_size: int | None = None, seq_len: int | None = None,
                   n_devices: int | None = None, n_local_devices: int | None = None
                   ) -> list[str]:

@@ -127,7 +127,8 @@ def parallel_errors(c, n_devices: int | None = None, n_local_devices: int | None
       microbatches=p.microbatches, interleave=p.interleave, schedule=p.schedule,
       virtual_stages=p.virtual_stages, log_errors=log_errors,
       save_tp_outputs=p.save_tp_outputs, save_dots=p.save_dots,
-      save_attention=p.save_attention, overlap_grad_reduce=p.overlap_grad_reduce, shard_optimizer=p.shard_optimizer,
+      save_attention=p.save_attention, overlap_grad_reduce=p.overlap_grad_reduce,
+      shard_optimizer=p.shard_optimizer,
       batch_size=c.data.batch_size, seq_len=c.data.seq_len, n_devices=n_devices,
       n_local_devices=n_local_devices)
 
