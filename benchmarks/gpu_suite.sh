@@ -64,6 +64,7 @@
 #                                                    # overlap options off / on, and with PGLE
 #   bash benchmarks/gpu_suite.sh trainer_remat_1gpu  # ... as configured, save_dots, + unrolled
 #   bash benchmarks/gpu_suite.sh trainer_attn_1gpu   # ... without / with save_attention
+#   bash benchmarks/gpu_suite.sh trainer_head_1gpu   # ... without / with save_head
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
@@ -217,9 +218,11 @@ for job in "$@"; do
         trainer_40 gpt_1_3b "trainer_1gpu_b${BATCH:-8}_$(slug "$v")" 180 \
           --config.parallel.$first --config.parallel.$second --config.data.batch_size=${BATCH:-8}
       done ;;
-    trainer_attn_1gpu)  # the trainer's own 1.3B step (batch 8, 40 steps) without and with
-      # parallel.save_attention (gpt_1_3b's setting since 2026-11-28)
-      for v in save_attention=False save_attention=True; do
+    trainer_attn_1gpu | trainer_head_1gpu)  # the trainer's own 1.3B step (batch 8, 40
+      # steps) without and with parallel.save_attention / save_head (gpt_1_3b's settings
+      # since 2026-11-28)
+      flag=save_attention; [[ $job == trainer_head_1gpu ]] && flag=save_head
+      for v in $flag=False $flag=True; do
         trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "$v")" 180 --config.parallel.$v \
           --config.data.batch_size=8
       done ;;
