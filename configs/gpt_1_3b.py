@@ -14,7 +14,7 @@ def get_config():
   # compiling in 18 s instead of 9 (benchmarks/results/trainer_summary_1.3b_*_1gpu_*.json)
   # keeping the attention's inputs and cuDNN's outputs too: the trainer's step at batch 8 on
   # one H200 went from MFU 0.542 to 0.563 (trainer_summary_1.3b_h200_b8_save_attention_*)
-  # and the loss head's softmax: 269.50 ms a bench_train step against 274.28, no higher peak
-  # (bench_train_head_1gpu_20261128.json)
+  # and the loss head's softmax: 269.50 ms a bench_train step (vocab 50304) against 274.28,
+  # no higher peak (bench_train_head_1gpu_20261128.json); no change at this vocab of 256
   c.parallel.update(save_dots=True, save_attention=True, save_head=True, scan_layers=False)
   return c
