@@ -479,20 +479,30 @@ def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
                     *got["remat"][:2])  # parallel.save_attention too
 
 
-def _dot_counts(jaxpr, out=None) -> collections.Counter:
-  """dot_generals in `jaxpr` and every jaxpr inside it (scan bodies, remat, shard_map):
-  "batched" (batch dimensions: the attention's) or "weight" (none: the linear layers')."""
-  out = collections.Counter() if out is None else out
+def _eqns(jaxpr):
+  """Every equation of `jaxpr` and of every jaxpr inside it (scan bodies, remat, shard_map)."""
   for e in jaxpr.eqns:
-    if e.primitive.name == "dot_general":
-      (_, _), (batch, _) = e.params["dimension_numbers"]
-      out["batched" if batch else "weight"] += 1
+    yield e
     for v in e.params.values():
       for sub in v if isinstance(v, (list, tuple)) else [v]:
         sub = getattr(sub, "jaxpr", sub)
         if hasattr(sub, "eqns"):
-          _dot_counts(sub, out)
-  return out
+          yield from _eqns(sub)
+
+
+def _dot_counts(jaxpr) -> collections.Counter:
+  """dot_generals in `jaxpr` and every jaxpr inside it: "batched" (batch dimensions: the
+  attention's) or "weight" (none: the linear layers')."""
+  return collections.Counter(
+      "batched" if e.params["dimension_numbers"][1][0] else "weight"
+      for e in _eqns(jaxpr) if e.primitive.name == "dot_general")
+
+
+def _count(jaxpr, primitive: str, name: str | None = None) -> int:
+  """How many `primitive` equations `jaxpr` (and every jaxpr inside it) has; with `name`,
+  how many values it gives that checkpoint name (`primitive` "name")."""
+  return sum(e.primitive.name == primitive and (name is None or e.params["name"] == name)
+             for e in _eqns(jaxpr))
 
 
 @pytest.mark.parametrize("tp", [2, 1])
@@ -519,18 +529,6 @@ def test_save_dots_keeps_the_recomputation_from_redoing_the_matmuls(tp):
     assert counts(cfg, **saves) == none + collections.Counter(batched=2), saves
 
 
-def _named(jaxpr, name, out=0) -> int:
-  """How many values `jaxpr` (and every jaxpr inside it) gives the checkpoint name `name`."""
-  for e in jaxpr.eqns:
-    out += e.primitive.name == "name" and e.params["name"] == name
-    for v in e.params.values():
-      for sub in v if isinstance(v, (list, tuple)) else [v]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          out = _named(sub, name, out)
-  return out
-
-
 @pytest.mark.parametrize("block", ["gpt", "qwen"])
 def test_save_attention_keeps_the_recomputation_from_redoing_the_attention_inputs(block):
   """`save_attention` keeps q, k, v: the step's program makes them (slices of the QKV output,
@@ -551,7 +549,7 @@ def test_save_attention_keeps_the_recomputation_from_redoing_the_attention_input
     spec = step_lib.ParallelSpec(c, 1, 1, tp, MICRO, **saves)
     return jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(params, tokens).jaxpr
 
-  names = lambda jaxpr: _named(jaxpr, attention.ATTENTION_INPUTS)  # noqa: E731
+  names = lambda jaxpr: _count(jaxpr, "name", attention.ATTENTION_INPUTS)  # noqa: E731
   once = names(program(base))
   assert once == 3, once  # q, k, v in the one body of the layers' scan
   assert names(program(cfg)) == names(program(cfg, save_dots=True)) == 2 * once
@@ -570,18 +568,6 @@ def test_cudnn_forward_primitive_is_the_one_jax_binds():
   policy = attention.save_attention_policy()
   assert policy(cudnn_attention._dot_product_attention_fwd_p_wrapper)
   assert not policy(jax.lax.exp_p)
-
-
-def _count(jaxpr, primitive: str, out=0) -> int:
-  """How many `primitive` equations `jaxpr` (and every jaxpr inside it) has."""
-  for e in jaxpr.eqns:
-    out += e.primitive.name == primitive
-    for v in e.params.values():
-      for sub in v if isinstance(v, (list, tuple)) else [v]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          out = _count(sub, primitive, out)
-  return out
 
 
 def test_unrolled_layers_unstack_their_parameters(monkeypatch):
