@@ -498,6 +498,16 @@ def _dot_counts(jaxpr) -> collections.Counter:
       for e in _eqns(jaxpr) if e.primitive.name == "dot_general")
 
 
+def _step_jaxpr(cfg, tp: int, **spec_fields):
+  """The jaxpr of the loss and gradients of `cfg` on a (1, 1, tp) mesh, abstract inputs."""
+  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
+  tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
+                                sharding=step_lib.batch_sharding(mesh))
+  spec = step_lib.ParallelSpec(cfg, 1, 1, tp, MICRO, **spec_fields)
+  return jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(
+      layout_lib.abstract_params(cfg, mesh), tokens).jaxpr
+
+
 def _count(jaxpr, primitive: str, name: str | None = None) -> int:
   """How many `primitive` equations `jaxpr` (and every jaxpr inside it) has; with `name`,
   how many values it gives that checkpoint name (`primitive` "name")."""
@@ -512,16 +522,8 @@ def test_save_dots_keeps_the_recomputation_from_redoing_the_matmuls(tp):
   where the plain remat has 3 more (QKV, attention-out, MLP-in recomputed); with or without
   `save_tp_outputs`, on a TP and a data-parallel mesh. The attention's batched matmuls are
   still recomputed (2 more than without remat)."""
-  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
-  params = layout_lib.abstract_params(CFG, mesh)
-  tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
-                                sharding=step_lib.batch_sharding(mesh))
   cfg = dataclasses.replace(CFG, remat=True)
-
-  def counts(c, **saves):
-    spec = step_lib.ParallelSpec(c, 1, 1, tp, MICRO, **saves)
-    return _dot_counts(jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(
-        params, tokens).jaxpr)
+  counts = lambda c, **saves: _dot_counts(_step_jaxpr(c, tp, **saves))  # noqa: E731
 
   none, remat = counts(CFG), counts(cfg)
   assert remat == none + collections.Counter(weight=3, batched=2), (remat, none)
@@ -535,20 +537,11 @@ def test_save_attention_keeps_the_recomputation_from_redoing_the_attention_input
   rotary embedding for Qwen) once per block as without remat, where the plain remat and
   `save_dots` make them again in the backward pass. With `save_dots` as well, the weight
   matmuls are not recomputed either."""
-  tp = 2
-  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
   base = CFG if block == "gpt" else layout_lib.model_config(dict(
       block="qwen", vocab_size=256, n_layers=2, d_model=128, n_heads=8, n_kv_heads=2,
       d_ff=256, max_seq_len=SEQ))
-  params = layout_lib.abstract_params(base, mesh)
-  tokens = jax.ShapeDtypeStruct((BATCH, SEQ + 1), jnp.int32,
-                                sharding=step_lib.batch_sharding(mesh))
   cfg = dataclasses.replace(base, remat=True)
-
-  def program(c, **saves):
-    spec = step_lib.ParallelSpec(c, 1, 1, tp, MICRO, **saves)
-    return jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(params, tokens).jaxpr
-
+  program = lambda c, **saves: _step_jaxpr(c, 2, **saves)  # noqa: E731
   names = lambda jaxpr: _count(jaxpr, "name", attention.ATTENTION_INPUTS)  # noqa: E731
   once = names(program(base))
   assert once == 3, once  # q, k, v in the one body of the layers' scan
