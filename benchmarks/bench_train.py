@@ -205,6 +205,10 @@ class Variant:
     return self.base != "gspmd"
 
   @property
+  def remat_saves(self) -> bool:  # one of REMAT_SAVES: says what the remat keeps
+    return self.save_tp_outputs or self.save_dots or self.save_attention
+
+  @property
   def compressed(self) -> bool:
     return self.base.removeprefix("ring_") == "on"
 
@@ -286,10 +290,9 @@ def parse_args(argv=None):
     args._variants = [parse_variant(v) for v in args.variants.split(",")]
   except ValueError as e:
     p.error(str(e))
-  if args.no_remat and any(v.save_tp_outputs or v.save_dots or v.save_attention
-                           for v in args._variants):
-    p.error("_save / _dots / _attn variants say what the recomputation keeps: not with "
-            "--no-remat")
+  if args.no_remat and any(v.remat_saves for v in args._variants):
+    p.error(f"_{' / _'.join(REMAT_SAVES)} variants say what the recomputation keeps: not "
+            "with --no-remat")
   return args
 
 
