@@ -3,7 +3,8 @@ settings it parses; a smoke run on 8 CPU devices, each setting in a child proces
 them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a smoke run and
 its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
 NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls),
-benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU) and
+benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU),
+benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios) and
 benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, probe_energy,
-                        probe_fused_decode, report as report_lib)
+                        probe_fused_decode, probe_waves, report as report_lib)
 
 
 def test_setting_env():
@@ -144,6 +145,16 @@ def test_energy_probe_smoke_times_xlas_matmul_without_a_counter(tmp_path):
   assert plain["calls"] >= 3 and plain["ms_per_call"] > 0 and "mj_per_call" not in plain
   # the same product from the weight stored [N, K]
   assert transposed["kernel"] == "cublas[w_t]" and transposed["rel_err"] < 1e-2
+
+
+def test_wave_probe_checks_the_core_and_sets_each_row_count_against_the_first():
+  assert probe_waves.main(["--smoke"]) == 0
+  cases = [dict(shape="qkv", m=m, cublas=dict(best_ms=c), core=dict(best_ms=g))
+           for m, c, g in ((100, 1.0, 2.0), (150, 1.5, 2.0))]
+  base, bigger = probe_waves._ratios(cases)
+  assert base["cublas_time"] == base["core_time"] == base["work"] == 1.0
+  assert (bigger["work"], bigger["cublas_time"], bigger["core_time"]) == (1.5, 1.5, 1.0)
+  assert bigger["core_over_cublas"] == pytest.approx(2.0 / 1.5)
 
 
 def test_clock_sampler_summarizes_each_gpus_samples():
