@@ -75,6 +75,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           (`parallel.save_attention`): the backward pass does not run its forward again
   _head   the loss head keeps its softmax for the backward pass (`parallel.save_head`): the
           backward pass does not run the head's matmul again
+  _gelu   the MLP's GELU in its GEMMs' epilogues (`model.mlp_gelu="fused"`,
+          `models.gelu_mlp`; where the MLP's matmuls are local: not with _cm or ring_)
   _ogr    each layer's gradients all-reduced over "data" inside the backward pass
           (`parallel.overlap_grad_reduce`: they travel while the earlier layers' backward
           runs), not all of them after it; pp = 1 and no _zero
@@ -159,7 +161,7 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "head", "ogr", "zero", "unroll", "idx",
+             "vs2", "il2", "save", "dots", "attn", "head", "gelu", "ogr", "zero", "unroll", "idx",
              "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -181,6 +183,7 @@ class Variant:
   save_dots: bool = False       # _dots: parallel.save_dots (with remat)
   save_attention: bool = False  # _attn: parallel.save_attention (with remat)
   save_head: bool = False       # _head: parallel.save_head
+  fused_gelu: bool = False      # _gelu: model.mlp_gelu="fused"
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
@@ -234,17 +237,20 @@ def parse_variant(name: str) -> Variant:
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
-      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods):
+      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods) or (
+      "gelu" in mods and ("cm" in mods or base.startswith("ring_"))):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
-                     "_cif2 or _cif4; no ideal_zero; _idx only with _unroll)")
+                     "_cif2 or _cif4; no ideal_zero; _idx only with _unroll; _gelu not with "
+                     "_cm or ring_)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  save_attention="attn" in mods, save_head="head" in mods,
+                 fused_gelu="gelu" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
                  dw_f32="dwf32" in mods,
@@ -368,6 +374,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
     plan = compression_plan(args, link=args.link) if variant.compressed else CompressionPlan()
     if not variant.shard_optimizer:  # nothing to gather: the replicated optimizer
       plan = dataclasses.replace(plan, dp_params=None)
+    if variant.fused_gelu:
+      cfg = dataclasses.replace(cfg, mlp_gelu="fused")
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
                                           tp_overlap=variant.tp_overlap,
                                           tp_exchange=variant.tp_exchange,
@@ -496,7 +504,7 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     save_tp_outputs=r["variant"].save_tp_outputs,
                     save_dots=r["variant"].save_dots,
                     save_attention=r["variant"].save_attention,
-                    save_head=r["variant"].save_head,
+                    save_head=r["variant"].save_head, fused_gelu=r["variant"].fused_gelu,
                     shard_optimizer=r["variant"].shard_optimizer,
                     scan_layers=r["variant"].scan_layers, **r["memory"],
                     **r["state_bytes"],

@@ -65,6 +65,7 @@
 #   bash benchmarks/gpu_suite.sh trainer_remat_1gpu  # ... as configured, save_dots, + unrolled
 #   bash benchmarks/gpu_suite.sh trainer_attn_1gpu   # ... without / with save_attention
 #   bash benchmarks/gpu_suite.sh trainer_head_1gpu   # ... without / with save_head
+#   bash benchmarks/gpu_suite.sh trainer_gelu_1gpu   # ... XLA's GELU / model.mlp_gelu=fused
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
@@ -218,12 +219,16 @@ for job in "$@"; do
         trainer_40 gpt_1_3b "trainer_1gpu_b${BATCH:-8}_$(slug "$v")" 180 \
           --config.parallel.$first --config.parallel.$second --config.data.batch_size=${BATCH:-8}
       done ;;
-    trainer_attn_1gpu | trainer_head_1gpu)  # the trainer's own 1.3B step (batch 8, 40
-      # steps) without and with parallel.save_attention / save_head (gpt_1_3b's settings
-      # since 2026-11-28)
-      flag=save_attention; [[ $job == trainer_head_1gpu ]] && flag=save_head
-      for v in $flag=False $flag=True; do
-        trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "$v")" 180 --config.parallel.$v \
+    trainer_attn_1gpu | trainer_head_1gpu | trainer_gelu_1gpu)  # the trainer's own 1.3B
+      # step (batch 8, 40 steps) without and with parallel.save_attention / save_head (since
+      # 2026-11-28) / model.mlp_gelu=fused (since 2026-11-29), gpt_1_3b's settings
+      case $job in
+        trainer_attn_1gpu) flags="parallel.save_attention=False parallel.save_attention=True" ;;
+        trainer_head_1gpu) flags="parallel.save_head=False parallel.save_head=True" ;;
+        trainer_gelu_1gpu) flags="model.mlp_gelu=xla model.mlp_gelu=fused" ;;
+      esac
+      for v in $flags; do
+        trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "${v#*.}")" 180 --config.$v \
           --config.data.batch_size=8
       done ;;
     trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'

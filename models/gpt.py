@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from taco_jax.models import gelu_mlp
 from taco_jax.models.attention import causal_attention
 from taco_jax.models.decoder import Decoder, DecoderBlock, DecoderConfig
 from taco_jax.models.layers import layer_norm, normal_init
@@ -23,6 +24,15 @@ from taco_jax.models.layers import layer_norm, normal_init
 class GPTConfig(DecoderConfig):
   """The shared fields (see `DecoderConfig`); `max_seq_len` sizes the position table."""
   block = 'gpt'
+  # the MLP's GELU: 'xla' (its own passes) or 'fused' (in the MLP's GEMMs' epilogues,
+  # `models.gelu_mlp`: Hopper GPUs, else XLA's, said once)
+  mlp_gelu: str = 'xla'
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.mlp_gelu not in gelu_mlp.MLP_GELUS:
+      raise ValueError(f'mlp_gelu={self.mlp_gelu!r} is unknown; use one of '
+                       f'{gelu_mlp.MLP_GELUS}')
 
   def num_params(self) -> int:
     """Closed-form parameter count of `GPT(self)`."""
@@ -41,6 +51,10 @@ class Block(DecoderBlock):
   [n_heads, 3 (q|k|v), head_dim]: a contiguous shard is whole heads."""
   norm = staticmethod(layer_norm)
 
+  def __init__(self, cfg: GPTConfig, **kw):
+    super().__init__(cfg, **kw)
+    self.mlp_gelu = cfg.mlp_gelu
+
   def attention(self, x_BTD: jax.Array) -> jax.Array:
     qkv_BTF = self.qkv(x_BTD)
     b, t, f = qkv_BTF.shape
@@ -51,6 +65,10 @@ class Block(DecoderBlock):
     return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:
+    if self.mlp_gelu == 'fused':
+      y_BTD = gelu_mlp.fused_mlp(self.mlp_in, self.mlp_out, x_BTD)
+      if y_BTD is not None:
+        return y_BTD
     return self.mlp_out(jax.nn.gelu(self.mlp_in(x_BTD), approximate=True))
 
 

@@ -46,6 +46,19 @@ class Linear(nnx.Module):
       y_BTO = y_BTO + self.bias[...].astype(self.dtype)
     return y_BTO
 
+  # `models.gelu_mlp.fused_mlp`'s hooks: the layer's local matmul operands and output
+  def fused_operands(self, x_BTI: jax.Array):
+    """``(x, w, b)`` of this in-projection, in the compute dtype (b in fp32)."""
+    bias = self.bias[...] if self.bias is not None else jnp.zeros(self.kernel.shape[1:])
+    return x_BTI.astype(self.dtype), self.kernel[...].astype(self.dtype), bias
+
+  def fused_takes(self) -> bool:
+    return True
+
+  def fused_output(self, y_BTO: jax.Array) -> jax.Array:
+    """This out-projection's output from its matmul's (the bias added)."""
+    return y_BTO if self.bias is None else y_BTO + self.bias[...].astype(self.dtype)
+
 
 class LinearFactory(Protocol):
   """Builds the block's linear layers (see the module docstring for the contract)."""

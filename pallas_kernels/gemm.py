@@ -417,9 +417,10 @@ def clusters(num_sms: int, cluster_n: int) -> int:
 
 
 def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str,
-           cluster_n: int = 1):
+           cluster_n: int = 1, approx_math: bool = False):
   """A persistent kernel on ``num_sms`` SMs: CTAs of 2 compute + 1 memory warpgroups, one
-  per SM, or in ``clusters`` of ``cluster_n`` (the grid's ``SM`` axis then counts them)."""
+  per SM, or in ``clusters`` of ``cluster_n`` (the grid's ``SM`` axis then counts them);
+  ``approx_math``: the GPU's fast approximations of tanh, exp, ... (Mosaic GPU's)."""
   profile = {}
   if _profile_dir:
     trace_dir, events = _profile_dir[-1]
@@ -429,7 +430,8 @@ def kernel(body, *, out_type, num_sms: int, scratch_types=None, name: str,
       body, out_type=out_type, grid=(clusters(num_sms, cluster_n),), grid_names=(SM,),
       num_threads=COMPUTE_WGS + 1, thread_name=WG, scratch_types=scratch_types or {},
       kernel_name=name, compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, **profile), **cluster)
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx_math,
+          **profile), **cluster)
 
 
 def weight_kn(w_shape, transpose_w: bool = False) -> tuple[int, int]:

@@ -4,7 +4,8 @@ them failing and reported, not fatal) and benchmarks/probe_fused_decode.py (a sm
 its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke runs:
 NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls),
 benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU),
-benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios) and
+benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios),
+benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked) and
 benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
@@ -12,7 +13,8 @@ import time
 import pytest
 
 from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, probe_energy,
-                        probe_fused_decode, probe_waves, report as report_lib)
+                        probe_fused_decode, probe_gelu_gemm, probe_waves,
+                        report as report_lib)
 
 
 def test_setting_env():
@@ -155,6 +157,10 @@ def test_wave_probe_checks_the_core_and_sets_each_row_count_against_the_first():
   assert base["cublas_time"] == base["core_time"] == base["work"] == 1.0
   assert (bigger["work"], bigger["cublas_time"], bigger["core_time"]) == (1.5, 1.5, 1.0)
   assert bigger["core_over_cublas"] == pytest.approx(2.0 / 1.5)
+
+
+def test_gelu_gemm_probe_checks_every_variant_against_fp32():
+  assert probe_gelu_gemm.main(["--smoke"]) == 0
 
 
 def test_clock_sampler_summarizes_each_gpus_samples():

@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from taco_jax.models import attention
+from taco_jax.models import attention, gelu_mlp
 from taco_jax.models.decoder import loss_fn
 from taco_jax.pallas_kernels import wire
 from taco_jax import testing
@@ -607,6 +607,40 @@ def test_save_head_keeps_the_backward_from_redoing_the_head(tp):
   assert got[False][0] - got[True][0] == 1
   assert got[False][1] - got[True][1] == (2 if tp > 1 else 0), (got[False][1], got[True][1])
   _assert_f32_close(*got[True][2], *got[False][2])
+
+
+@pytest.mark.parametrize("tp", [2, 1])
+def test_fused_mlp_gelu_matches_xlas_and_save_dots_keeps_it(tp, monkeypatch):
+  """`model.mlp_gelu='fused'` (`models.gelu_mlp`, its jnp stand-in on CPU) gives the loss and
+  gradients of XLA's GELU on a (1, 1, tp) mesh. Its activations and output are named
+  (`gelu_mlp.MLP_GELU`): under remat the backward computes the GELU again (a tanh more in the
+  program, besides the derivative's), with `save_dots` it keeps them, and recomputes no
+  weight matmul, as it keeps XLA's matmul outputs."""
+  monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
+  fused = dataclasses.replace(CFG, mlp_gelu="fused")
+  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
+  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  got = [jax.device_get(jax.jit(step_lib.loss_and_grads_fn(
+      step_lib.ParallelSpec(c, 1, 1, tp, MICRO), mesh))(params, tokens)) for c in (fused, CFG)]
+  _assert_f32_close(*got[0], *got[1])
+  tanhs = lambda c, **saves: _count(_step_jaxpr(c, tp, **saves), "tanh")  # noqa: E731
+  remat = dataclasses.replace(fused, remat=True)
+  assert (tanhs(fused), tanhs(remat), tanhs(remat, save_dots=True)) == (2, 3, 2)
+  assert _dot_counts(_step_jaxpr(remat, tp, save_dots=True)) == _dot_counts(
+      _step_jaxpr(fused, tp)) + collections.Counter(batched=2)
+
+
+def test_fused_mlp_gelu_leaves_the_kernel_layers_to_xlas_gelu(monkeypatch, caplog):
+  """With the TP layers' collectives inside their matmuls (`parallel.tp_overlap="ring"` at
+  tp > 1) the MLP has no local matmul to fuse: it runs XLA's GELU and says so once."""
+  monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
+  fused = dataclasses.replace(CFG, mlp_gelu="fused")
+  with caplog.at_level("WARNING"):
+    jaxpr = _step_jaxpr(fused, 2, tp_overlap="ring")
+  assert _count(jaxpr, "name", gelu_mlp.MLP_GELU) == 0
+  assert "collectives run inside their matmuls" in caplog.text
 
 
 def test_save_head_with_a_pipeline_matches():

@@ -131,6 +131,15 @@ class ColumnParallelLinear(nnx.Module):
       y = jnp.einsum("...i,io->...o", gather_seq(x_BSD, ctx), w)
     return y + self.bias[...].astype(ctx.dtype)
 
+  def fused_operands(self, x_BSD: jax.Array):
+    """``models.gelu_mlp``'s ``(gathered x, w, b)``, or None where the gather runs inside the
+    matmul (``parallel.tp_overlap`` "ring" or "kernel" at tp > 1)."""
+    ctx = self.ctx
+    if ctx.tp > 1 and ctx.overlap != "none":
+      return None
+    return (gather_seq(x_BSD.astype(ctx.dtype), ctx), self.kernel[...].astype(ctx.dtype),
+            self.bias[...])
+
 
 class RowParallelLinear(nnx.Module):
   """Out-projection from a 1/tp input shard; reduce-scatters the partial sums over sequence."""
@@ -165,6 +174,15 @@ class RowParallelLinear(nnx.Module):
     else:
       x_BSD = scatter_seq(jnp.einsum("...i,io->...o", y_BTF, w), ctx)
     return x_BSD + self.bias[...].astype(ctx.dtype)
+
+  def fused_takes(self) -> bool:
+    """Whether ``models.gelu_mlp`` may run this layer's matmul: where its reduce-scatter
+    runs after it (not an exchange, nor inside the matmul)."""
+    return not self.exchanges and (self.ctx.tp == 1 or self.ctx.overlap == "none")
+
+  def fused_output(self, y_BTD: jax.Array) -> jax.Array:
+    """This layer's output from its matmul's partial sums."""
+    return scatter_seq(y_BTD, self.ctx) + self.bias[...].astype(self.ctx.dtype)
 
 
 def exchange_matmul(y_BTF, w_FD, ctx: TPContext):

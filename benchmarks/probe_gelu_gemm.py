@@ -1,0 +1,172 @@
+"""The MLP's GELU in the GEMMs' epilogues (``pallas_kernels.gelu_gemm``) against what XLA
+runs (cuBLAS, then the activation as a fusion of its own), at the 1.3B model's MLP shapes
+(M = 16384 tokens, D = 2048, F = 8192 / tp), device time (CUPTI), each result checked
+against an fp32 reference of the same math:
+
+  forward   xla:   y = x @ w (cuBLAS), a = gelu(y + b)          -> y, a (the step keeps y)
+            fused: h, a = matmul_bias_gelu(x, w, b)
+  backward  xla:   g = dout @ w2.T (cuBLAS), dh = g * gelu'(y + b), db = sum(dh)
+            fused: dh = matmul_gelu_grad(dout, w2, h), db = sum(dh)
+
+plus cuBLAS and our GEMM core alone on the same product (what the epilogue costs on top).
+Rounds of calls take turns on the same inputs.
+
+GPU: python benchmarks/probe_gelu_gemm.py --out-dir $OUT
+CPU: python benchmarks/probe_gelu_gemm.py --smoke   (tiny shapes, interpret mode, untimed)
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks import common  # noqa: E402
+
+TOL = 2e-2
+
+
+def _gelu(y):
+  return jax.nn.gelu(y, approximate=True)
+
+
+def variants(sms: int, tiling=None) -> dict:
+  """name -> (pass, function of the pass's inputs); ``[approx]``: the kernel with the GPU's
+  fast tanh, ``[stages=3]`` with three pipeline stages."""
+  from taco_jax.pallas_kernels import gelu_gemm, gemm
+  kw = dict(num_sms=sms, **({"tiling": tiling} if tiling else {}))
+  core_tiling = tiling or gemm.Tiling()
+
+  def xla_fwd(x, w, b, dout, w2, h):
+    y = x @ w
+    return y, _gelu(y + b.astype(y.dtype))
+
+  def fused_fwd(x, w, b, dout, w2, h, **opts):
+    return gelu_gemm.matmul_bias_gelu(x, w, b, **{**kw, **opts})
+
+  def xla_bwd(x, w, b, dout, w2, h):
+    g = dout @ w2.T
+    _, vjp = jax.vjp(lambda y: _gelu(y + b.astype(y.dtype)), h)
+    dh, = vjp(g)
+    return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
+
+  def fused_bwd(x, w, b, dout, w2, h, **opts):
+    dh = gelu_gemm.matmul_gelu_grad(dout, w2, h, **{**kw, **opts})
+    return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
+
+  approx = functools.partial(fused_fwd, approx_math=True)
+  three = functools.partial(fused_fwd, tiling=tiling or gelu_gemm.TILING)
+  return {
+      "forward_xla": ("forward", xla_fwd), "forward_fused": ("forward", fused_fwd),
+      "forward_fused[approx]": ("forward", approx), "forward_fused[stages=3]": ("forward", three),
+      "backward_xla": ("backward", xla_bwd), "backward_fused": ("backward", fused_bwd),
+      "backward_fused[approx]": ("backward", functools.partial(fused_bwd, approx_math=True)),
+      "cublas": ("matmul", lambda x, w, *_: (x @ w,)),
+      "core": ("matmul", lambda x, w, *_: (gemm.matmul(x, w, num_sms=sms,
+                                                        tiling=core_tiling),)),
+  }
+
+
+def _references(x, w, b, dout, w2, h):
+  """fp32 math of each pass: (y or h, a), (dh, db), (x @ w,)."""
+  f32 = jnp.float32
+  y = jnp.dot(x, w, preferred_element_type=f32)
+  hh = y + b
+  g = jnp.dot(dout, w2.T, preferred_element_type=f32)
+  from taco_jax.pallas_kernels.gelu_gemm import gelu, gelu_grad
+  h32 = h.astype(f32)
+  dh = g * gelu_grad(h32 + b)
+  return {"forward": (hh, gelu(hh)), "backward": (dh, dh.sum(0)), "matmul": (y,)}
+
+
+def _rel_err(got, want) -> float:
+  got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
+  return float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+
+
+def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool,
+          tiling=None) -> dict:
+  from benchmarks.bench_collective_matmul import timed_or_error
+  ks = jax.random.split(jax.random.key(m + d + f), 5)
+  bf16 = jnp.bfloat16
+  x = jax.random.normal(ks[0], (m, d), jnp.float32).astype(bf16)
+  w = (jax.random.normal(ks[1], (d, f), jnp.float32) / math.sqrt(d)).astype(bf16)
+  b = 0.1 * jax.random.normal(ks[2], (f,), jnp.float32)
+  dout = (1e-2 * jax.random.normal(ks[3], (m, d), jnp.float32)).astype(bf16)
+  w2 = (jax.random.normal(ks[4], (f, d), jnp.float32) / math.sqrt(f)).astype(bf16)
+  # the backward's pre-activation: what the forward saved (y for XLA, which adds b again)
+  y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+  args = dict(xla=(x, w, b, dout, w2, y.astype(bf16)),
+              fused=(x, w, b, dout, w2, (y + b).astype(bf16)))
+  refs = _references(x, w, b, dout, w2, y.astype(bf16))
+  case = dict(m=m, d=d, f=f, sms=sms, variants={})
+  fns = variants(sms, tiling)
+  for name, (kind, fn) in fns.items():
+    fargs = args["fused" if "fused" in name else "xla"]
+    got = jax.jit(fn)(*fargs)
+    want = refs[kind]
+    if name == "forward_xla":  # XLA's first output is y, without the bias
+      want = (want[0] - b, want[1])
+    errs = [_rel_err(g, r) for g, r in zip(got, want)]
+    case["variants"][name] = dict(kind=kind, rel_err=errs, ok=max(errs) < TOL, ms=[])
+  if timed:
+    for _ in range(rounds):
+      for name, (kind, fn) in fns.items():
+        v = case["variants"][name]
+        if v["ok"]:
+          fargs = args["fused" if "fused" in name else "xla"]
+          v["ms"].append(timed_or_error(jax.jit(fn), fargs, iters, 1).get("ms"))
+    for v in case["variants"].values():
+      ms = [t for t in v["ms"] if t is not None]
+      if ms:
+        v["best_ms"] = min(ms)
+    vs = case["variants"]
+    for kind in ("forward", "backward"):
+      if vs[f"{kind}_xla"].get("best_ms") and vs[f"{kind}_fused"].get("best_ms"):
+        case[f"{kind}_fused_over_xla"] = vs[f"{kind}_fused"]["best_ms"] / vs[f"{kind}_xla"][
+            "best_ms"]
+  return case
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--tp", default="1,2", help="the MLP's width is 8192 / tp")
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--label", default="h200")
+  p.add_argument("--out-dir", default=None)
+  p.add_argument("--smoke", action="store_true",
+                 help="CPU: tiny shapes, the kernels in interpret mode, nothing timed")
+  args = p.parse_args(argv)
+  if args.smoke:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from taco_jax.pallas_kernels import gemm
+    tiling = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32)
+    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+      case = probe(128, 128, 256, 2, 1, 1, timed=False, tiling=tiling)
+    bad = [n for n, v in case["variants"].items() if not v["ok"]]
+    print(f"smoke: {len(case['variants']) - len(bad)} / {len(case['variants'])} match", bad)
+    return 1 if bad else 0
+  from taco_jax.pallas_kernels import gemm
+  sms = gemm.num_sms()
+  cases = [probe(16384, 2048, 8192 // int(tp), sms, args.iters, args.rounds, timed=True)
+           for tp in args.tp.split(",")]
+  rows = [dict(f=c["f"], **{n: v.get("best_ms") for n, v in c["variants"].items()},
+               fwd_ratio=c.get("forward_fused_over_xla"),
+               bwd_ratio=c.get("backward_fused_over_xla")) for c in cases]
+  print(common.table(rows, list(rows[0])))
+  common.write_results(f"probe_gelu_gemm_{args.label}", dict(
+      env=common.environment(), cases=cases,
+      method=("min over rounds of the median device time (CUPTI, all kernels of a call) of "
+              "iters calls; the variants take turns on the same inputs")), args.out_dir)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

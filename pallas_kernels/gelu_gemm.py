@@ -1,0 +1,188 @@
+"""The MLP's GELU inside its GEMMs' epilogues (Pallas Mosaic GPU, Hopper).
+
+XLA runs the MLP's activation as passes of their own over ``[tokens, d_ff]``: at the 1.3B
+model on one H200, 0.75 ms a layer (forward 0.22, backward 0.53), about 7% of a step, where
+the two GEMMs beside it could apply it to their accumulators on the way out (cuBLASLt's
+GELU and DGELU epilogues, which XLA does not use: ``benchmarks/probe_epilogue.py``).
+
+* ``matmul_bias_gelu(x, w, b)``: ``h = x @ w + b`` and ``a = gelu(h)`` (tanh form), both
+  written by the epilogue of one GEMM: the MLP-in's forward. ``h`` is what the backward
+  needs, ``a`` what the MLP-out multiplies.
+* ``matmul_gelu_grad(g, w, h)``: ``(g @ w.T) * gelu'(h)``, with ``w`` as stored ``[N, K]``
+  (the MLP-out's weight, read transposed): the gradient at ``h`` straight from the GEMM
+  that makes the gradient at ``a``, each tile's ``h`` loaded while its matmul runs.
+
+Both run on the GEMM core (``gemm.TileLoop``) and round as the XLA ops they replace where
+those round: ``h`` to the compute dtype before the GELU and its derivative, computed in
+fp32 from it. The gradient at ``a`` is not rounded before the product (XLA's is, once).
+``*_reference`` say what each computes, in jnp.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from taco_jax.pallas_kernels import gemm
+
+_C, _K = math.sqrt(2 / math.pi), 0.044715
+# Three stages leave shared memory for the epilogue's operands (bias, or the h tile) and are
+# as fast as four at the 1.3B shapes (bench_collective_matmul_nvlink_rs_stages_2gpu_20261128).
+TILING = gemm.Tiling(stages=3)
+FORWARD_TILING = gemm.Tiling()  # its bias takes 1 KB: four stages fit
+
+
+def gelu(h32):
+  """GELU, tanh form (``jax.nn.gelu(approximate=True)``), of fp32 values."""
+  return 0.5 * h32 * (1 + jnp.tanh(_C * (h32 + _K * h32 * h32 * h32)))
+
+
+def gelu_grad(h32):
+  """d gelu(h) / dh of fp32 values (tanh form)."""
+  t = jnp.tanh(_C * (h32 + _K * h32 * h32 * h32))
+  return 0.5 * (1 + t) + 0.5 * h32 * (1 - t * t) * _C * (1 + 3 * _K * h32 * h32)
+
+
+def matmul_bias_gelu_reference(x_MK, w_KN, b_N):
+  """``(h, gelu(h))`` with ``h = x @ w + b`` (fp32 accumulation, then x's dtype)."""
+  acc = jnp.dot(x_MK, w_KN, preferred_element_type=jnp.float32)
+  h = (acc + b_N.astype(jnp.float32)).astype(x_MK.dtype)
+  return h, gelu(h.astype(jnp.float32)).astype(x_MK.dtype)
+
+
+def matmul_gelu_grad_reference(g_MK, w_NK, h_MN):
+  """``(g @ w.T) * gelu'(h)`` (fp32 accumulation and product, then g's dtype)."""
+  acc = jnp.dot(g_MK, w_NK.T, preferred_element_type=jnp.float32)
+  return (acc * gelu_grad(h_MN.astype(jnp.float32))).astype(g_MK.dtype)
+
+
+def misfit(m: int, k: int, n: int, tiling: gemm.Tiling = TILING) -> str | None:
+  """Why the kernels cannot take an ``[m, k] @ [k, n]`` product on ``tiling``, or None."""
+  if tiling.cluster_n != 1:
+    return "the GELU GEMMs run without clusters (cluster_n = 1)"
+  return tiling.misfit(rows_per_seq=tiling.cta_m, m=m, n=n, k=k)  # rows: any runs of tiles
+
+
+def _check(what, a_shape, w_kn, tiling):
+  *_, k = a_shape
+  m = math.prod(a_shape[:-1])
+  wk, n = w_kn
+  if wk != k:
+    raise ValueError(f"{what}: {a_shape} and the weight's [K, N] {w_kn} do not contract")
+  reason = misfit(m, k, n, tiling)
+  if reason:
+    raise ValueError(f"{what}: {reason}")
+  return m, k, n
+
+
+def _sub_tiles(t: gemm.Tiling) -> list[tuple[slice, slice]]:
+  """The (rows, columns) of each ``[epi_m, epi_n]`` epilogue sub-tile of a warpgroup's tile:
+  the epilogue works a sub-tile at a time, so that its fp32 temporaries stay in registers
+  beside the accumulator."""
+  return [(slice(i * t.epi_m, (i + 1) * t.epi_m), slice(j * t.epi_n, (j + 1) * t.epi_n))
+          for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
+
+
+def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWARD_TILING,
+                     approx_math: bool = False):
+  """``(h, a)``: ``h = x @ w + b`` and ``a = gelu(h)``, x ``[..., K]``, both ``[..., N]`` in
+  x's dtype (``matmul_bias_gelu_reference``). Each compute warpgroup's bias columns are
+  copied into shared memory as its tile starts, and are there by its epilogue."""
+  t = tiling
+  *lead, _ = x.shape
+  m, k, n = _check("matmul_bias_gelu", x.shape, w_KN.shape, tiling=t)
+  if b_N.shape != (n,):
+    raise ValueError(f"matmul_bias_gelu: bias {b_N.shape} is not ({n},)")
+  dtype = x.dtype
+  x_MK, b_1N = x.reshape(m, k), b_N.astype(jnp.float32).reshape(1, n)
+  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
+                       w_KN.dtype, k)
+
+  def body(x_ref, w_ref, b_ref, h_ref, a_ref, out_smem, bias_smem, bias_barrier):
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(x_ref, w_ref),
+                       collective_axes=gemm.WG)
+    def _scope(allocs):
+      def before_tile(m_idx, n_idx, wg):
+        col = n_idx * t.cta_n + t.wg_offsets(wg)[1]
+        plgpu.copy_gmem_to_smem(b_ref.at[:, pl.ds(col, t.tile_n)], bias_smem.at[wg],
+                                bias_barrier.at[wg])
+
+      def epilogue(m_idx, n_idx, wg, acc):
+        row0, col0 = t.wg_offsets(wg)
+        row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
+        plgpu.barrier_wait(bias_barrier.at[wg])
+        slot = 0
+        for rows, cols in _sub_tiles(t):
+          bias = bias_smem[wg, 0, pl.ds(cols.start, t.epi_n)]
+          h = (acc[rows, cols] + bias[None, :]).astype(dtype)
+          a = gelu(h.astype(jnp.float32)).astype(dtype)
+          dest = (pl.ds(row + rows.start, t.epi_m), pl.ds(col + cols.start, t.epi_n))
+          for out_ref, value in ((h_ref, h), (a_ref, a)):
+            gemm.stage_out(value, out_smem, wg, slot, out_ref.at[dest])
+            slot ^= 1
+
+      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue, before_tile=before_tile,
+               a_refs=lambda m_idx: [x_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
+    plgpu.wait_smem_to_gmem(0)
+
+  out = jax.ShapeDtypeStruct((m, n), dtype)
+  scratch = dict(out_smem=gemm.out_smem_type(t, dtype),
+                 bias_smem=plgpu.SMEM((gemm.COMPUTE_WGS, 1, t.tile_n), jnp.float32),
+                 bias_barrier=plgpu.Barrier(num_barriers=gemm.COMPUTE_WGS))
+  h, a = gemm.kernel(body, out_type=(out, out), num_sms=num_sms, name="taco_matmul_bias_gelu",
+                     approx_math=approx_math, scratch_types=scratch)(x_MK, w_KN, b_1N)
+  return h.reshape(*lead, n), a.reshape(*lead, n)
+
+
+def matmul_gelu_grad(g, w_NK, h, *, num_sms: int, tiling: gemm.Tiling = TILING,
+                     approx_math: bool = False):
+  """``(g @ w.T) * gelu'(h)``: g ``[..., K]``, w ``[N, K]`` (read transposed), h ``[..., N]``;
+  in g's dtype (``matmul_gelu_grad_reference``). Each compute warpgroup's h tile is copied
+  into shared memory as its tile starts; the epilogue writes the product over it, and
+  stores it from there."""
+  t = tiling
+  *lead, _ = g.shape
+  m, k, n = _check("matmul_gelu_grad", g.shape, gemm.weight_kn(w_NK.shape, True), tiling=t)
+  if h.shape != (*lead, n):
+    raise ValueError(f"matmul_gelu_grad: h {h.shape} is not {(*lead, n)}")
+  dtype = g.dtype
+  g_MK, h_MN = g.reshape(m, k), h.reshape(m, n)
+  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
+                       w_NK.dtype, k, transpose_w=True)
+
+  def body(g_ref, w_ref, h_ref, dh_ref, h_smem, h_barrier):
+    def tile_rows_cols(m_idx, n_idx, wg):
+      row0, col0 = t.wg_offsets(wg)
+      return (pl.ds(m_idx * t.cta_m + row0, t.tile_m), pl.ds(n_idx * t.cta_n + col0, t.tile_n))
+
+    @functools.partial(pl.run_scoped, allocs=loop.allocations(g_ref, w_ref),
+                       collective_axes=gemm.WG)
+    def _scope(allocs):
+      def before_tile(m_idx, n_idx, wg):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's product is out
+        plgpu.copy_gmem_to_smem(h_ref.at[tile_rows_cols(m_idx, n_idx, wg)], h_smem.at[wg],
+                                h_barrier.at[wg])
+
+      def epilogue(m_idx, n_idx, wg, acc):
+        plgpu.barrier_wait(h_barrier.at[wg])
+        for rows, cols in _sub_tiles(t):
+          part = h_smem.at[wg, pl.ds(rows.start, t.epi_m), pl.ds(cols.start, t.epi_n)]
+          part[...] = (acc[rows, cols] * gelu_grad(part[...].astype(jnp.float32))).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(h_smem.at[wg], dh_ref.at[tile_rows_cols(m_idx, n_idx, wg)])
+
+      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue, before_tile=before_tile,
+               a_refs=lambda m_idx: [g_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
+    plgpu.wait_smem_to_gmem(0)
+
+  h_smem = plgpu.SMEM((gemm.COMPUTE_WGS, t.tile_m, t.tile_n), dtype,
+                      transforms=gemm.swizzled(t.tile_n, dtype))
+  dh = gemm.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), dtype), num_sms=num_sms,
+                   name="taco_matmul_gelu_grad", approx_math=approx_math,
+                   scratch_types=dict(h_smem=h_smem, h_barrier=plgpu.Barrier(
+                       num_barriers=gemm.COMPUTE_WGS)))(g_MK, w_NK, h_MN)
+  return dh.reshape(*lead, n)
