@@ -66,6 +66,9 @@
 #   bash benchmarks/gpu_suite.sh trainer_attn_1gpu   # ... without / with save_attention
 #   bash benchmarks/gpu_suite.sh trainer_head_1gpu   # ... without / with save_head
 #   bash benchmarks/gpu_suite.sh trainer_gelu_1gpu   # ... XLA's GELU / model.mlp_gelu=fused
+#   bash benchmarks/gpu_suite.sh gelu_curve_1gpu     # the fused GELU's numerics (1.3B MLP
+#                                                  # shapes) and gpt_125m's val loss over 300
+#                                                  # steps, seeds 0-2, both ways (<= 9 min)
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
@@ -230,6 +233,23 @@ for job in "$@"; do
       for v in $flags; do
         trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "${v#*.}")" 180 --config.$v \
           --config.data.batch_size=8
+      done ;;
+    gelu_curve_1gpu)  # model.mlp_gelu=fused: per-layer errors against fp32 beside XLA's
+      # (benchmarks/gelu_numerics.py), then gpt_125m trained 300 steps with XLA's GELU and the
+      # fused one, seeds 0-2 (same data and init per seed), val loss every 100 steps
+      python3 benchmarks/gelu_numerics.py --out-dir "$out"
+      mkdir -p "$out/gelu_curve_125m"
+      for s in 0 1 2; do
+        for g in xla fused; do
+          timeout 150 python3 -m taco_jax.train --config configs/gpt_125m.py \
+            --workdir "/tmp/curve_${g}_$s" --config.model.mlp_gelu=$g --config.seed=$s \
+            --config.train.steps=300 --config.train.eval_every=100 \
+            --config.train.eval_batches=8 --config.train.checkpoint_every=0 \
+            --config.train.progress_bar=False --config.data.batch_size=16 \
+            --config.optim.warmup_steps=50 2>&1 | grep -E "val_loss |Error"
+          cp "/tmp/curve_${g}_$s/metrics.jsonl" "$out/gelu_curve_125m/${g}_seed${s}_metrics.jsonl"
+          rm -rf "/tmp/curve_${g}_$s"
+        done
       done ;;
     trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'
       # batch; 40 steps) with the layers scanned (with and without XLA's overlap options,

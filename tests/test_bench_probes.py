@@ -5,15 +5,16 @@ its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke 
 NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls),
 benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU),
 benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios),
-benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked) and
+benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked), benchmarks/gelu_numerics.py
+(the fused MLP's math against fp32 beside XLA's) and
 benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
 
 import pytest
 
-from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, probe_energy,
-                        probe_fused_decode, probe_gelu_gemm, probe_waves,
+from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, gelu_numerics,
+                        probe_energy, probe_fused_decode, probe_gelu_gemm, probe_waves,
                         report as report_lib)
 
 
@@ -161,6 +162,16 @@ def test_wave_probe_checks_the_core_and_sets_each_row_count_against_the_first():
 
 def test_gelu_gemm_probe_checks_every_variant_against_fp32():
   assert probe_gelu_gemm.main(["--smoke"]) == 0
+
+
+def test_gelu_numerics_puts_the_fused_mlp_beside_xla_against_fp32(tmp_path):
+  """On CPU the kernels cannot run (said in ``kernels``) and their jnp references stand in:
+  rounding h and the gradient once each, they are no further from fp32 than XLA's bf16 MLP."""
+  path = gelu_numerics.main(["--shapes", "256x128x512", "--out-dir", str(tmp_path)])
+  (case,) = json.loads(open(path).read())["cases"]
+  assert "no GPU" in case["kernels"]
+  for out in gelu_numerics.OUTPUTS:
+    assert 0 < case["fused_vs_fp32"][out] <= case["xla_vs_fp32"][out] < 2e-2, out
 
 
 def test_clock_sampler_summarizes_each_gpus_samples():
