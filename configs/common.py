@@ -44,8 +44,8 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   m.attention = 'auto'           # auto (cuDNN flash attention where it takes the shapes, else
   #                                XLA) | cudnn (an error where it cannot) | xla
   m.block = 'gpt'                # decoder block: 'gpt' (models.gpt) | 'qwen' (models.qwen)
-  m.mlp_gelu = 'xla'             # GPT's MLP activation: xla | fused (in the MLP's GEMMs'
-  #                                epilogues, Hopper GPUs: models.gelu_mlp; XLA's elsewhere)
+  m.mlp_gelu = 'xla'             # GPT's MLP activation: xla | fused (in its GEMMs' epilogues,
+  #                                Hopper GPUs: models.gelu_mlp; XLA's elsewhere); Qwen: ignored
 
   c.data = d = ml_collections.ConfigDict()
   d.path = ''                    # '' = embedded corpus (this interpreter's stdlib *.py); or a

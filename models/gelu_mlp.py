@@ -24,12 +24,13 @@ runs XLA's way, said once.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from taco_jax.pallas_kernels.common import warn_once
+from taco_jax.pallas_kernels.common import hopper_problem, warn_once
 
 MLP_GELU = "mlp_gelu"
 MLP_GELUS = ("xla", "fused")
@@ -41,17 +42,9 @@ STAND_IN = False
 def kernel_problem(x_shape, w_in_shape) -> str | None:
   """Why the GELU GEMMs cannot run ``[..., D] @ [D, F]`` here, or None."""
   from taco_jax.pallas_kernels import gelu_gemm
-  if jax.default_backend() != "gpu":
-    return f"no GPU (backend {jax.default_backend()!r}); the kernels are Mosaic GPU"
-  cc = str(getattr(jax.devices()[0], "compute_capability", "9.0"))
-  if not cc.startswith("9"):
-    return f"{jax.devices()[0].device_kind} (sm_{cc}) is not a Hopper GPU (sm_90)"
-  m = 1
-  for size in x_shape[:-1]:
-    m *= size
-  (d, f) = w_in_shape
-  return (gelu_gemm.misfit(m, d, f, gelu_gemm.FORWARD_TILING)
-          or gelu_gemm.misfit(m, d, f, gelu_gemm.TILING))
+  m, (d, f) = math.prod(x_shape[:-1]), w_in_shape
+  return hopper_problem() or (gelu_gemm.misfit(m, d, f, gelu_gemm.FORWARD_TILING)
+                              or gelu_gemm.misfit(m, d, f, gelu_gemm.TILING))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -71,6 +71,17 @@ def pallas_call(kernel, operands, out_shape, *, interpret: bool, **kwargs):
   return jax.lax.pcast(outs, tuple(sorted(varying, key=str)), to="varying")
 
 
+def hopper_problem() -> str | None:
+  """Why no Mosaic GPU kernel of ours runs in this process (no GPU, or not a Hopper one:
+  they are written for sm_90's wgmma and TMA), or None."""
+  if jax.default_backend() != "gpu":
+    return f"no GPU (backend {jax.default_backend()!r}); the kernels are Mosaic GPU"
+  cc = getattr(jax.devices()[0], "compute_capability", "9.0")
+  if not str(cc).startswith("9"):
+    return f"{jax.devices()[0].device_kind} (sm_{cc}) is not a Hopper GPU (sm_90)"
+  return None
+
+
 # Triton stages the transform's H operand in shared memory (227 KiB a CTA on Hopper): H of
 # G = 512, or the two-term H of fp32 inputs at G = 256 ([2G, G] bf16), does not fit.
 MAX_H_BYTES = 128 * 1024

@@ -15,7 +15,9 @@ GELU and DGELU epilogues, which XLA does not use: ``benchmarks/probe_epilogue.py
 Both run on the GEMM core (``gemm.TileLoop``) and round as the XLA ops they replace where
 those round: ``h`` to the compute dtype before the GELU and its derivative, computed in
 fp32 from it. The gradient at ``a`` is not rounded before the product (XLA's is, once).
-``*_reference`` say what each computes, in jnp.
+``*_reference`` say what each computes, in jnp. ``approx_math``: the GPU's tanh
+approximation (relative error ~2^-11, below bf16's rounding of the results), 0.05-0.06 ms a
+call faster at the 1.3B shapes (benchmarks/probe_gelu_gemm.py).
 """
 from __future__ import annotations
 
@@ -30,10 +32,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from taco_jax.pallas_kernels import gemm
 
 _C, _K = math.sqrt(2 / math.pi), 0.044715
-# Three stages leave shared memory for the epilogue's operands (bias, or the h tile) and are
-# as fast as four at the 1.3B shapes (bench_collective_matmul_nvlink_rs_stages_2gpu_20261128).
+# The backward kernel's: three stages leave shared memory for its h tiles (2 x 32 KB), and the
+# GEMM core is about as fast at three as at four at the 1.3B shapes
+# (bench_collective_matmul_nvlink_rs_stages_2gpu_20261128). The forward kernel's bias takes
+# 1 KB: four stages fit (three took as long: probe_gelu_gemm_tune_1gpu_20261129).
 TILING = gemm.Tiling(stages=3)
-FORWARD_TILING = gemm.Tiling()  # its bias takes 1 KB: four stages fit
+FORWARD_TILING = gemm.Tiling()
 
 
 def gelu(h32):

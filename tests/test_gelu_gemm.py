@@ -28,16 +28,21 @@ def _close(got, want):
 @pytest.mark.parametrize("approx_math", [False, True])
 def test_gelu_gemms_are_their_references(approx_math):
   """Both kernels, on fresh inputs of ``[2, 64, 128]`` rows (leading dimensions kept), give
-  their references' values to bf16 rounding; with the GPU's fast tanh as well (the
-  interpreter computes it exactly: what it checks is the epilogues' data flow)."""
+  their references' values to bf16 rounding, under the interpreter's race detector (the
+  bias and h tiles loaded into shared memory as a tile starts, the product stored from where
+  h was); with the GPU's fast tanh as well (the interpreter computes it exactly: what it
+  checks is the epilogues' data flow)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
   kx, kw, kb, kg, kv = jax.random.split(jax.random.key(11), 5)
   x, w = _bf16(kx, (2, 64, 128)), _bf16(kw, (128, 384), 128 ** -0.5)
   b = 0.5 * jax.random.normal(kb, (384,), jnp.float32)
   g, w2 = _bf16(kg, (2, 64, 128)), _bf16(kv, (384, 128), 128 ** -0.5)
   kw = dict(num_sms=2, tiling=TILING, approx_math=approx_math)
-  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+  interpreter.reset_gpu_interpret_mode_state()
+  with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
     h, a = gelu_gemm.matmul_bias_gelu(x, w, b, **kw)
     dh = gelu_gemm.matmul_gelu_grad(g, w2, h, **kw)
+  assert not interpreter.get_races().races_found
   want_h, want_a = gelu_gemm.matmul_bias_gelu_reference(x.reshape(128, 128), w, b)
   assert h.shape == a.shape == dh.shape == (2, 64, 384)
   _close(h.reshape(128, 384), want_h)

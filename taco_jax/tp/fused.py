@@ -53,7 +53,7 @@ from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul as all_to_all_
                                      exchange as exchange_kernel, gemm,
                                      matmul_all_to_all as matmul_all_to_all_kernel,
                                      matmul_rs)
-from taco_jax.pallas_kernels.common import warn_once, warned
+from taco_jax.pallas_kernels.common import hopper_problem, warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
 from taco_jax.mappings import TP_OUTPUT
@@ -112,11 +112,8 @@ EXCHANGE_FORWARD = "kernel"
 
 def platform_problem(devices: int) -> str | None:
   """Why no kernel can run in this process, in a program over ``devices`` GPUs, or None."""
-  if jax.default_backend() != "gpu":
-    return f"no GPU (backend {jax.default_backend()!r}); the kernels are Mosaic GPU"
-  cc = getattr(jax.devices()[0], "compute_capability", "9.0")
-  if not str(cc).startswith("9"):
-    return f"{jax.devices()[0].device_kind} (sm_{cc}) is not a Hopper GPU (sm_90)"
+  if problem := hopper_problem():
+    return problem
   if os.environ.get("NCCL_P2P_DISABLE") == "1":
     return "NCCL_P2P_DISABLE=1: no peer access between the GPUs"
   if devices > MEASURED_GPUS and os.environ.get(ANY_MESH_ENV) != "1":
