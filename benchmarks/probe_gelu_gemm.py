@@ -28,6 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from benchmarks.args import add_output_args  # noqa: E402
 
 TOL = 2e-2
 
@@ -139,10 +140,7 @@ def main(argv=None):
   p.add_argument("--tp", default="1,2", help="the MLP's width is 8192 / tp")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--label", default="h200")
-  p.add_argument("--out-dir", default=None)
-  p.add_argument("--smoke", action="store_true",
-                 help="CPU: tiny shapes, the kernels in interpret mode, nothing timed")
+  add_output_args(p, label="h200", smoke="CPU: tiny shapes, the kernels in interpret mode, untimed")
   args = p.parse_args(argv)
   if args.smoke:
     from jax.experimental.pallas import mosaic_gpu as plgpu

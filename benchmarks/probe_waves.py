@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import common  # noqa: E402
+from benchmarks.args import add_output_args  # noqa: E402
 
 # (name, K, N) of one rank's matmul at the 1.3B model's TP=2 shapes (d = 2048, 4d MLP)
 SHAPES = (("qkv", 2048, 3072), ("mlp_in", 2048, 4096), ("mlp_out", 4096, 2048),
@@ -92,10 +93,7 @@ def main(argv=None):
                  help="row counts M (the first is each ratio's base)")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--label", default="h200")
-  p.add_argument("--out-dir", default=None)
-  p.add_argument("--smoke", action="store_true",
-                 help="CPU: tiny shapes, the core in interpret mode, nothing timed")
+  add_output_args(p, label="h200", smoke="CPU: tiny shapes, the core in interpret mode, untimed")
   args = p.parse_args(argv)
   rows = [int(r) for r in args.rows.split(",")]
   if args.smoke:
