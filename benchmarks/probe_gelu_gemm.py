@@ -17,6 +17,7 @@ CPU: python benchmarks/probe_gelu_gemm.py --smoke   (tiny shapes, interpret mode
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 import pathlib
@@ -63,9 +64,13 @@ def variants(sms: int, tiling=None) -> dict:
 
   approx = functools.partial(fused_fwd, approx_math=True)
   three = functools.partial(fused_fwd, tiling=tiling or gelu_gemm.TILING)
+  # wider epilogue sub-tiles: half as many stores a tile (three stages leave room for them)
+  wide = functools.partial(fused_fwd, approx_math=True, tiling=tiling or dataclasses.replace(
+      gelu_gemm.TILING, epi_n=128))
   return {
       "forward_xla": ("forward", xla_fwd), "forward_fused": ("forward", fused_fwd),
       "forward_fused[approx]": ("forward", approx), "forward_fused[stages=3]": ("forward", three),
+      "forward_fused[approx+stages=3+epi_n=128]": ("forward", wide),
       "backward_xla": ("backward", xla_bwd), "backward_fused": ("backward", fused_bwd),
       "backward_fused[approx]": ("backward", functools.partial(fused_bwd, approx_math=True)),
       "cublas": ("matmul", lambda x, w, *_: (x @ w,)),
