@@ -14,6 +14,10 @@ Contract a factory must keep (what `Block` relies on):
   * `row(d_in, d_out, ...)` returns a module mapping y[..., d_in_local] -> x[..., d_out]
     (the row-parallel one reduces its partial sums over the tensor axis itself).
   * Sizes passed are GLOBAL sizes; the factory decides the local shapes.
+  * For `model.mlp_gelu='fused'` (`models.gelu_mlp`), which runs the MLP's two local matmuls
+    itself: a column layer's `fused_operands(x)` gives its matmul's (input, weight, bias),
+    or None where it has none apart from its collectives; a row layer's `fused_takes()`
+    says whether it has one, and `fused_output(y)` finishes its output from its product.
 """
 from __future__ import annotations
 
