@@ -171,6 +171,10 @@ PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla"
                            "ffused", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots", "attn")  # modifiers that say what the remat keeps: not with noremat
+# the `ParallelSpec` fields a variant sets (build_step's keywords), written into its results too
+PARALLEL_FIELDS = ("tp_overlap", "tp_exchange", "interleave", "schedule", "virtual_stages",
+               "save_tp_outputs", "save_dots", "save_attention", "save_head", "shard_optimizer",
+               "overlap_grad_reduce", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,6 +210,10 @@ class Variant:
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
     return self.base != "gspmd"
+
+  def parallel_fields(self) -> dict:
+    """Its `PARALLEL_FIELDS`, by name."""
+    return {f: getattr(self, f) for f in PARALLEL_FIELDS}
 
   @property
   def remat_saves(self) -> bool:  # one of REMAT_SAVES: says what the remat keeps
@@ -376,19 +384,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
       plan = dataclasses.replace(plan, dp_params=None)
     if variant.fused_gelu:
       cfg = dataclasses.replace(cfg, mlp_gelu="fused")
-    step, state, batch, mesh = build_step(layout, args, cfg, tx, plan,
-                                          tp_overlap=variant.tp_overlap,
-                                          tp_exchange=variant.tp_exchange,
-                                          interleave=variant.interleave,
-                                          schedule=variant.schedule,
-                                          virtual_stages=variant.virtual_stages,
-                                          save_tp_outputs=variant.save_tp_outputs,
-                                          save_dots=variant.save_dots,
-                                          save_attention=variant.save_attention,
-                                          save_head=variant.save_head,
-                                          shard_optimizer=variant.shard_optimizer,
-                                          overlap_grad_reduce=variant.overlap_grad_reduce,
-                                          scan_layers=variant.scan_layers)
+    step, state, batch, mesh = build_step(layout, args, cfg, tx, plan, **variant.parallel_fields())
     ctx = _all_of(
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
         + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push
@@ -500,16 +496,9 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                     mesh=(f"data={dp},pipeline={pp},tensor={tp}" if r["variant"].ours else
                           f"data={dp * pp},tensor={tp}"),
                     plan=r["plan"], xla_options=xla_options(r["variant"], args),
-                    remat=cfg.remat and r["variant"].remat,
-                    save_tp_outputs=r["variant"].save_tp_outputs,
-                    save_dots=r["variant"].save_dots,
-                    save_attention=r["variant"].save_attention,
-                    save_head=r["variant"].save_head, fused_gelu=r["variant"].fused_gelu,
-                    shard_optimizer=r["variant"].shard_optimizer,
-                    scan_layers=r["variant"].scan_layers, **r["memory"],
-                    **r["state_bytes"],
-                    pgle_profiled=r["pgle_profiled"], schedule=r["variant"].schedule,
-                    virtual_stages=r["variant"].virtual_stages,
+                    remat=cfg.remat and r["variant"].remat, **r["variant"].parallel_fields(),
+                    fused_gelu=r["variant"].fused_gelu, **r["memory"], **r["state_bytes"],
+                    pgle_profiled=r["pgle_profiled"],
                     # the schedule's idle share in theory (backward = 2 forwards), beside
                     # the measured step; None without a pipeline
                     bubble_fraction=(bubble_fraction(r["variant"].schedule, pp, args.microbatches,
