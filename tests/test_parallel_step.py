@@ -17,7 +17,7 @@ from flax import nnx
 
 from taco_jax.models import attention, gelu_mlp
 from taco_jax.models.decoder import loss_fn
-from taco_jax.pallas_kernels import wire
+from taco_jax.pallas_kernels import common, wire
 from taco_jax import testing
 from taco_jax.codec import CompressionConfig
 from taco_jax.tp import layout as layout_lib, step as step_lib
@@ -632,15 +632,18 @@ def test_fused_mlp_gelu_matches_xlas_and_save_dots_keeps_it(tp, monkeypatch):
       _step_jaxpr(fused, tp)) + collections.Counter(batched=2)
 
 
-def test_fused_mlp_gelu_leaves_the_kernel_layers_to_xlas_gelu(monkeypatch, caplog):
-  """With the TP layers' collectives inside their matmuls (`parallel.tp_overlap="ring"` at
-  tp > 1) the MLP has no local matmul to fuse: it runs XLA's GELU and says so once."""
-  monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
+@pytest.mark.parametrize("why", ["no GPU", "collectives run inside their matmuls"])
+def test_fused_mlp_gelu_falls_back_to_xlas_gelu_and_says_so(why, monkeypatch, caplog):
+  """Where the GELU GEMMs cannot run (here: no GPU) or the MLP has no local matmul to fuse
+  (the TP layers' collectives inside their matmuls, `parallel.tp_overlap="ring"` at tp > 1),
+  the MLP runs XLA's GELU, and the run says why."""
+  monkeypatch.setattr(gelu_mlp, "STAND_IN", why != "no GPU")
+  monkeypatch.setattr(common, "_warned", set())  # said once a process: said here
   fused = dataclasses.replace(CFG, mlp_gelu="fused")
   with caplog.at_level("WARNING"):
-    jaxpr = _step_jaxpr(fused, 2, tp_overlap="ring")
+    jaxpr = _step_jaxpr(fused, 2, **({} if why == "no GPU" else dict(tp_overlap="ring")))
   assert _count(jaxpr, "name", gelu_mlp.MLP_GELU) == 0
-  assert "collectives run inside their matmuls" in caplog.text
+  assert why in caplog.text
 
 
 def test_save_head_with_a_pipeline_matches():
