@@ -55,25 +55,16 @@ def gelu_mlp(x_BTD, w_DF, b_F, w_FD, kernels: bool = True):
   return _gelu_mlp_fwd(x_BTD, w_DF, b_F, w_FD, kernels)[0]
 
 
-def _forward(x, w_in, b_in, kernels):
+def _kernel_or_reference(kernels: bool, name: str):
+  """``gelu_gemm``'s kernel ``name`` on this GPU (fast tanh), or its jnp reference."""
   from taco_jax.pallas_kernels import gelu_gemm, gemm
-  if kernels:
-    return gelu_gemm.matmul_bias_gelu(x, w_in, b_in, num_sms=gemm.num_sms(), approx_math=True)
-  h, a = gelu_gemm.matmul_bias_gelu_reference(x.reshape(-1, x.shape[-1]), w_in, b_in)
-  return h.reshape(*x.shape[:-1], -1), a.reshape(*x.shape[:-1], -1)
-
-
-def _gelu_grad(dy, w_out, h, kernels):
-  from taco_jax.pallas_kernels import gelu_gemm, gemm
-  if kernels:
-    return gelu_gemm.matmul_gelu_grad(dy, w_out, h, num_sms=gemm.num_sms(), approx_math=True)
-  dh = gelu_gemm.matmul_gelu_grad_reference(dy.reshape(-1, dy.shape[-1]), w_out,
-                                            h.reshape(-1, h.shape[-1]))
-  return dh.reshape(h.shape)
+  if not kernels:
+    return getattr(gelu_gemm, f"{name}_reference")
+  return functools.partial(getattr(gelu_gemm, name), num_sms=gemm.num_sms(), approx_math=True)
 
 
 def _gelu_mlp_fwd(x, w_in, b_in, w_out, kernels):
-  h, a = _forward(x, w_in, b_in, kernels)
+  h, a = _kernel_or_reference(kernels, "matmul_bias_gelu")(x, w_in, b_in)
   h, a = checkpoint_name(h, MLP_GELU), checkpoint_name(a, MLP_GELU)
   y = jnp.einsum("...f,fd->...d", a, w_out)
   return y, (x, w_in, b_in, h, a, w_out)
@@ -82,10 +73,9 @@ def _gelu_mlp_fwd(x, w_in, b_in, w_out, kernels):
 def _gelu_mlp_bwd(kernels, res, dy):
   x, w_in, b_in, h, a, w_out = res
   dy = dy.astype(x.dtype)
-  dh = _gelu_grad(dy, w_out, h, kernels)
-  lead = "".join("abc"[:x.ndim - 1])
-  dw_out = jnp.einsum(f"{lead}f,{lead}d->fd", a, dy).astype(w_out.dtype)
-  dw_in = jnp.einsum(f"{lead}d,{lead}f->df", x, dh).astype(w_in.dtype)
+  dh = _kernel_or_reference(kernels, "matmul_gelu_grad")(dy, w_out, h)
+  dw_out = jnp.einsum("...f,...d->fd", a, dy).astype(w_out.dtype)
+  dw_in = jnp.einsum("...d,...f->df", x, dh).astype(w_in.dtype)
   db_in = jnp.sum(dh, axis=tuple(range(dh.ndim - 1)), dtype=jnp.float32).astype(b_in.dtype)
   dx = jnp.einsum("...f,df->...d", dh, w_in)
   return dx, dw_in, db_in, dw_out

@@ -40,28 +40,34 @@ TILING = gemm.Tiling(stages=3)
 FORWARD_TILING = gemm.Tiling()
 
 
+def _tanh_term(h32):
+  return jnp.tanh(_C * (h32 + _K * h32 * h32 * h32))
+
+
 def gelu(h32):
   """GELU, tanh form (``jax.nn.gelu(approximate=True)``), of fp32 values."""
-  return 0.5 * h32 * (1 + jnp.tanh(_C * (h32 + _K * h32 * h32 * h32)))
+  return 0.5 * h32 * (1 + _tanh_term(h32))
 
 
 def gelu_grad(h32):
   """d gelu(h) / dh of fp32 values (tanh form)."""
-  t = jnp.tanh(_C * (h32 + _K * h32 * h32 * h32))
+  t = _tanh_term(h32)
   return 0.5 * (1 + t) + 0.5 * h32 * (1 - t * t) * _C * (1 + 3 * _K * h32 * h32)
 
 
-def matmul_bias_gelu_reference(x_MK, w_KN, b_N):
-  """``(h, gelu(h))`` with ``h = x @ w + b`` (fp32 accumulation, then x's dtype)."""
-  acc = jnp.dot(x_MK, w_KN, preferred_element_type=jnp.float32)
-  h = (acc + b_N.astype(jnp.float32)).astype(x_MK.dtype)
-  return h, gelu(h.astype(jnp.float32)).astype(x_MK.dtype)
+def matmul_bias_gelu_reference(x, w_KN, b_N):
+  """``(h, gelu(h))`` with ``h = x @ w + b``, x ``[..., K]`` (fp32 accumulation, then x's
+  dtype)."""
+  acc = jnp.dot(x, w_KN, preferred_element_type=jnp.float32)
+  h = (acc + b_N.astype(jnp.float32)).astype(x.dtype)
+  return h, gelu(h.astype(jnp.float32)).astype(x.dtype)
 
 
-def matmul_gelu_grad_reference(g_MK, w_NK, h_MN):
-  """``(g @ w.T) * gelu'(h)`` (fp32 accumulation and product, then g's dtype)."""
-  acc = jnp.dot(g_MK, w_NK.T, preferred_element_type=jnp.float32)
-  return (acc * gelu_grad(h_MN.astype(jnp.float32))).astype(g_MK.dtype)
+def matmul_gelu_grad_reference(g, w_NK, h):
+  """``(g @ w.T) * gelu'(h)``, g ``[..., K]``, h ``[..., N]`` (fp32 accumulation and product,
+  then g's dtype)."""
+  acc = jnp.dot(g, w_NK.T, preferred_element_type=jnp.float32)
+  return (acc * gelu_grad(h.astype(jnp.float32))).astype(g.dtype)
 
 
 def misfit(m: int, k: int, n: int, tiling: gemm.Tiling = TILING) -> str | None:
