@@ -175,6 +175,21 @@ def _sms(spec: str, default: int) -> int:
   return _spec(spec).get("sms", default)
 
 
+def best_of_rounds(timed: dict, iters: int, rounds: int) -> dict:
+  """``name -> (fn, args)`` on one device, timed in ``rounds`` rounds that take turns
+  (`timed_or_error`'s median of ``iters`` calls each): ``name -> {"ms": each round's (None
+  where it failed), "best_ms": the least, if any}``."""
+  ms = {name: [] for name in timed}
+  for _ in range(rounds):
+    for name, (fn, args) in timed.items():
+      ms[name].append(timed_or_error(fn, args, iters, 1).get("ms"))
+  out = {}
+  for name, times in ms.items():
+    good = [t for t in times if t is not None]
+    out[name] = dict(ms=times, **({"best_ms": min(good)} if good else {}))
+  return out
+
+
 def timed_or_error(fn, args, iters: int, n_devices: int, tries: int = 2,
                    skip: frozenset = frozenset()) -> dict:
   """``device_time_ms``, tried again once if the profiler fails (it once saw other kernel

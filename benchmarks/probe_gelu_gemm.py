@@ -91,14 +91,9 @@ def _references(x, w, b, dout, w2, h):
   return {"forward": (hh, gelu(hh)), "backward": (dh, dh.sum(0)), "matmul": (y,)}
 
 
-def _rel_err(got, want) -> float:
-  got, want = jnp.asarray(got, jnp.float32), jnp.asarray(want, jnp.float32)
-  return float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
-
-
 def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool,
           tiling=None) -> dict:
-  from benchmarks.bench_collective_matmul import timed_or_error
+  from benchmarks.bench_collective_matmul import best_of_rounds, rel_err
   ks = jax.random.split(jax.random.key(m + d + f), 5)
   bf16 = jnp.bfloat16
   x = jax.random.normal(ks[0], (m, d), jnp.float32).astype(bf16)
@@ -119,20 +114,14 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
     want = refs[kind]
     if name == "forward_xla":  # XLA's first output is y, without the bias
       want = (want[0] - b, want[1])
-    errs = [_rel_err(g, r) for g, r in zip(got, want)]
+    errs = [rel_err(g, r) for g, r in zip(got, want)]
     case["variants"][name] = dict(kind=kind, rel_err=errs, ok=max(errs) < TOL, ms=[])
   if timed:
-    for _ in range(rounds):
-      for name, (kind, fn) in fns.items():
-        v = case["variants"][name]
-        if v["ok"]:
-          fargs = args["fused" if "fused" in name else "xla"]
-          v["ms"].append(timed_or_error(jax.jit(fn), fargs, iters, 1).get("ms"))
-    for v in case["variants"].values():
-      ms = [t for t in v["ms"] if t is not None]
-      if ms:
-        v["best_ms"] = min(ms)
     vs = case["variants"]
+    for name, times in best_of_rounds(
+        {name: (jax.jit(fn), args["fused" if "fused" in name else "xla"])
+         for name, (_, fn) in fns.items() if vs[name]["ok"]}, iters, rounds).items():
+      vs[name].update(times)
     for kind in ("forward", "backward"):
       if vs[f"{kind}_xla"].get("best_ms") and vs[f"{kind}_fused"].get("best_ms"):
         case[f"{kind}_fused_over_xla"] = vs[f"{kind}_fused"]["best_ms"] / vs[f"{kind}_xla"][

@@ -40,7 +40,7 @@ def _kernels(sms: int, interpret: bool):
 
 def probe(rows: list[int], shapes, iters: int, rounds: int, sms: int,
           interpret: bool = False) -> list[dict]:
-  from benchmarks.bench_collective_matmul import timed_or_error
+  from benchmarks.bench_collective_matmul import best_of_rounds, rel_err
   kernels = _kernels(sms, interpret)
   cases = []
   for name, k, n in shapes:
@@ -51,20 +51,14 @@ def probe(rows: list[int], shapes, iters: int, rounds: int, sms: int,
       want = jnp.dot(a.astype(jnp.float32), w.astype(jnp.float32))
       case = dict(shape=name, m=m, k=k, n=n, tiles=(m // 128) * (n // 256), sms=sms)
       for kname, fn in kernels.items():
-        got = fn(a, w).astype(jnp.float32)
-        err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+        err = rel_err(fn(a, w), want)
         case[kname] = dict(rel_err=err, ok=err < TOL, ms=[])
       if not interpret:
-        for _ in range(rounds):
-          for kname, fn in kernels.items():
-            if case[kname]["ok"]:
-              t = timed_or_error(fn, (a, w), iters, 1)
-              case[kname]["ms"].append(t.get("ms"))
-        for kname in kernels:
-          ms = [t for t in case[kname]["ms"] if t is not None]
-          if ms:
-            best = min(ms)
-            case[kname].update(best_ms=best, tflops=2 * m * k * n / best / 1e9)
+        for kname, times in best_of_rounds({kname: (fn, (a, w)) for kname, fn in kernels.items()
+                                            if case[kname]["ok"]}, iters, rounds).items():
+          case[kname].update(times)
+          if "best_ms" in times:
+            case[kname]["tflops"] = 2 * m * k * n / times["best_ms"] / 1e9
       cases.append(case)
   return cases
 

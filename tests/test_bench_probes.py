@@ -160,6 +160,19 @@ def test_wave_probe_checks_the_core_and_sets_each_row_count_against_the_first():
   assert bigger["core_over_cublas"] == pytest.approx(2.0 / 1.5)
 
 
+def test_best_of_rounds_takes_turns_and_keeps_the_least(monkeypatch):
+  """The probes' timing: rounds that take turns over the variants, a failed timing kept as
+  None and left out of the least."""
+  from benchmarks import bench_collective_matmul as bcm
+  times = iter([{"ms": 2.0}, {"timing_error": "x"}, {"ms": 1.5}, {"ms": 3.0}])
+  calls = []
+  monkeypatch.setattr(bcm, "timed_or_error",
+                      lambda fn, args, iters, n: calls.append(fn) or next(times))
+  got = bcm.best_of_rounds({"a": ("fa", ()), "b": ("fb", ())}, iters=5, rounds=2)
+  assert calls == ["fa", "fb", "fa", "fb"]
+  assert got == {"a": dict(ms=[2.0, 1.5], best_ms=1.5), "b": dict(ms=[None, 3.0], best_ms=3.0)}
+
+
 def test_gelu_gemm_probe_checks_every_variant_against_fp32():
   assert probe_gelu_gemm.main(["--smoke"]) == 0
 
