@@ -173,8 +173,8 @@ COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (a
 REMAT_SAVES = ("save", "dots", "attn")  # modifiers that say what the remat keeps: not with noremat
 # the `ParallelSpec` fields a variant sets (build_step's keywords), written into its results too
 PARALLEL_FIELDS = ("tp_overlap", "tp_exchange", "interleave", "schedule", "virtual_stages",
-               "save_tp_outputs", "save_dots", "save_attention", "save_head", "shard_optimizer",
-               "overlap_grad_reduce", "scan_layers")
+                   "save_tp_outputs", "save_dots", "save_attention", "save_head",
+                   "shard_optimizer", "overlap_grad_reduce", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
