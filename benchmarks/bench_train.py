@@ -76,7 +76,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _head   the loss head keeps its softmax for the backward pass (`parallel.save_head`): the
           backward pass does not run the head's matmul again
   _gelu   the MLP's GELU in its GEMMs' epilogues (`model.mlp_gelu="fused"`,
-          `models.gelu_mlp`; where the MLP's matmuls are local: not with _cm or ring_)
+          `models.gelu_mlp`; with _cm in the all-gather kernels' epilogues,
+          `fused.KernelMatmuls`; not with ring_)
   _ogr    each layer's gradients all-reduced over "data" inside the backward pass
           (`parallel.overlap_grad_reduce`: they travel while the earlier layers' backward
           runs), not all of them after it; pp = 1 and no _zero
@@ -246,7 +247,7 @@ def parse_variant(name: str) -> Variant:
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods) or (
-      "gelu" in mods and ("cm" in mods or base.startswith("ring_"))):
+      "gelu" in mods and base.startswith("ring_")):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
@@ -254,7 +255,7 @@ def parse_variant(name: str) -> Variant:
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero; _idx only with _unroll; _gelu not with "
-                     "_cm or ring_)")
+                     "ring_)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  save_attention="attn" in mods, save_head="head" in mods,

@@ -31,8 +31,8 @@ def _xla(x, w_in, b, w_out):
 
 def _fused(x, w_in, b, w_out):
   from taco_jax.models import gelu_mlp
-  return gelu_mlp.gelu_mlp(x, w_in, b, w_out, gelu_mlp.kernel_problem(x.shape, w_in.shape)
-                           is None)
+  kernels = gelu_mlp.kernel_problem(x.shape, w_in.shape) is None
+  return gelu_mlp.gelu_mlp(x, w_in, b, w_out, gelu_mlp.LocalMatmuls(kernels))
 
 
 def _forward_backward(fn, args, ct):

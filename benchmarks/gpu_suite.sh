@@ -110,6 +110,9 @@
 #   bash benchmarks/gpu_suite.sh cm_step_4gpu        # ... the TP=4 kernel step (<= 7.5 min)
 #   MODELS=1.3b CM_LIMIT=290 bash benchmarks/gpu_suite.sh collective_matmul   # TP=4 kernels
 #   bash benchmarks/gpu_suite.sh cm_dp2_4gpu         # ... DP=2 x TP=2 step (<= 7 min)
+#   bash benchmarks/gpu_suite.sh cm_gelu             # issue 15, TP=2: the fused GELU in the
+#                                                    # kernel layers, against the strong step's
+#                                                    # (<= 5 min)
 #   bash benchmarks/gpu_suite.sh trainer_cm          # issue 15, TP=2: the trainer's own step,
 #                                                    # kernels or not (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -272,6 +275,15 @@ for job in "$@"; do
           --config.parallel.tp_overlap=$v --config.parallel.save_tp_outputs=True \
           --config.data.batch_size=8
       done ;;
+    cm_gelu)  # issue 15 on 2 GPUs (TP=2): the MLP's GELU in the all-gather kernels' epilogues
+      # (model.mlp_gelu=fused with the kernel layers, since 2026-11-29) against the kernel
+      # layers with XLA's GELU, beside the bf16 step and its ideal with the fused GELU
+      v=off_save_dots_attn_head_gelu_unroll,ideal_save_dots_attn_head_gelu_unroll
+      v=$v,on_cm_xchg_save_dots_attn_head_unroll_fgraphs
+      v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs
+      BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label nvlink_cm_gelu \
+        --layouts 1,1,${TP:-2} --attention cudnn --link nvlink --deadline-s 500 \
+        --build-timeout-s 170 --variants $v --out-dir "$out" ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
       # and the bf16 step's remat policies (keep matmul outputs, no remat)
       timeout 590 python3 benchmarks/bench_train.py --label nvlink_cm --layouts 1,1,2 \

@@ -9,7 +9,11 @@ against an fp32 reference of the same math:
             fused: dh = matmul_gelu_grad(dout, w2, h), db = sum(dh)
 
 plus cuBLAS and our GEMM core alone on the same product (what the epilogue costs on top).
-Rounds of calls take turns on the same inputs.
+With ``--all-gather`` (tp > 1), the same two passes through the kernel layers' all-gather
+kernel (``ag_matmul``) in local mode on one GPU, rank 0 of tp: the peers' chunks read from
+a pre-gathered input, what goes to rank r - 1 written locally; its plain store then XLA's
+activation (``ag_*_xla``) against the GELU epilogues (``ag_*_fused``: what
+``fused.KernelMatmuls`` runs). Rounds of calls take turns on the same inputs.
 
 GPU: python benchmarks/probe_gelu_gemm.py --out-dir $OUT
 CPU: python benchmarks/probe_gelu_gemm.py --smoke   (tiny shapes, interpret mode, untimed)
@@ -79,6 +83,54 @@ def variants(sms: int, tiling=None) -> dict:
   }
 
 
+BATCH = 8  # sequences of the all-gather variants' [B, T, D] activations
+
+
+def all_gather_variants(sms: int, tp: int, tiling=None) -> dict:
+  """name -> (pass, function of the all-gather inputs ``(x shard, gathered x, w, b, dout
+  shard, gathered dout, w2, h)``): the kernel in local mode as rank 0 of ``tp``; its rows
+  come out ``[M, .]`` as the one-GPU variants'."""
+  from taco_jax.pallas_kernels import ag_matmul, gelu_gemm
+
+  def kernel(x, x_full, w, epilogue=None, transpose_w=False):
+    base = tiling or ag_matmul.plain_tiling(x.shape, w.shape[::-1] if transpose_w else w.shape,
+                                            tp, sms)
+    outs = ag_matmul.all_gather_matmul(
+        x, w, "t", tiling=epilogue.fit(base) if epilogue else base, num_sms=sms,
+        transpose_w=transpose_w, epilogue=epilogue, rank=0, local_gathered=x_full)
+    return [o.reshape(-1, o.shape[-1]) for o in outs[:-2]]  # less the gathered and the sent
+
+  def xla_fwd(x, x_full, w, b, dout, dout_full, w2, h):
+    y, = kernel(x, x_full, w)
+    return y, _gelu(y + b.astype(y.dtype))
+
+  def fused_fwd(x, x_full, w, b, dout, dout_full, w2, h):
+    return kernel(x, x_full, w, gelu_gemm.BiasGelu(b, approx_math=True))
+
+  def xla_bwd(x, x_full, w, b, dout, dout_full, w2, h):
+    g, = kernel(dout, dout_full, w2, transpose_w=True)
+    _, vjp = jax.vjp(lambda y: _gelu(y + b.astype(y.dtype)), h.reshape(g.shape))
+    dh, = vjp(g)
+    return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
+
+  def fused_bwd(x, x_full, w, b, dout, dout_full, w2, h):
+    dh, = kernel(dout, dout_full, w2, gelu_gemm.GeluGrad(h, approx_math=True), True)
+    return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
+  return {"ag_forward_xla": ("forward", xla_fwd), "ag_forward_fused": ("forward", fused_fwd),
+          "ag_backward_xla": ("backward", xla_bwd), "ag_backward_fused": ("backward", fused_bwd)}
+
+
+def _all_gather_args(tp: int, batch: int, x, w, b, dout, w2, h):
+  """The all-gather variants' inputs from the one-GPU variants' ``[M, .]`` ones, as
+  ``batch`` sequences."""
+  def seq(a):
+    return a.reshape(batch, -1, a.shape[-1])
+
+  def shard(a):
+    return seq(a)[:, :seq(a).shape[1] // tp]
+  return shard(x), seq(x), w, b, shard(dout), seq(dout), w2, seq(h)
+
+
 def _references(x, w, b, dout, w2, h):
   """fp32 math of each pass: (y or h, a), (dh, db), (x @ w,)."""
   f32 = jnp.float32
@@ -92,7 +144,7 @@ def _references(x, w, b, dout, w2, h):
 
 
 def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool,
-          tiling=None) -> dict:
+          tiling=None, all_gather_tp: int = 0, batch: int = BATCH) -> dict:
   from benchmarks.bench_collective_matmul import best_of_rounds, rel_err
   ks = jax.random.split(jax.random.key(m + d + f), 5)
   bf16 = jnp.bfloat16
@@ -108,24 +160,33 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
   refs = _references(x, w, b, dout, w2, y.astype(bf16))
   case = dict(m=m, d=d, f=f, sms=sms, variants={})
   fns = variants(sms, tiling)
+  if all_gather_tp:
+    fns.update(all_gather_variants(sms, all_gather_tp, tiling))
+    for kind in ("xla", "fused"):
+      args[f"ag_{kind}"] = _all_gather_args(all_gather_tp, batch, *args[kind])
+    case["all_gather_tp"] = all_gather_tp
+
+  def inputs(name):
+    return args[("ag_" if name.startswith("ag_") else "") + (
+        "fused" if "fused" in name else "xla")]
   for name, (kind, fn) in fns.items():
-    fargs = args["fused" if "fused" in name else "xla"]
+    fargs = inputs(name)
     got = jax.jit(fn)(*fargs)
     want = refs[kind]
-    if name == "forward_xla":  # XLA's first output is y, without the bias
+    if name.endswith("forward_xla"):  # XLA's first output is y, without the bias
       want = (want[0] - b, want[1])
     errs = [rel_err(g, r) for g, r in zip(got, want)]
     case["variants"][name] = dict(kind=kind, rel_err=errs, ok=max(errs) < TOL, ms=[])
   if timed:
     vs = case["variants"]
     for name, times in best_of_rounds(
-        {name: (jax.jit(fn), args["fused" if "fused" in name else "xla"])
+        {name: (jax.jit(fn), inputs(name))
          for name, (_, fn) in fns.items() if vs[name]["ok"]}, iters, rounds).items():
       vs[name].update(times)
-    for kind in ("forward", "backward"):
-      if vs[f"{kind}_xla"].get("best_ms") and vs[f"{kind}_fused"].get("best_ms"):
-        case[f"{kind}_fused_over_xla"] = vs[f"{kind}_fused"]["best_ms"] / vs[f"{kind}_xla"][
-            "best_ms"]
+    for kind in ("forward", "backward", "ag_forward", "ag_backward"):
+      xla, fused = vs.get(f"{kind}_xla", {}), vs.get(f"{kind}_fused", {})
+      if xla.get("best_ms") and fused.get("best_ms"):
+        case[f"{kind}_fused_over_xla"] = fused["best_ms"] / xla["best_ms"]
   return case
 
 
@@ -134,25 +195,35 @@ def main(argv=None):
   p.add_argument("--tp", default="1,2", help="the MLP's width is 8192 / tp")
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--rounds", type=int, default=3)
+  p.add_argument("--all-gather", action="store_true",
+                 help="at tp > 1, also the kernel layers' all-gather kernel in local mode")
   add_output_args(p, label="h200", smoke="CPU: tiny shapes, the kernels in interpret mode, untimed")
   args = p.parse_args(argv)
   if args.smoke:
+    try:  # jax's GPU interpreter runs each warpgroup on a thread of the CPU backend's pool,
+      #     and one CPU device's pool starves kernels whose warpgroups wait on each other
+      from taco_jax.train.cli import use_cpu_devices
+      use_cpu_devices(8)
+    except RuntimeError:  # JAX already runs (e.g. under pytest, on 8 devices)
+      pass
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from taco_jax.pallas_kernels import gemm
-    tiling = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32)
+    tiling = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32,
+                         split="m")  # as the layers' tiles
     with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
-      case = probe(128, 128, 256, 2, 1, 1, timed=False, tiling=tiling)
+      case = probe(256, 128, 256, 2, 1, 1, timed=False, tiling=tiling,
+                   all_gather_tp=2 if args.all_gather else 0, batch=1)
     bad = [n for n, v in case["variants"].items() if not v["ok"]]
     print(f"smoke: {len(case['variants']) - len(bad)} / {len(case['variants'])} match", bad)
     return 1 if bad else 0
   from taco_jax.pallas_kernels import gemm
   sms = gemm.num_sms()
-  cases = [probe(16384, 2048, 8192 // int(tp), sms, args.iters, args.rounds, timed=True)
+  cases = [probe(16384, 2048, 8192 // int(tp), sms, args.iters, args.rounds, timed=True,
+                 all_gather_tp=int(tp) if args.all_gather and int(tp) > 1 else 0)
            for tp in args.tp.split(",")]
   rows = [dict(f=c["f"], **{n: v.get("best_ms") for n, v in c["variants"].items()},
-               fwd_ratio=c.get("forward_fused_over_xla"),
-               bwd_ratio=c.get("backward_fused_over_xla")) for c in cases]
-  print(common.table(rows, list(rows[0])))
+               **{k: v for k, v in c.items() if k.endswith("_over_xla")}) for c in cases]
+  print(common.table(rows, list(dict.fromkeys(k for r in rows for k in r))))
   common.write_results(f"probe_gelu_gemm_{args.label}", dict(
       env=common.environment(), cases=cases,
       method=("min over rounds of the median device time (CUPTI, all kernels of a call) of "

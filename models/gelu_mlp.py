@@ -16,13 +16,22 @@ of cuBLAS plus XLA's fusions (``benchmarks/probe_gelu_gemm.py``), and a training
 the GPU's approximation (``tanh.approx``, relative error ~2^-11, under bf16's rounding of the
 result).
 
+Where the four matmuls run is the layers' to say (``fused_operands``): ``LocalMatmuls`` on
+this device's operands (TP = 1, or after XLA's all-gather), or with the kernel layers
+(``parallel.tp_overlap="kernel"``) ``taco_jax.tp.fused.KernelMatmuls``, whose all-gather
+kernels apply the bias and GELU, and the GELU's derivative, in their epilogues, the
+collectives inside the matmuls as the layers' are (on one H200, as rank 0 of TP=2 in local
+mode: 0.87x and 0.88x the all-gather kernel plus XLA's activation,
+``probe_gelu_gemm --all-gather``).
+
 Under remat the backward needs ``h`` and ``a``: they are named ``MLP_GELU``, as is the
 product, and ``parallel.save_dots`` keeps them (in place of the MLP-in's matmul output).
 Where the kernels cannot run (no Hopper GPU, tiles that do not divide the shapes) the MLP
-runs XLA's way, said once.
+runs XLA's way, said once; the ring layers (``tp_overlap="ring"``) keep XLA's GELU.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -47,57 +56,89 @@ def kernel_problem(x_shape, w_in_shape) -> str | None:
                               or gelu_gemm.misfit(m, d, f, gelu_gemm.TILING))
 
 
+@dataclasses.dataclass(frozen=True)
+class LocalMatmuls:
+  """Where ``gelu_mlp``'s four matmuls run: here, on this device's operands (TP = 1, or
+  after XLA's all-gather), on the GELU GEMMs (``kernels``; the GPU's fast tanh) or their
+  jnp references, and XLA's dots. The kernel layers' (``taco_jax.tp.fused.KernelMatmuls``)
+  run them with the TP collectives inside."""
+  kernels: bool = True
+
+  def problem(self, x_shape, w_in_shape) -> str | None:
+    """Why the GELU GEMMs cannot run here (``kernel_problem``), or None."""
+    return kernel_problem(x_shape, w_in_shape)
+
+  def stand_in(self) -> LocalMatmuls:
+    """The same math in jnp (the kernels' references)."""
+    return LocalMatmuls(kernels=False)
+
+  def _gelu_gemm(self, name: str):
+    from taco_jax.pallas_kernels import gelu_gemm, gemm
+    if not self.kernels:
+      return getattr(gelu_gemm, f"{name}_reference")
+    return functools.partial(getattr(gelu_gemm, name), num_sms=gemm.num_sms(),
+                             approx_math=True)
+
+  def in_gelu(self, x, w_in, b_in):
+    """``(h, gelu(h), x as the weight gradient takes it)``, ``h = x @ w_in + b_in``."""
+    return *self._gelu_gemm("matmul_bias_gelu")(x, w_in, b_in), x
+
+  def out(self, a, w_out):
+    """The MLP's output from the activation."""
+    return jnp.einsum("...f,fd->...d", a, w_out)
+
+  def grad_gelu(self, dy, w_out, h):
+    """``(dh, dy as the weight gradient takes it)``: the gradient at h from the output's."""
+    return self._gelu_gemm("matmul_gelu_grad")(dy, w_out, h), dy
+
+  def in_grad(self, dh, w_in):
+    """The gradient at x from the gradient at h."""
+    return jnp.einsum("...f,df->...d", dh, w_in)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def gelu_mlp(x_BTD, w_DF, b_F, w_FD, kernels: bool = True):
-  """``gelu(x @ w_in + b_in) @ w_out`` (tanh GELU) in x's dtype; ``kernels``: on the GELU
-  GEMMs (else the same math in jnp, as the kernels' references compute it: the CPU
-  tests' stand-in)."""
-  return _gelu_mlp_fwd(x_BTD, w_DF, b_F, w_FD, kernels)[0]
+def gelu_mlp(x_BTD, w_DF, b_F, w_FD, matmuls=LocalMatmuls()):
+  """``gelu(x @ w_in + b_in) @ w_out`` (tanh GELU) in x's dtype, its matmuls where
+  ``matmuls`` runs them (``LocalMatmuls(kernels=False)``: the same math in jnp, as the
+  kernels' references compute it: the CPU tests' stand-in)."""
+  return _gelu_mlp_fwd(x_BTD, w_DF, b_F, w_FD, matmuls)[0]
 
 
-def _kernel_or_reference(kernels: bool, name: str):
-  """``gelu_gemm``'s kernel ``name`` on this GPU (fast tanh), or its jnp reference."""
-  from taco_jax.pallas_kernels import gelu_gemm, gemm
-  if not kernels:
-    return getattr(gelu_gemm, f"{name}_reference")
-  return functools.partial(getattr(gelu_gemm, name), num_sms=gemm.num_sms(), approx_math=True)
-
-
-def _gelu_mlp_fwd(x, w_in, b_in, w_out, kernels):
-  h, a = _kernel_or_reference(kernels, "matmul_bias_gelu")(x, w_in, b_in)
+def _gelu_mlp_fwd(x, w_in, b_in, w_out, matmuls):
+  h, a, x_w = matmuls.in_gelu(x, w_in, b_in)
   h, a = checkpoint_name(h, MLP_GELU), checkpoint_name(a, MLP_GELU)
-  y = jnp.einsum("...f,fd->...d", a, w_out)
-  return y, (x, w_in, b_in, h, a, w_out)
+  return matmuls.out(a, w_out), (x_w, w_in, b_in, h, a, w_out)
 
 
-def _gelu_mlp_bwd(kernels, res, dy):
-  x, w_in, b_in, h, a, w_out = res
-  dy = dy.astype(x.dtype)
-  dh = _kernel_or_reference(kernels, "matmul_gelu_grad")(dy, w_out, h)
-  dw_out = jnp.einsum("...f,...d->fd", a, dy).astype(w_out.dtype)
-  dw_in = jnp.einsum("...d,...f->df", x, dh).astype(w_in.dtype)
+def _gelu_mlp_bwd(matmuls, res, dy):
+  x_w, w_in, b_in, h, a, w_out = res
+  dh, dy_w = matmuls.grad_gelu(dy.astype(x_w.dtype), w_out, h)
+  dw_out = jnp.einsum("...f,...d->fd", a, dy_w).astype(w_out.dtype)
+  dw_in = jnp.einsum("...d,...f->df", x_w, dh).astype(w_in.dtype)
   db_in = jnp.sum(dh, axis=tuple(range(dh.ndim - 1)), dtype=jnp.float32).astype(b_in.dtype)
-  dx = jnp.einsum("...f,df->...d", dh, w_in)
-  return dx, dw_in, db_in, dw_out
+  return matmuls.in_grad(dh, w_in).astype(x_w.dtype), dw_in, db_in, dw_out
 
 
 gelu_mlp.defvjp(_gelu_mlp_fwd, _gelu_mlp_bwd)
 
 
 def fused_mlp(mlp_in, mlp_out, x_BTD):
-  """The block's MLP through ``gelu_mlp``, or None where it cannot run (said once): where a
-  layer has no local matmul to give (``fused_operands`` None or ``fused_takes`` False: the
-  TP layers whose collectives run inside their matmuls), or where the kernels cannot run
-  (with ``STAND_IN``, the jnp stand-in runs there instead)."""
+  """The block's MLP through ``gelu_mlp``, its matmuls where the layers say
+  (``fused_operands``), or None where it cannot run (said once): where a layer cannot give
+  its matmul (``fused_operands`` None or ``fused_takes`` False: the ring layers, whose
+  collectives run inside their matmuls), or where the kernels cannot run (with
+  ``STAND_IN``, the jnp stand-in runs there instead)."""
   operands = mlp_in.fused_operands(x_BTD)
   if operands is None or not mlp_out.fused_takes():
-    warn_once("tp_overlap", _FALLBACK, "the TP layers' collectives run inside their matmuls")
+    warn_once("tp_overlap", _FALLBACK, "the ring layers' collectives run inside their matmuls")
     return None
-  x, w_in, b_in = operands
+  x, w_in, b_in, matmuls = operands
   w_out = mlp_out.kernel[...].astype(x.dtype)
-  problem = kernel_problem(x.shape, w_in.shape)
-  if problem is not None and not STAND_IN:
-    warn_once(problem, _FALLBACK, problem)
-    return None
-  y = checkpoint_name(gelu_mlp(x, w_in, b_in, w_out, problem is None), MLP_GELU)
+  problem = matmuls.problem(x.shape, w_in.shape)
+  if problem is not None:
+    if not STAND_IN:
+      warn_once(problem, _FALLBACK, problem)
+      return None
+    matmuls = matmuls.stand_in()
+  y = checkpoint_name(gelu_mlp(x, w_in, b_in, w_out, matmuls), MLP_GELU)
   return mlp_out.fused_output(y)

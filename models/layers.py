@@ -14,10 +14,11 @@ Contract a factory must keep (what `Block` relies on):
   * `row(d_in, d_out, ...)` returns a module mapping y[..., d_in_local] -> x[..., d_out]
     (the row-parallel one reduces its partial sums over the tensor axis itself).
   * Sizes passed are GLOBAL sizes; the factory decides the local shapes.
-  * For `model.mlp_gelu='fused'` (`models.gelu_mlp`), which runs the MLP's two local matmuls
-    itself: a column layer's `fused_operands(x)` gives its matmul's (input, weight, bias),
-    or None where it has none apart from its collectives; a row layer's `fused_takes()`
-    says whether it has one, and `fused_output(y)` finishes its output from its product.
+  * For `model.mlp_gelu='fused'` (`models.gelu_mlp`), which runs the MLP's two matmuls
+    itself: a column layer's `fused_operands(x)` gives its matmul's (input, weight, bias)
+    and where the MLP's matmuls run (`gelu_mlp.LocalMatmuls`, or the TP kernels'), or None
+    where it cannot give them; a row layer's `fused_takes()` says whether the MLP may run
+    its matmul, and `fused_output(y)` finishes its output from that product.
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from taco_jax.models.gelu_mlp import LocalMatmuls
 
 
 def normal_init(std: float):
@@ -52,9 +55,9 @@ class Linear(nnx.Module):
 
   # `models.gelu_mlp.fused_mlp`'s hooks: the layer's local matmul operands and output
   def fused_operands(self, x_BTI: jax.Array):
-    """``(x, w, b)`` of this in-projection, in the compute dtype (b in fp32)."""
+    """``(x, w, b, matmuls)`` of this in-projection, in the compute dtype (b in fp32)."""
     bias = self.bias[...] if self.bias is not None else jnp.zeros(self.kernel.shape[1:])
-    return x_BTI.astype(self.dtype), self.kernel[...].astype(self.dtype), bias
+    return x_BTI.astype(self.dtype), self.kernel[...].astype(self.dtype), bias, LocalMatmuls()
 
   def fused_takes(self) -> bool:
     return True

@@ -301,13 +301,15 @@ def _store_decoded(t: gemm.Tiling, n_tiles: int, row_of, out_smem, xd_ref):
 
 
 def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-          num_sms: int, out_dtype, dtype, transpose_w: bool, mult_GR=None, group_size=None,
-          gathered=None, skip=(), chunk_waits: bool | None = None):
+          num_sms: int, out_dtype, dtype, transpose_w: bool, epilogue: gemm.Store,
+          mult_GR=None, group_size=None, gathered=None, skip=(),
+          chunk_waits: bool | None = None):
   """The kernel on this rank's A rows ``a_RK`` (x, or FP8 codes with ``mult_GR``), ``s``
   rows per sequence shard. ``gathered`` (local mode): the pre-gathered A rows (and
-  multipliers) that peers would have written. Returns ``y`` rows, the gathered A rows (FP8:
-  the codes and multipliers, the peers' receive buffers, then the gathered x, decoded as the
-  wgmma took it: ``_store_decoded``), and in local mode what was sent to rank r - 1.
+  multipliers) that peers would have written. Returns ``epilogue``'s output rows (``y``
+  for the plain store) and the list of the gathered A rows (FP8: the codes and
+  multipliers, the peers' receive buffers, then the gathered x, decoded as the wgmma took
+  it: ``_store_decoded``), and in local mode what was sent to rank r - 1.
   ``chunk_waits``: each step waits for the whole chunk, every SM's copies of it, instead of
   each tile for its row tile (default: below ``ROW_WAITS_FROM`` ranks)."""
   if chunk_waits is None:
@@ -330,11 +332,13 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   # the signals that say a row tile of a chunk has landed: one from warpgroup 0 of each of
   # the row's output tiles, and (FP8) one from each other copier of the row's first tile
   row_signals = n_tiles + copiers - 1
+  out_types = epilogue.outputs(t_rows, n_out, out_dtype)
 
-  def body(*refs, out_smem, **scratch):
+  def body(*refs, **scratch):
     extra = n_arrays if local else 0
-    mine, (w_ref,), src, (y_ref,), xg, xd, sent = gemm.split_refs(
-        refs, n_arrays, 1, extra, 1, n_arrays, int(fp8), extra)
+    mine, (w_ref,), src, ins, outs, xg, xd, sent = gemm.split_refs(
+        refs, n_arrays, 1, extra, len(epilogue.inputs), len(out_types), n_arrays, int(fp8),
+        extra)
     src = src or xg  # the peers write the gathered arrays themselves
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local,
                                        (n - 1) * (1 if chunk_waits else row_tiles))
@@ -364,31 +368,35 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
         def a_view(m_idx, arrays=arrays, row_of=row_of):
           return [arrays[0].at[pl.ds(row_of(m_idx), t.cta_m)]]
 
-        def before_tile(m_idx, n_idx, wg, arrays=arrays, row_of=row_of, c=c, dests=dests):
-          mults.load(arrays[1], row_of(m_idx), wg, scratch)
+        def tile_at(m_idx, n_idx, wg, c=c):  # the warpgroup tile's first output element
+          row0, col0 = t.wg_offsets(wg)
+          return at.gathered(c, m_idx) + row0, n_idx * t.cta_n + col0
 
-          @pl.when(n_idx == 0)
-          def _send():
-            for dest in dests:
-              mults.send(dest[1], at.gathered(c, m_idx), wg, scratch)
+        def before_tile(m_idx, n_idx, wg, arrays=arrays, row_of=row_of, c=c, dests=dests,
+                        tile_at=tile_at):
+          if fp8:
+            mults.load(arrays[1], row_of(m_idx), wg, scratch)
+
+            @pl.when(n_idx == 0)
+            def _send():
+              for dest in dests:
+                mults.send(dest[1], at.gathered(c, m_idx), wg, scratch)
+          epilogue.before_tile(t, ins, scratch, *tile_at(m_idx, n_idx, wg), wg)
 
         after_mma = _block_copier(t, n_tiles, functools.partial(at.gathered, c),
                                   [dest[0] for dest in dests])
 
-        def epilogue(m_idx, n_idx, wg, acc, c=c, step=step, forward=forward):
+        def store(m_idx, n_idx, wg, acc, step=step, forward=forward, tile_at=tile_at):
           if forward and by_rows:
             pl.when((wg == 0) | ((n_idx == 0) if fp8 else False))(
                 functools.partial(landed, step * row_tiles + m_idx))
-          row0, col0 = t.wg_offsets(wg)
-          row = at.gathered(c, m_idx) + row0
-          col = n_idx * t.cta_n + col0
-          gemm.store_tiles(acc.astype(out_dtype), out_smem, y_ref, row, col, wg, t)
+          epilogue.store(t, ins, outs, scratch, acc, *tile_at(m_idx, n_idx, wg), wg)
 
-        loop.run(allocs, m=rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
+        loop.run(allocs, m=rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=store,
                  decode=mults.decoder(dtype, scratch) if fp8 else None,
                  decoded=(_store_decoded(t, n_tiles, functools.partial(at.gathered, c),
-                                         out_smem, xd[0]) if fp8 else None),
-                 before_tile=before_tile if fp8 else None,
+                                         scratch["out_smem"], xd[0]) if fp8 else None),
+                 before_tile=before_tile,
                  after_mma=after_mma if dests else None,
                  first_sm=0 if chunk_waits else (step * row_tiles * n_tiles) % num_sms,
                  wait_rows=functools.partial(wait_rows, step - 1) if by_rows and step else None)
@@ -406,24 +414,30 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
   operands.append(w_KN)
   if local:
     operands += list(gathered)
-  out_type = [jax.ShapeDtypeStruct((t_rows, n_out), out_dtype), *gathered_types]
+  operands += list(epilogue.inputs)
+  out_type = [*out_types, *gathered_types]
   if fp8:
     out_type.append(jax.ShapeDtypeStruct((t_rows, k), dtype))
   if local:
     out_type += gathered_types  # what was sent to rank r - 1
-  scratch = dict(out_smem=gemm.out_smem_type(t, out_dtype))
+  scratch = epilogue.scratch(t)
+  if fp8 or epilogue.staged:
+    scratch["out_smem"] = gemm.out_smem_type(t, out_dtype)
   if fp8:
     scratch.update(mults.scratch())
   f = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms, scratch_types=scratch,
-                  name=f"taco_all_gather_matmul{'_fp8' if fp8 else ''}_{n}")
-  return f(*operands)
+                  name=f"taco_all_gather_matmul{'_fp8' if fp8 else ''}{epilogue.name}_{n}",
+                  approx_math=epilogue.approx_math)
+  results = f(*operands)
+  return results[:len(out_types)], results[len(out_types):]
 
 
 def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
-                 num_sms: int, out_dtype, transpose_w: bool, gathered=None):
+                 num_sms: int, out_dtype, transpose_w: bool, epilogue: gemm.Store,
+                 gathered=None):
   """The pulled schedule (module docstring) on this rank's rows ``x_RK``, ``s`` rows per
   sequence shard; ``gathered`` (local mode): the pre-gathered x, whose chunks stand in for
-  the peers' x. Returns ``y`` rows and the gathered x rows."""
+  the peers' x. Returns ``epilogue``'s output rows and the list of the gathered x rows."""
   t = tiling
   local = gathered is not None
   rows, k = x_RK.shape
@@ -433,9 +447,11 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
                        w_KN.dtype, k, transpose_w)
   done, count = range(2)  # the semaphores: the peers' reads of x landed, this GPU's CTAs'
   clusters = gemm.clusters(num_sms, t.cluster_n)
+  out_types = epilogue.outputs(t_rows, n_out, out_dtype)
 
-  def body(*refs, out_smem):
-    (x_ref, w_ref), src, (y_ref, xg_ref) = gemm.split_refs(refs, 2, int(local), 2)
+  def body(*refs, **scratch):
+    (x_ref, w_ref), src, ins, outs, (xg_ref,) = gemm.split_refs(
+        refs, 2, int(local), len(epilogue.inputs), len(out_types), 1)
     r, sems = gemm.rank_and_semaphores(axis_name, rank, n, local, 2)
     peers = [lax.rem(r + q, n) for q in range(1, n)]
 
@@ -462,15 +478,21 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
     def row_of(m_idx):
       return at.gathered(*chunk(m_idx))
 
-    def epilogue(m_idx, n_idx, wg, acc):
+    def tile_at(m_idx, n_idx, wg):  # the warpgroup tile's first output element
       row0, col0 = t.wg_offsets(wg)
-      gemm.store_tiles(acc.astype(out_dtype), out_smem, y_ref, row_of(m_idx) + row0,
-                       n_idx * t.cta_n + col0, wg, t)
+      return row_of(m_idx) + row0, n_idx * t.cta_n + col0
+
+    def before_tile(m_idx, n_idx, wg):
+      epilogue.before_tile(t, ins, scratch, *tile_at(m_idx, n_idx, wg), wg)
+
+    def store(m_idx, n_idx, wg, acc):
+      epilogue.store(t, ins, outs, scratch, acc, *tile_at(m_idx, n_idx, wg), wg)
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(x_ref, w_ref),
                        collective_axes=gemm.WG)
     def _scope(allocs):
-      loop.run(allocs, m=t_rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=epilogue,
+      loop.run(allocs, m=t_rows, n=n_out, a_refs=a_view, w_ref=w_ref, epilogue=store,
+               before_tile=before_tile,
                after_mma=_block_copier(t, n_out // t.cta_n, row_of, [xg_ref]))
 
     if sems is not None:  # this CTA's reads have landed; no rank leaves while a peer reads it
@@ -481,23 +503,29 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
                    peers=peers, axis_name=axis_name, wait=n - 1)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  out_type = (jax.ShapeDtypeStruct((t_rows, n_out), out_dtype),
-              jax.ShapeDtypeStruct((t_rows, k), x_RK.dtype))
-  f = gemm.kernel(body, out_type=out_type, num_sms=num_sms,
-                  scratch_types=dict(out_smem=gemm.out_smem_type(t, out_dtype)),
-                  name=f"taco_all_gather_matmul_pulled_{n}", cluster_n=t.cluster_n)
-  return f(x_RK, w_KN, *(() if gathered is None else gathered))
+  out_type = (*out_types, jax.ShapeDtypeStruct((t_rows, k), x_RK.dtype))
+  scratch = epilogue.scratch(t)
+  if epilogue.staged:
+    scratch["out_smem"] = gemm.out_smem_type(t, out_dtype)
+  f = gemm.kernel(body, out_type=out_type, num_sms=num_sms, scratch_types=scratch,
+                  name=f"taco_all_gather_matmul_pulled{epilogue.name}_{n}",
+                  cluster_n=t.cluster_n, approx_math=epilogue.approx_math)
+  results = f(x_RK, w_KN, *(() if gathered is None else gathered), *epilogue.inputs)
+  return results[:len(out_types)], results[len(out_types):]
 
 
 def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
-                      num_sms: int, out_dtype=None, transpose_w: bool = False, rank=None,
+                      num_sms: int, out_dtype=None, transpose_w: bool = False,
+                      epilogue: gemm.Store | None = None, rank=None,
                       local_gathered=None, _skip: tuple[str, ...] = (),
                       _chunk_waits: bool | None = None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence, as one kernel (module
   docstring); returns ``y [B, T, N]`` (``out_dtype``, default x's) and the gathered x.
   ``num_sms``: the GPU's multiprocessor count. ``tiling.cluster_n > 1``: the pulled
   schedule. ``transpose_w``: w is given ``[N, K]`` and multiplied transposed
-  (``gemm.TileLoop``). ``rank`` and ``local_gathered`` (the gathered x): local mode, which
+  (``gemm.TileLoop``). ``epilogue``: in place of the plain store (e.g.
+  ``gelu_gemm.BiasGelu``), its outputs ``[B, T, .]`` in place of y; its inputs' rows are
+  the gathered rows. ``rank`` and ``local_gathered`` (the gathered x): local mode, which
   with the ring also returns what this rank sent to rank r - 1. ``_skip``, for timing
   experiments only: ``("copy",)`` leaves this rank's own chunk out of the gathered x (the
   ring's copy that the matmul alone does not make), so the gathered x is wrong;
@@ -511,30 +539,32 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   n = lax.axis_size(axis_name) if rank is None else local_gathered.shape[1] // s
   gathered = None if local_gathered is None else [local_gathered.reshape(-1, k)]
   args = dict(s=s, n=n, rank=rank, axis_name=axis_name, tiling=tiling, num_sms=num_sms,
-              out_dtype=out_dtype or x_BSK.dtype, gathered=gathered, transpose_w=transpose_w)
+              out_dtype=out_dtype or x_BSK.dtype, gathered=gathered, transpose_w=transpose_w,
+              epilogue=epilogue or gemm.Store())
   if tiling.cluster_n > 1:
     if _skip or _chunk_waits is not None:
       raise ValueError("all_gather_matmul: _skip and _chunk_waits are for the ring schedule "
                        "(cluster_n = 1)")
-    y, *rest = _call_pulled(x_BSK.reshape(b * s, k), w_KN, **args)
+    outs, rest = _call_pulled(x_BSK.reshape(b * s, k), w_KN, **args)
   else:
-    y, *rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip,
-                     chunk_waits=_chunk_waits, **args)
-  return (y.reshape(b, n * s, -1), *(a.reshape(b, n * s, k) for a in rest))
+    outs, rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip,
+                       chunk_waits=_chunk_waits, **args)
+  return (*(y.reshape(b, n * s, -1) for y in outs), *(a.reshape(b, n * s, k) for a in rest))
 
 
 def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
                           dtype=jnp.bfloat16, tiling: gemm.Tiling | None = None, num_sms: int,
-                          out_dtype=None, transpose_w: bool = False, rank=None,
+                          out_dtype=None, transpose_w: bool = False,
+                          epilogue: gemm.Store | None = None, rank=None,
                           local_gathered=None):
   """The compressed kernel: ``codes_BSK`` are x's FP8 codes and ``mult_GR`` ``[K / G,
   B S]`` their groups' multipliers (``multipliers``); x is decoded to ``dtype`` tile by tile
   before each wgmma. Returns ``y [B, T, N]`` and the gathered x ``[B, T, K]``, which the
   kernel writes as it decodes it (``out_dtype``, default ``dtype``, must be ``dtype``: the
-  two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``transpose_w``: as
-  ``all_gather_matmul``'s. ``rank`` and ``local_gathered`` (gathered codes and multipliers):
-  local mode, which also returns what was sent to rank r - 1 (codes ``[B, T, K]`` and
-  multipliers)."""
+  two share the staging buffers). ``tiling``: default ``fp8_tiling``'s. ``transpose_w`` and
+  ``epilogue``: as ``all_gather_matmul``'s (its outputs in place of y). ``rank`` and
+  ``local_gathered`` (gathered codes and multipliers): local mode, which also returns what
+  was sent to rank r - 1 (codes ``[B, T, K]`` and multipliers)."""
   w_shape = gemm.weight_kn(w_KN.shape, transpose_w)
   tiling = tiling or fp8_tiling(codes_BSK.shape, w_shape, group_size)
   reason = misfit(codes_BSK.shape, w_shape, tiling, group_size)
@@ -550,11 +580,12 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   gathered = None
   if local_gathered is not None:
     gathered = [local_gathered[0].reshape(-1, k), local_gathered[1]]
-  y, _, _, x_full, *sent = _call(  # _: the gathered codes, the peers' receive buffers
+  outs, (_, _, x_full, *sent) = _call(  # _: the gathered codes, the peers' receive buffers
       codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
-      group_size=group_size, gathered=gathered, transpose_w=transpose_w)
-  out = [y.reshape(b, n * s, -1), x_full.reshape(b, n * s, k)]
+      group_size=group_size, gathered=gathered, transpose_w=transpose_w,
+      epilogue=epilogue or gemm.Store())
+  out = [*(y.reshape(b, n * s, -1) for y in outs), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]
   return tuple(out)

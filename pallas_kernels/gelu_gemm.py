@@ -21,7 +21,6 @@ call faster at the 1.3B shapes (benchmarks/probe_gelu_gemm.py).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -58,16 +57,15 @@ def gelu_grad(h32):
 def matmul_bias_gelu_reference(x, w_KN, b_N):
   """``(h, gelu(h))`` with ``h = x @ w + b``, x ``[..., K]`` (fp32 accumulation, then x's
   dtype)."""
-  acc = jnp.dot(x, w_KN, preferred_element_type=jnp.float32)
-  h = (acc + b_N.astype(jnp.float32)).astype(x.dtype)
-  return h, gelu(h.astype(jnp.float32)).astype(x.dtype)
+  return BiasGelu(b_N).reference(jnp.dot(x, w_KN, preferred_element_type=jnp.float32),
+                                 x.dtype)
 
 
 def matmul_gelu_grad_reference(g, w_NK, h):
   """``(g @ w.T) * gelu'(h)``, g ``[..., K]``, h ``[..., N]`` (fp32 accumulation and product,
   then g's dtype)."""
-  acc = jnp.dot(g, w_NK.T, preferred_element_type=jnp.float32)
-  return (acc * gelu_grad(h.astype(jnp.float32))).astype(g.dtype)
+  return GeluGrad(h).reference(jnp.dot(g, w_NK.T, preferred_element_type=jnp.float32),
+                               g.dtype)[0]
 
 
 def misfit(m: int, k: int, n: int, tiling: gemm.Tiling = TILING) -> str | None:
@@ -97,102 +95,121 @@ def _sub_tiles(t: gemm.Tiling) -> list[tuple[slice, slice]]:
           for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
 
 
+class BiasGelu(gemm.Store):
+  """The epilogue ``h = acc + b``, ``a = gelu(h)``: both written, in the output dtype (the
+  compute dtype: h is rounded to it before the GELU). Each compute warpgroup's bias columns
+  are copied into shared memory as its tile starts, and are there by its epilogue."""
+  name = "_bias_gelu"
+
+  def __init__(self, bias_N, approx_math: bool = False):
+    self.bias_1N, self.approx_math = bias_N.astype(jnp.float32).reshape(1, -1), approx_math
+
+  @property
+  def inputs(self):
+    return (self.bias_1N,)
+
+  def outputs(self, m, n, dtype):
+    if self.bias_1N.shape[1] != n:
+      raise ValueError(f"matmul_bias_gelu: bias ({self.bias_1N.shape[1]},) is not ({n},)")
+    return (jax.ShapeDtypeStruct((m, n), dtype),) * 2
+
+  def scratch(self, t):
+    return dict(bias_smem=plgpu.SMEM((gemm.COMPUTE_WGS, 1, t.tile_n), jnp.float32),
+                bias_barrier=plgpu.Barrier(num_barriers=gemm.COMPUTE_WGS))
+
+  def reference(self, acc, dtype):
+    h = (acc + self.bias_1N[0]).astype(dtype)
+    return h, gelu(h.astype(jnp.float32)).astype(dtype)
+
+  def before_tile(self, t, ins, scratch, row, col, wg):
+    plgpu.copy_gmem_to_smem(ins[0].at[:, pl.ds(col, t.tile_n)], scratch["bias_smem"].at[wg],
+                            scratch["bias_barrier"].at[wg])
+
+  def store(self, t, ins, outs, scratch, acc, row, col, wg):
+    h_ref, a_ref = outs
+    dtype = h_ref.dtype
+    plgpu.barrier_wait(scratch["bias_barrier"].at[wg])
+    slot = 0
+    for rows, cols in _sub_tiles(t):
+      bias = scratch["bias_smem"][wg, 0, pl.ds(cols.start, t.epi_n)]
+      h = (acc[rows, cols] + bias[None, :]).astype(dtype)
+      a = gelu(h.astype(jnp.float32)).astype(dtype)
+      dest = (pl.ds(row + rows.start, t.epi_m), pl.ds(col + cols.start, t.epi_n))
+      for out_ref, value in ((h_ref, h), (a_ref, a)):
+        gemm.stage_out(value, scratch["out_smem"], wg, slot, out_ref.at[dest])
+        slot ^= 1
+
+
+class GeluGrad(gemm.Store):
+  """The epilogue ``acc * gelu'(h)``, h ``[rows, N]`` as the output's rows. Each compute
+  warpgroup's h tile is copied into shared memory as its tile starts (after the last
+  tile's stores have read theirs); the epilogue writes the product over it, and stores it
+  from there."""
+  name = "_gelu_grad"
+  staged = False  # stores from its h tile's buffer
+  # its h tiles take 64 KB (two warpgroups' [64, 256] or [128, 128]): three stages of
+  # [128, 64] A and [64, 256] B blocks (48 KB each) fit beside them, four do not
+  max_stages = 3
+
+  def __init__(self, h_XN, approx_math: bool = False):
+    self.h_MN, self.approx_math = h_XN.reshape(-1, h_XN.shape[-1]), approx_math
+
+  @property
+  def inputs(self):
+    return (self.h_MN,)
+
+  def outputs(self, m, n, dtype):
+    if self.h_MN.shape != (m, n):
+      raise ValueError(f"matmul_gelu_grad: h {self.h_MN.shape} is not {(m, n)}")
+    return (jax.ShapeDtypeStruct((m, n), dtype),)
+
+  def scratch(self, t):
+    return dict(h_smem=plgpu.SMEM((gemm.COMPUTE_WGS, t.tile_m, t.tile_n), self.h_MN.dtype,
+                                  transforms=gemm.swizzled(t.tile_n, self.h_MN.dtype)),
+                h_barrier=plgpu.Barrier(num_barriers=gemm.COMPUTE_WGS))
+
+  def reference(self, acc, dtype):
+    h = self.h_MN.reshape(acc.shape).astype(jnp.float32)
+    return ((acc * gelu_grad(h)).astype(dtype),)
+
+  @staticmethod
+  def _tile(t, row, col):
+    return pl.ds(row, t.tile_m), pl.ds(col, t.tile_n)
+
+  def before_tile(self, t, ins, scratch, row, col, wg):
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's product is out
+    plgpu.copy_gmem_to_smem(ins[0].at[self._tile(t, row, col)], scratch["h_smem"].at[wg],
+                            scratch["h_barrier"].at[wg])
+
+  def store(self, t, ins, outs, scratch, acc, row, col, wg):
+    plgpu.barrier_wait(scratch["h_barrier"].at[wg])
+    h_smem = scratch["h_smem"]
+    for rows, cols in _sub_tiles(t):
+      part = h_smem.at[wg, pl.ds(rows.start, t.epi_m), pl.ds(cols.start, t.epi_n)]
+      part[...] = (acc[rows, cols] * gelu_grad(part[...].astype(jnp.float32))
+                   ).astype(outs[0].dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(h_smem.at[wg], outs[0].at[self._tile(t, row, col)])
+
+
 def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWARD_TILING,
                      approx_math: bool = False):
   """``(h, a)``: ``h = x @ w + b`` and ``a = gelu(h)``, x ``[..., K]``, both ``[..., N]`` in
-  x's dtype (``matmul_bias_gelu_reference``). Each compute warpgroup's bias columns are
-  copied into shared memory as its tile starts, and are there by its epilogue."""
-  t = tiling
-  *lead, _ = x.shape
-  m, k, n = _check("matmul_bias_gelu", x.shape, w_KN.shape, tiling=t)
-  if b_N.shape != (n,):
-    raise ValueError(f"matmul_bias_gelu: bias {b_N.shape} is not ({n},)")
-  dtype = x.dtype
-  x_MK, b_1N = x.reshape(m, k), b_N.astype(jnp.float32).reshape(1, n)
-  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
-                       w_KN.dtype, k)
-
-  def body(x_ref, w_ref, b_ref, h_ref, a_ref, out_smem, bias_smem, bias_barrier):
-    @functools.partial(pl.run_scoped, allocs=loop.allocations(x_ref, w_ref),
-                       collective_axes=gemm.WG)
-    def _scope(allocs):
-      def before_tile(m_idx, n_idx, wg):
-        col = n_idx * t.cta_n + t.wg_offsets(wg)[1]
-        plgpu.copy_gmem_to_smem(b_ref.at[:, pl.ds(col, t.tile_n)], bias_smem.at[wg],
-                                bias_barrier.at[wg])
-
-      def epilogue(m_idx, n_idx, wg, acc):
-        row0, col0 = t.wg_offsets(wg)
-        row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
-        plgpu.barrier_wait(bias_barrier.at[wg])
-        slot = 0
-        for rows, cols in _sub_tiles(t):
-          bias = bias_smem[wg, 0, pl.ds(cols.start, t.epi_n)]
-          h = (acc[rows, cols] + bias[None, :]).astype(dtype)
-          a = gelu(h.astype(jnp.float32)).astype(dtype)
-          dest = (pl.ds(row + rows.start, t.epi_m), pl.ds(col + cols.start, t.epi_n))
-          for out_ref, value in ((h_ref, h), (a_ref, a)):
-            gemm.stage_out(value, out_smem, wg, slot, out_ref.at[dest])
-            slot ^= 1
-
-      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue, before_tile=before_tile,
-               a_refs=lambda m_idx: [x_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
-    plgpu.wait_smem_to_gmem(0)
-
-  out = jax.ShapeDtypeStruct((m, n), dtype)
-  scratch = dict(out_smem=gemm.out_smem_type(t, dtype),
-                 bias_smem=plgpu.SMEM((gemm.COMPUTE_WGS, 1, t.tile_n), jnp.float32),
-                 bias_barrier=plgpu.Barrier(num_barriers=gemm.COMPUTE_WGS))
-  h, a = gemm.kernel(body, out_type=(out, out), num_sms=num_sms, name="taco_matmul_bias_gelu",
-                     approx_math=approx_math, scratch_types=scratch)(x_MK, w_KN, b_1N)
-  return h.reshape(*lead, n), a.reshape(*lead, n)
+  x's dtype (``matmul_bias_gelu_reference``): the GEMM core with the ``BiasGelu``
+  epilogue."""
+  _check("matmul_bias_gelu", x.shape, w_KN.shape, tiling)
+  return gemm.matmul_epilogue(x, w_KN, BiasGelu(b_N, approx_math), tiling=tiling,
+                              num_sms=num_sms, name="taco_matmul")
 
 
 def matmul_gelu_grad(g, w_NK, h, *, num_sms: int, tiling: gemm.Tiling = TILING,
                      approx_math: bool = False):
   """``(g @ w.T) * gelu'(h)``: g ``[..., K]``, w ``[N, K]`` (read transposed), h ``[..., N]``;
-  in g's dtype (``matmul_gelu_grad_reference``). Each compute warpgroup's h tile is copied
-  into shared memory as its tile starts; the epilogue writes the product over it, and
-  stores it from there."""
-  t = tiling
+  in g's dtype (``matmul_gelu_grad_reference``): the GEMM core with the ``GeluGrad``
+  epilogue."""
   *lead, _ = g.shape
-  m, k, n = _check("matmul_gelu_grad", g.shape, gemm.weight_kn(w_NK.shape, True), tiling=t)
+  _, _, n = _check("matmul_gelu_grad", g.shape, gemm.weight_kn(w_NK.shape, True), tiling)
   if h.shape != (*lead, n):
     raise ValueError(f"matmul_gelu_grad: h {h.shape} is not {(*lead, n)}")
-  dtype = g.dtype
-  g_MK, h_MN = g.reshape(m, k), h.reshape(m, n)
-  loop = gemm.TileLoop(t, [gemm.Operand((t.cta_m, t.tile_k), dtype, lambda kk: (0, kk))],
-                       w_NK.dtype, k, transpose_w=True)
-
-  def body(g_ref, w_ref, h_ref, dh_ref, h_smem, h_barrier):
-    def tile_rows_cols(m_idx, n_idx, wg):
-      row0, col0 = t.wg_offsets(wg)
-      return (pl.ds(m_idx * t.cta_m + row0, t.tile_m), pl.ds(n_idx * t.cta_n + col0, t.tile_n))
-
-    @functools.partial(pl.run_scoped, allocs=loop.allocations(g_ref, w_ref),
-                       collective_axes=gemm.WG)
-    def _scope(allocs):
-      def before_tile(m_idx, n_idx, wg):
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's product is out
-        plgpu.copy_gmem_to_smem(h_ref.at[tile_rows_cols(m_idx, n_idx, wg)], h_smem.at[wg],
-                                h_barrier.at[wg])
-
-      def epilogue(m_idx, n_idx, wg, acc):
-        plgpu.barrier_wait(h_barrier.at[wg])
-        for rows, cols in _sub_tiles(t):
-          part = h_smem.at[wg, pl.ds(rows.start, t.epi_m), pl.ds(cols.start, t.epi_n)]
-          part[...] = (acc[rows, cols] * gelu_grad(part[...].astype(jnp.float32))).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(h_smem.at[wg], dh_ref.at[tile_rows_cols(m_idx, n_idx, wg)])
-
-      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue, before_tile=before_tile,
-               a_refs=lambda m_idx: [g_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
-    plgpu.wait_smem_to_gmem(0)
-
-  h_smem = plgpu.SMEM((gemm.COMPUTE_WGS, t.tile_m, t.tile_n), dtype,
-                      transforms=gemm.swizzled(t.tile_n, dtype))
-  dh = gemm.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), dtype), num_sms=num_sms,
-                   name="taco_matmul_gelu_grad", approx_math=approx_math,
-                   scratch_types=dict(h_smem=h_smem, h_barrier=plgpu.Barrier(
-                       num_barriers=gemm.COMPUTE_WGS)))(g_MK, w_NK, h_MN)
-  return dh.reshape(*lead, n)
+  return gemm.matmul_epilogue(g, w_NK, GeluGrad(h, approx_math), tiling=tiling,
+                              num_sms=num_sms, transpose_w=True, name="taco_matmul")[0]

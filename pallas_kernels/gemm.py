@@ -19,7 +19,9 @@ specific to a collective comes in through hooks of ``TileLoop.run``:
 * ``decoded(m_idx, n_idx, wg, k_idx, cols, value)``: each decoded part once its wgmma is
   issued, e.g. to write it out (``store_alone``);
 * ``after_mma(m_idx, n_idx, k_idx, blocks)``: e.g. forwarding the A block to a peer;
-* ``epilogue(m_idx, n_idx, wg, acc)``: what happens to the fp32 accumulator.
+* ``epilogue(m_idx, n_idx, wg, acc)``: what happens to the fp32 accumulator; the kernels
+  take it as an object (``Store``, the plain store, or ``gelu_gemm``'s epilogues), so the
+  GEMM core and the all-gather kernels run the same epilogues.
 
 A decoded A operand goes to the wgmma from registers (the dequantize-before-wgmma pattern).
 jax's GPU interpret mode takes wgmma operands from shared memory only, so kernels with a
@@ -440,6 +442,53 @@ def weight_kn(w_shape, transpose_w: bool = False) -> tuple[int, int]:
   return (n, k) if transpose_w else (k, n)
 
 
+class Store:
+  """What a kernel makes of each compute warpgroup's fp32 accumulator: here, the plain
+  store in the output's dtype. Subclasses apply math on the way, write more outputs and
+  read arrays of their own (``gelu_gemm``'s epilogues). A kernel
+  on ``TileLoop`` passes ``inputs`` as operands after its own and its outputs' types from
+  ``outputs``, allocates ``scratch`` beside its own (whose ``out_smem`` the epilogue may
+  use where ``staged``), and for each warpgroup tile, whose first output element is
+  (``row``, ``col``), calls ``before_tile`` before the tile's pipeline and ``store`` with its
+  accumulator.
+  ``ins`` and ``outs`` are the gmem refs of ``inputs`` and of the outputs, in order."""
+  name = ""            # the kernel name's suffix
+  approx_math = False  # compiled with the GPU's fast approximations of tanh, exp, ...
+  staged = True        # stores through the kernel's staging buffers (``out_smem``)
+  # the most pipeline stages of 64 that leave room for the epilogue's shared memory (None:
+  # any, ``fit``)
+  max_stages: int | None = None
+
+  @property
+  def inputs(self) -> tuple:
+    return ()
+
+  def outputs(self, m: int, n: int, dtype) -> tuple:
+    return (jax.ShapeDtypeStruct((m, n), dtype),)
+
+  def scratch(self, tiling: Tiling) -> dict:
+    return {}
+
+  def before_tile(self, t: Tiling, ins, scratch, row, col, wg) -> None:
+    pass
+
+  def store(self, t: Tiling, ins, outs, scratch, acc, row, col, wg) -> None:
+    store_tiles(acc.astype(outs[0].dtype), scratch["out_smem"], outs[0], row, col, wg, t)
+
+  def reference(self, acc, dtype) -> tuple:
+    """The outputs, in jnp, from the whole fp32 product ``acc`` (its rows as the output's):
+    what ``store`` writes tile by tile, for paths where no kernel runs."""
+    return (acc.astype(dtype),)
+
+  def fit(self, tiling: Tiling) -> Tiling:
+    """``tiling``, with fewer pipeline stages of 64 where it leaves no room for this
+    epilogue's shared memory (``max_stages``; a pipeline of steps of 128 decoded in halves
+    becomes one of steps of 64)."""
+    if self.max_stages is None or tiling.stages * tiling.tile_k <= 64 * self.max_stages:
+      return tiling
+    return dataclasses.replace(tiling, tile_k=64, stages=self.max_stages, decode_parts=1)
+
+
 def matmul(a_XK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None,
            transpose_w: bool = False):
   """``a @ w`` (fp32 accumulation) by the GEMM core alone, with no hooks: the yardstick of
@@ -448,36 +497,57 @@ def matmul(a_XK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=Non
   matmul of a kernel whose communication is free. a ``[..., K]``: its leading dimensions
   are the rows, and the result keeps them. ``transpose_w``: w is given ``[N, K]`` and
   multiplied transposed (``TileLoop``)."""
+  return matmul_epilogue(a_XK, w_KN, Store(), tiling=tiling, num_sms=num_sms,
+                         out_dtype=out_dtype, transpose_w=transpose_w, name="taco_gemm")[0]
+
+
+def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
+                    num_sms: int, out_dtype=None, transpose_w: bool = False,
+                    name: str = "taco_matmul"):
+  """``matmul`` with ``epilogue`` in place of the plain store: its outputs, each with a's
+  leading dimensions (``out_dtype``: theirs, default a's)."""
   t = tiling
   *lead, k = a_XK.shape
   a_MK = a_XK.reshape(-1, k)
   (m, _), (wk, n) = a_MK.shape, weight_kn(w_KN.shape, transpose_w)
   if wk != k:
-    raise ValueError(f"matmul: a {a_XK.shape} and w {w_KN.shape} do not contract"
+    raise ValueError(f"{name}: a {a_XK.shape} and w {w_KN.shape} do not contract"
                      + " (w transposed)" * transpose_w)
   reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, num_sms=num_sms)
   if reason:
-    raise ValueError(f"matmul: {reason}")
+    raise ValueError(f"{name}: {reason}")
   out_dtype = out_dtype or a_MK.dtype
   loop = TileLoop(t, [Operand((t.cta_m, t.tile_k), a_MK.dtype, lambda kk: (0, kk))],
                   w_KN.dtype, k, transpose_w)
+  out_types = epilogue.outputs(m, n, out_dtype)
+  n_ins = len(epilogue.inputs)
 
-  def body(a_ref, w_ref, y_ref, out_smem):
+  def body(a_ref, w_ref, *refs, **scratch):
+    ins, outs = refs[:n_ins], refs[n_ins:]
+
+    def at(m_idx, n_idx, wg):
+      row0, col0 = t.wg_offsets(wg)
+      return m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
+
     @functools.partial(pl.run_scoped, allocs=loop.allocations(a_ref, w_ref),
                        collective_axes=WG)
     def _scope(allocs):
-      def epilogue(m_idx, n_idx, wg, acc):
-        row0, col0 = t.wg_offsets(wg)
-        row, col = m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
-        store_tiles(acc.astype(out_dtype), out_smem, y_ref, row, col, wg, t)
-      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=epilogue,
+      def before_tile(m_idx, n_idx, wg):
+        epilogue.before_tile(t, ins, scratch, *at(m_idx, n_idx, wg), wg)
+
+      def store(m_idx, n_idx, wg, acc):
+        epilogue.store(t, ins, outs, scratch, acc, *at(m_idx, n_idx, wg), wg)
+      loop.run(allocs, m=m, n=n, w_ref=w_ref, epilogue=store, before_tile=before_tile,
                a_refs=lambda m_idx: [a_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
     plgpu.wait_smem_to_gmem(0)
 
-  y = kernel(body, out_type=jax.ShapeDtypeStruct((m, n), out_dtype), num_sms=num_sms,
-             scratch_types=dict(out_smem=out_smem_type(t, out_dtype)),
-             name="taco_gemm", cluster_n=t.cluster_n)(a_MK, w_KN)
-  return y.reshape(*lead, n)
+  scratch = epilogue.scratch(t)
+  if epilogue.staged:
+    scratch["out_smem"] = out_smem_type(t, out_dtype)
+  outs = kernel(body, out_type=out_types, num_sms=num_sms, scratch_types=scratch,
+                name=name + epilogue.name, cluster_n=t.cluster_n,
+                approx_math=epilogue.approx_math)(a_MK, w_KN, *epilogue.inputs)
+  return tuple(o.reshape(*lead, o.shape[-1]) for o in outs)
 
 
 def num_sms(default: int = 4) -> int:

@@ -21,8 +21,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, gemm, matmul_all_to_all,
-                                     matmul_rs)
+from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, gelu_gemm, gemm,
+                                     matmul_all_to_all, matmul_rs)
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import collectives, mappings, testing
@@ -80,6 +80,40 @@ def test_all_gather_matmul_kernel_per_rank(transpose_w):
       for c in (r + i for i in range(n - 1)):  # chunks r, ..., r + n - 2 go on to r - 1
         chunk = slice((c % n) * s, (c % n + 1) * s)
         np.testing.assert_array_equal(sent[:, chunk], x_full[:, chunk])
+
+
+@pytest.mark.parametrize("cluster_n", [1, 2], ids=["ring", "pulled"])
+def test_all_gather_matmul_kernel_gelu_epilogues_per_rank(cluster_n):
+  """With the GELU GEMMs' epilogues (`gelu_gemm.BiasGelu`, `GeluGrad`) in place of the plain
+  store, each rank's rows of h and gelu(h), and of the GELU's gradient, are their
+  references on the gathered input (the MLP-in's forward, and the MLP-out's backward with
+  its weight read transposed), and its own chunk is in the gathered input. The GELU gradient's h
+  rows are read at the gathered rows the ring computes, chunk by chunk. Under the race
+  detector: its h tiles are loaded while the last tile's product is still being stored."""
+  n, b, s, k, f = 2, 2, 128, 128, 256
+  tiling = dataclasses.replace(TILING, split="m", cluster_n=cluster_n)
+  ks = jax.random.split(jax.random.key(4), 5)
+  x_full, dy_full = _bf16(ks[0], (b, n * s, k)), _bf16(ks[1], (b, n * s, k))
+  w_in, w_out = _bf16(ks[2], (k, f), k ** -0.5), _bf16(ks[3], (f, k), k ** -0.5)
+  bias = jax.random.normal(ks[4], (f,), jnp.float32)
+  want_h, want_a = gelu_gemm.matmul_bias_gelu_reference(x_full, w_in, bias)
+  want_dh = gelu_gemm.matmul_gelu_grad_reference(dy_full, w_out, want_h)
+  kw = dict(tiling=tiling, num_sms=2 * cluster_n)
+  close = functools.partial(np.testing.assert_allclose, rtol=2e-2, atol=2e-2)
+  with _interpret(detect_races=cluster_n == 1):
+    for r in range(n):
+      own = slice(r * s, (r + 1) * s)
+      h, a, xg, *_ = ag_matmul.all_gather_matmul(
+          x_full[:, own], w_in, "t", rank=r, local_gathered=x_full,
+          epilogue=gelu_gemm.BiasGelu(bias), **kw)
+      close(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
+      close(np.asarray(a, np.float32), np.asarray(want_a, np.float32))
+      np.testing.assert_array_equal(xg[:, own], x_full[:, own])
+      dh, dyg, *_ = ag_matmul.all_gather_matmul(
+          dy_full[:, own], w_out, "t", transpose_w=True, rank=r, local_gathered=dy_full,
+          epilogue=gelu_gemm.GeluGrad(want_h), **kw)
+      close(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
+      np.testing.assert_array_equal(dyg[:, own], dy_full[:, own])
 
 
 @pytest.mark.parametrize("n,cluster_n,sms,nout,b,races", [
@@ -600,6 +634,47 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
+def test_gelu_epilogues_fit_the_all_gather_kernels_and_lower_for_hopper():
+  """The all-gather kernels with the GELU epilogues, as `fused.KernelMatmuls` runs them at the
+  1.3B MLP's TP=2 shapes, lower for sm_90 (shared memory included) on a (2, 1, 2) mesh:
+  plain and FP8, the forward's bias + GELU on the kernels' own tiles and the backward's
+  derivative, with its h tiles, on the fewer stages `GeluGrad.fit` leaves (four do not fit
+  beside them, nor the FP8 kernel's steps of 128)."""
+  mesh = _dp2_tp_mesh(2)
+  sd = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  b, t, d, f, g = 2, 1024, 2048, 4096, 128
+  smap = functools.partial(jax.shard_map, mesh=mesh, check_vma=False)
+  grad = gelu_gemm.GeluGrad(jnp.zeros((1, 1), bf16))
+  assert grad.fit(ag_matmul.WIDE).stages == 3
+  assert grad.fit(ag_matmul.FP8_TILINGS[0]) == dataclasses.replace(
+      ag_matmul.FP8_TILINGS[0], tile_k=64, stages=3, decode_parts=1)
+  assert gelu_gemm.BiasGelu(jnp.zeros(1)).fit(ag_matmul.WIDE) == ag_matmul.WIDE
+  x, w_in, w_out = sd((b, t, d), bf16), sd((d, f), bf16), sd((f, d), bf16)
+  h, bias = sd((b, t, f), bf16), sd((f,), jnp.float32)
+
+  def plain(x, w, extra, fwd):
+    epi = gelu_gemm.BiasGelu(extra, True) if fwd else gelu_gemm.GeluGrad(extra, True)
+    tiling = epi.fit(ag_matmul.plain_tiling(x.shape, w.shape[::1 if fwd else -1], 2))
+    return ag_matmul.all_gather_matmul(x, w, "tensor", tiling=tiling, num_sms=132,
+                                       transpose_w=not fwd, epilogue=epi)[0]
+
+  def fp8(codes, mult, w, extra, fwd):
+    epi = gelu_gemm.BiasGelu(extra, True) if fwd else gelu_gemm.GeluGrad(extra, True)
+    tiling = epi.fit(ag_matmul.fp8_tiling(codes.shape, w.shape[::1 if fwd else -1], g))
+    return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
+                                           tiling=tiling, num_sms=132, transpose_w=not fwd,
+                                           epilogue=epi)[0]
+  for fwd, w, extra, extra_spec in ((True, w_in, bias, P()), (False, w_out, h, P())):
+    fn = smap(functools.partial(plain, fwd=fwd), in_specs=(P(None, "tensor"), P(), extra_spec),
+              out_specs=P())
+    assert "mosaic_gpu" in _lowers_for_hopper(fn, x, w, extra)
+    fn = smap(functools.partial(fp8, fwd=fwd), out_specs=P(),
+              in_specs=(P(None, "tensor"), P(None, "tensor"), P(), extra_spec))
+    assert "mosaic_gpu" in _lowers_for_hopper(
+        fn, sd((b, t, d), jnp.float8_e4m3fn), sd((d // g, b * t), jnp.float32), w, extra)
+
+
 def test_reduce_scatter_lowers_at_four_ranks():
   """At 4 ranks a phase has 3 sent loops, then one signal to every peer, relayed by the SM
   dealt the phase's last tile behind one fence: the kernel lowers for sm_90."""
@@ -686,8 +761,8 @@ def test_free_communication_runs_the_exchange_gradient_on_the_gemm_core(monkeypa
   gradients are the XLA path's, and the core multiplied this rank's rows once."""
   b, s, f, d = 1, 64, 128, 128
   cores = []
-  monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
-      cores.append(a[0].reshape(-1, a[0].shape[-1]).shape), matmul(*a, **kw))[1])
+  monkeypatch.setattr(gemm, "matmul_epilogue", lambda *a, f=gemm.matmul_epilogue, **kw: (
+      cores.append(a[0].reshape(-1, a[0].shape[-1]).shape), f(*a, **kw))[1])
   monkeypatch.setattr(matmul_all_to_all, "TILINGS", (TILING,))
   rng = np.random.default_rng(3)
   y, w, ct = (jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
@@ -737,8 +812,8 @@ def test_free_communication_runs_the_kernels_matmuls_on_the_gemm_core(kind, monk
   b, s, d = 1, 64, 128
   layer = fused.gather_matmul if kind == "column" else fused.matmul_scatter
   cores = []
-  monkeypatch.setattr(gemm, "matmul", lambda *a, matmul=gemm.matmul, **kw: (
-      cores.append(a[0].reshape(-1, a[0].shape[-1]).shape), matmul(*a, **kw))[1])
+  monkeypatch.setattr(gemm, "matmul_epilogue", lambda *a, f=gemm.matmul_epilogue, **kw: (
+      cores.append(a[0].reshape(-1, a[0].shape[-1]).shape), f(*a, **kw))[1])
   monkeypatch.setattr(ag_matmul, "plain_tiling", lambda *shapes: TILING)
   monkeypatch.setattr(matmul_rs, "TILING", TILING)
 

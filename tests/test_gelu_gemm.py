@@ -93,7 +93,7 @@ def test_gelu_mlp_vjp_is_autodiff_of_xlas_gelu():
   b = 0.1 * jax.random.normal(ks[3], (64,))
   dy = jax.random.normal(ks[4], (2, 8, 32))
   xla = lambda *a: jax.nn.gelu(a[0] @ a[1] + a[2], approximate=True) @ a[3]  # noqa: E731
-  fused = lambda *a: gelu_mlp.gelu_mlp(*a, False)  # noqa: E731
+  fused = lambda *a: gelu_mlp.gelu_mlp(*a, gelu_mlp.LocalMatmuls(kernels=False))  # noqa: E731
   (y, vjp), (y_ref, vjp_ref) = (jax.vjp(f, x, w_in, b, w_out) for f in (fused, xla))
   np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
   for g, r in zip(vjp(dy), vjp_ref(dy), strict=True):

@@ -609,6 +609,19 @@ def test_save_head_keeps_the_backward_from_redoing_the_head(tp):
   _assert_f32_close(*got[True][2], *got[False][2])
 
 
+def _fused_mlp_and_xlas(fused, tp: int, tp_overlap: str):
+  """The loss and gradients of config ``fused`` with ``tp_overlap``, then those of XLA's GELU on
+  the plain layers (`CFG`), on a (1, 1, tp) mesh from the same parameters and batch."""
+  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
+  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  return [x for c, overlap in ((fused, tp_overlap), (CFG, "none"))
+          for x in jax.device_get(jax.jit(step_lib.loss_and_grads_fn(
+              step_lib.ParallelSpec(c, 1, 1, tp, MICRO, tp_overlap=overlap), mesh))(
+                  params, tokens))]
+
+
 def test_fused_mlp_gelu_matches_xlas_and_save_dots_keeps_it(monkeypatch):
   """`model.mlp_gelu='fused'` (`models.gelu_mlp`, its jnp stand-in on CPU) gives the loss and
   gradients of XLA's GELU on a (1, 1, 2) mesh (at tp = 1 the same layers skip their
@@ -618,18 +631,30 @@ def test_fused_mlp_gelu_matches_xlas_and_save_dots_keeps_it(monkeypatch):
   weight matmul, as it keeps XLA's matmul outputs."""
   monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
   fused, tp = dataclasses.replace(CFG, mlp_gelu="fused"), 2
-  mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
-  params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
-                                  mesh)
-  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
-  got = [jax.device_get(jax.jit(step_lib.loss_and_grads_fn(
-      step_lib.ParallelSpec(c, 1, 1, tp, MICRO), mesh))(params, tokens)) for c in (fused, CFG)]
-  _assert_f32_close(*got[0], *got[1])
+  _assert_f32_close(*_fused_mlp_and_xlas(fused, tp, "none"))
   tanhs = lambda c, **saves: _count(_step_jaxpr(c, tp, **saves), "tanh")  # noqa: E731
   remat = dataclasses.replace(fused, remat=True)
   assert (tanhs(fused), tanhs(remat), tanhs(remat, save_dots=True)) == (2, 3, 2)
   assert _dot_counts(_step_jaxpr(remat, tp, save_dots=True)) == _dot_counts(
       _step_jaxpr(fused, tp)) + collections.Counter(batched=2)
+
+
+def test_fused_mlp_gelu_in_the_kernel_layers_matches_and_communicates_once(monkeypatch):
+  """With the kernel layers (`tp_overlap="kernel"`; on CPU their collectives fall back to
+  XLA's and the GELU epilogues to their references) the fused MLP runs its collectives
+  inside its own matmuls (`fused.KernelMatmuls`): the loss and gradients of XLA's GELU on
+  the plain layers, on a (1, 1, 2) mesh. Under remat with `save_tp_outputs` the backward
+  gathers and scatters no more than without remat: the kernels' outputs are kept, as the
+  layers' are, so the recomputation does not communicate again."""
+  monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
+  fused, tp = dataclasses.replace(CFG, mlp_gelu="fused"), 2
+  _assert_f32_close(*_fused_mlp_and_xlas(fused, tp, "kernel"))
+  jaxpr = _step_jaxpr(fused, tp, tp_overlap="kernel")
+  assert _count(jaxpr, "name", gelu_mlp.MLP_GELU) > 0
+  remat = _step_jaxpr(dataclasses.replace(fused, remat=True), tp, tp_overlap="kernel",
+                      save_tp_outputs=True)
+  for collective in ("all_gather", "reduce_scatter"):
+    assert _count(remat, collective) == _count(jaxpr, collective) > 0, collective
 
 
 @pytest.mark.parametrize("why", ["no GPU", "collectives run inside their matmuls"])

@@ -16,7 +16,9 @@ one fused kernel:
       dw = y_exchanged.T @ dout.
 
 The backward kernels read w as it is stored and multiply by its transpose
-(``transpose_w``), so no step copies its weights transposed.
+(``transpose_w``), so no step copies its weights transposed. With ``model.mlp_gelu="fused"``
+the MLP's two layers run as one custom VJP (``models.gelu_mlp`` on ``KernelMatmuls``), the
+all-gather kernels with the GELU GEMMs' epilogues (``gelu_gemm.BiasGelu``, ``GeluGrad``).
 
 Each kernel is compressed when the codec of its direction pays there: where the FP8 kernel
 beat the plain one on that link, by message size and by the matmul's FLOPs per message byte
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul as all_to_all_matmul_kernel,
-                                     exchange as exchange_kernel, gemm,
+                                     exchange as exchange_kernel, gelu_gemm, gemm,
                                      matmul_all_to_all as matmul_all_to_all_kernel,
                                      matmul_rs)
 from taco_jax.pallas_kernels.common import hopper_problem, warn_once, warned
@@ -153,19 +155,22 @@ def _kernel_or_xla(collective: str, message, codec, n: int, misfit, flops: int):
 
 
 def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
-                      transpose_w: bool = False):
+                      transpose_w: bool = False, epilogue: gemm.Store | None = None):
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring). ``transpose_w``: w is given ``[F,
-  D]`` and multiplied transposed, as a backward pass holds it (no transposed copy)."""
+  D]`` and multiplied transposed, as a backward pass holds it (no transposed copy).
+  ``epilogue``: the kernel's in place of the plain store (``gelu_gemm``'s), its outputs in
+  place of the product; where no kernel runs, its ``reference`` of XLA's fp32 product."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
   w_shape = gemm.weight_kn(w_DF.shape, transpose_w)
   sms = gemm.num_sms()
-  tiling = ag_matmul.plain_tiling(x_BSD.shape, w_shape, n, sms)
+  store = epilogue or gemm.Store()
+  tiling = store.fit(ag_matmul.plain_tiling(x_BSD.shape, w_shape, n, sms))
 
   def tiles(kcodec):
     if kcodec is None:
       return tiling
-    return ag_matmul.fp8_tiling(x_BSD.shape, w_shape, kcodec.group_size)
+    return store.fit(ag_matmul.fp8_tiling(x_BSD.shape, w_shape, kcodec.group_size))
 
   def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
     return ag_matmul.misfit(x_BSD.shape, w_shape, tiles(kcodec),
@@ -175,21 +180,25 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit, flops)
   if problem is None and collectives.communication_is_free(axis_name):
     x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True)
-    return _core_matmul(x_full, w_DF, tiles(codec), transpose_w), x_full
+    return *_core_matmul(x_full, w_DF, tiles(codec), transpose_w, store), x_full
   if problem is None and codec is None:
     return ag_matmul.all_gather_matmul(x_BSD, w_DF, axis_name, tiling=tiling, num_sms=sms,
-                                       transpose_w=transpose_w)
+                                       transpose_w=transpose_w, epilogue=store)
   if problem is None:
     codes, alpha, scale = encode(x_BSD.reshape(b * s, d), hadamard=False, **_fp8(codec),
                                  **codec.kernel_kwargs())
     return ag_matmul.all_gather_matmul_fp8(
         codes.reshape(b, s, d), ag_matmul.multipliers(alpha, scale), w_DF, axis_name,
         group_size=codec.group_size, dtype=x_BSD.dtype, tiling=tiles(codec), num_sms=sms,
-        transpose_w=transpose_w)
+        transpose_w=transpose_w, epilogue=store)
   _say_once(problem, f"all-gather + matmul {x_BSD.shape} @ {w_shape}")
   x_full = collectives.all_gather(x_BSD, axis_name, axis=SEQ, tiled=True,
                                   compression=Decided(codec))
-  return xla_matmul(x_full, w_DF, transpose_w), x_full
+  if epilogue is None:
+    return xla_matmul(x_full, w_DF, transpose_w), x_full
+  acc = jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", x_full, w_DF,
+                   preferred_element_type=jnp.float32)
+  return *epilogue.reference(acc, x_BSD.dtype), x_full
 
 
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | None,
@@ -232,12 +241,62 @@ def xla_matmul(a_BTK, w, transpose_w: bool = False):
   return jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", a_BTK, w)
 
 
-def _core_matmul(a_BTK, w, tiling: gemm.Tiling, transpose_w: bool):
+def _core_matmul(a_BTK, w, tiling: gemm.Tiling, transpose_w: bool,
+                 epilogue: gemm.Store | None = None):
   """``a @ w`` (or ``a @ w.T``) on our GEMM core with a kernel's tiles (one CTA per
   cluster: the core in clusters is slower, and only the pulled all-gather needs them): the
-  matmul of a kernel whose communication is free (the module docstring)."""
-  return gemm.matmul(a_BTK, w, num_sms=gemm.num_sms(), transpose_w=transpose_w,
-                     tiling=dataclasses.replace(tiling, cluster_n=1))
+  matmul of a kernel whose communication is free (the module docstring). With
+  ``epilogue``: its outputs, a tuple."""
+  tiling = dataclasses.replace(tiling, cluster_n=1)
+  if epilogue is None:
+    return gemm.matmul(a_BTK, w, num_sms=gemm.num_sms(), transpose_w=transpose_w,
+                       tiling=tiling)
+  return gemm.matmul_epilogue(a_BTK, w, epilogue, num_sms=gemm.num_sms(),
+                              transpose_w=transpose_w, tiling=tiling, name="taco_gemm")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelMatmuls:
+  """Where ``models.gelu_mlp`` runs the MLP's matmuls in the kernel layers, the TP
+  collectives inside them: forward, the MLP-in's all-gather + matmul with the bias and the
+  GELU in its epilogue (``gelu_gemm.BiasGelu``) and the MLP-out's matmul + reduce-scatter;
+  backward, the MLP-out's all-gather + matmul of the output's gradient with the GELU's
+  derivative in its epilogue (``gelu_gemm.GeluGrad``) and the MLP-in's matmul +
+  reduce-scatter. Each falls back as the layers' kernels do (said once), the epilogues to
+  their references after XLA's matmul. ``gather`` and ``scatter``: the (forward, backward)
+  codecs of the MLP-in's and of the MLP-out's collectives. The kernels' outputs, and the
+  gathered input the weight gradient takes, are ``TP_OUTPUT``s, as the layers' are."""
+  axis_name: str
+  gather: tuple
+  scatter: tuple
+
+  def problem(self, x_shape, w_in_shape) -> str | None:
+    """Why no GELU epilogue can run in this process, or None (shapes that one kernel's
+    tiles do not divide make that kernel fall back alone)."""
+    return hopper_problem()
+
+  def stand_in(self) -> KernelMatmuls:
+    """Where no kernel runs, these run XLA's collectives and the epilogues' references."""
+    return self
+
+  def in_gelu(self, x, w_in, b_in):
+    outs = all_gather_matmul(x, w_in, self.axis_name, self.gather[0],
+                             epilogue=gelu_gemm.BiasGelu(b_in, approx_math=True))
+    return tuple(checkpoint_name(v, TP_OUTPUT) for v in outs)  # h, gelu(h), the gathered x
+
+  def out(self, a, w_out):
+    return matmul_reduce_scatter(a, w_out, self.axis_name, self.scatter[0])
+
+  def grad_gelu(self, dy, w_out, h):
+    w_t, read_transposed = _transposed(w_out)
+    return all_gather_matmul(dy, w_t, self.axis_name, self.scatter[1],
+                             transpose_w=read_transposed,
+                             epilogue=gelu_gemm.GeluGrad(h, approx_math=True))
+
+  def in_grad(self, dh, w_in):
+    w_t, read_transposed = _transposed(w_in)
+    return matmul_reduce_scatter(dh, w_t, self.axis_name, self.gather[1],
+                                 transpose_w=read_transposed)
 
 
 # --- all-gather -> matmul ------------------------------------------------------------------

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from taco_jax.models.gelu_mlp import LocalMatmuls
 from taco_jax.models.layers import normal_init
 from taco_jax import collectives, mappings, monitor
 from taco_jax.codec import CompressionConfig
@@ -132,13 +133,17 @@ class ColumnParallelLinear(nnx.Module):
     return y + self.bias[...].astype(ctx.dtype)
 
   def fused_operands(self, x_BSD: jax.Array):
-    """``models.gelu_mlp``'s ``(gathered x, w, b)``, or None where the gather runs inside the
-    matmul (``parallel.tp_overlap`` "ring" or "kernel" at tp > 1)."""
+    """``models.gelu_mlp``'s ``(x, w, b, matmuls)``: the x gathered by XLA and the local
+    matmuls, or with the kernel layers (``parallel.tp_overlap="kernel"`` at tp > 1) x's
+    sequence shard and the kernels (``fused.KernelMatmuls``); None for the ring layers."""
     ctx = self.ctx
-    if ctx.tp > 1 and ctx.overlap != "none":
-      return None
-    return (gather_seq(x_BSD.astype(ctx.dtype), ctx), self.kernel[...].astype(ctx.dtype),
-            self.bias[...])
+    x_BSD, w = x_BSD.astype(ctx.dtype), self.kernel[...].astype(ctx.dtype)
+    if ctx.tp == 1 or ctx.overlap == "none":
+      return gather_seq(x_BSD, ctx), w, self.bias[...], LocalMatmuls()
+    if ctx.overlap == "kernel":
+      return x_BSD, w, self.bias[...], fused.KernelMatmuls(
+          TENSOR, tuple(ctx.codecs("gather_from_sp")), tuple(ctx.codecs("reduce_scatter_to_sp")))
+    return None
 
 
 class RowParallelLinear(nnx.Module):
@@ -176,13 +181,19 @@ class RowParallelLinear(nnx.Module):
     return x_BSD + self.bias[...].astype(ctx.dtype)
 
   def fused_takes(self) -> bool:
-    """Whether ``models.gelu_mlp`` may run this layer's matmul: where its reduce-scatter
-    runs after it (not an exchange, nor inside the matmul)."""
-    return not self.exchanges and (self.ctx.tp == 1 or self.ctx.overlap == "none")
+    """Whether ``models.gelu_mlp`` may run this layer's matmul: where it is no exchange and,
+    at tp > 1, where its reduce-scatter runs after it or in our kernel (not the ring's)."""
+    return not self.exchanges and (self.ctx.tp == 1 or self.ctx.overlap != "ring")
 
   def fused_output(self, y_BTD: jax.Array) -> jax.Array:
-    """This layer's output from its matmul's partial sums."""
-    return scatter_seq(y_BTD, self.ctx) + self.bias[...].astype(self.ctx.dtype)
+    """This layer's output from its matmul's partial sums (``fused_operands``' matmuls:
+    with the kernel layers, already reduce-scattered)."""
+    ctx = self.ctx
+    if ctx.tp > 1 and ctx.overlap == "kernel":
+      y_BSD = checkpoint_name(y_BTD, TP_OUTPUT)  # not recomputed: that would communicate
+    else:
+      y_BSD = scatter_seq(y_BTD, ctx)
+    return y_BSD + self.bias[...].astype(ctx.dtype)
 
 
 def exchange_matmul(y_BTF, w_FD, ctx: TPContext):
