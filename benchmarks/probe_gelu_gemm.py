@@ -13,7 +13,10 @@ With ``--all-gather`` (tp > 1), the same two passes through the kernel layers' a
 kernel (``ag_matmul``) in local mode on one GPU, rank 0 of tp: the peers' chunks read from
 a pre-gathered input, what goes to rank r - 1 written locally; its plain store then XLA's
 activation (``ag_*_xla``) against the GELU epilogues (``ag_*_fused``: what
-``fused.KernelMatmuls`` runs). Rounds of calls take turns on the same inputs.
+``fused.KernelMatmuls`` runs); ``[pulled]``: on the pulled schedule (clusters of 2),
+``[fp8]``: the compressed kernel, checked against the same math on the decoded codes and not
+timed (its call encodes the whole gathered input, local mode's stand-in for the peers').
+Rounds of calls take turns on the same inputs.
 
 GPU: python benchmarks/probe_gelu_gemm.py --out-dir $OUT
 CPU: python benchmarks/probe_gelu_gemm.py --smoke   (tiny shapes, interpret mode, untimed)
@@ -84,28 +87,46 @@ def variants(sms: int, tiling=None) -> dict:
 
 
 BATCH = 8  # sequences of the all-gather variants' [B, T, D] activations
+FP8 = dict(group_size=128, fmt="e4m3", dual_scale=True, lam=1e-6)  # the codec's defaults
 
 
-def all_gather_variants(sms: int, tp: int, tiling=None) -> dict:
+def all_gather_variants(sms: int, tp: int, tiling=None, fp8: bool = True) -> dict:
   """name -> (pass, function of the all-gather inputs ``(x shard, gathered x, w, b, dout
   shard, gathered dout, w2, h)``): the kernel in local mode as rank 0 of ``tp``; its rows
-  come out ``[M, .]`` as the one-GPU variants'."""
+  come out ``[M, .]`` as the one-GPU variants'. ``fp8``: with the compressed kernel's (which
+  jax's interpreter does not run: its decoded operand is a register one)."""
   from taco_jax.pallas_kernels import ag_matmul, gelu_gemm
+  from taco_jax.pallas_kernels.encode import encode
 
-  def kernel(x, x_full, w, epilogue=None, transpose_w=False):
-    base = tiling or ag_matmul.plain_tiling(x.shape, w.shape[::-1] if transpose_w else w.shape,
-                                            tp, sms)
-    outs = ag_matmul.all_gather_matmul(
-        x, w, "t", tiling=epilogue.fit(base) if epilogue else base, num_sms=sms,
-        transpose_w=transpose_w, epilogue=epilogue, rank=0, local_gathered=x_full)
-    return [o.reshape(-1, o.shape[-1]) for o in outs[:-2]]  # less the gathered and the sent
+  def kernel(x, x_full, w, epilogue=None, transpose_w=False, pulled=False, fp8=False):
+    w_kn = w.shape[::-1] if transpose_w else w.shape
+    base = tiling or ag_matmul.plain_tiling(x.shape, w_kn, tp, sms)
+    if fp8:
+      base = tiling or ag_matmul.fp8_tiling(x.shape, w_kn, FP8["group_size"])
+    if pulled:
+      base = dataclasses.replace(base, cluster_n=2)
+    kw = dict(tiling=epilogue.fit(base) if epilogue else base, num_sms=sms,
+              transpose_w=transpose_w, epilogue=epilogue, rank=0)
+    if fp8:
+      b, s, k = x.shape
+      codes, alpha, scale = encode(x_full.reshape(-1, k), hadamard=False, **FP8)
+      codes = codes.reshape(x_full.shape)
+      mult = ag_matmul.multipliers(alpha, scale)
+      mine = mult.reshape(-1, b, x_full.shape[1])[:, :, :s].reshape(mult.shape[0], -1)
+      outs = ag_matmul.all_gather_matmul_fp8(
+          codes[:, :s], mine, w, "t", group_size=FP8["group_size"], dtype=x.dtype,
+          local_gathered=(codes, mult), **kw)
+    else:
+      outs = ag_matmul.all_gather_matmul(x, w, "t", local_gathered=x_full, **kw)
+    n_out = 2 if isinstance(epilogue, gelu_gemm.BiasGelu) else 1  # then the gathered x, ...
+    return [o.reshape(-1, o.shape[-1]) for o in outs[:n_out]]
 
   def xla_fwd(x, x_full, w, b, dout, dout_full, w2, h):
     y, = kernel(x, x_full, w)
     return y, _gelu(y + b.astype(y.dtype))
 
-  def fused_fwd(x, x_full, w, b, dout, dout_full, w2, h):
-    return kernel(x, x_full, w, gelu_gemm.BiasGelu(b, approx_math=True))
+  def fused_fwd(x, x_full, w, b, dout, dout_full, w2, h, **opts):
+    return kernel(x, x_full, w, gelu_gemm.BiasGelu(b, approx_math=True), **opts)
 
   def xla_bwd(x, x_full, w, b, dout, dout_full, w2, h):
     g, = kernel(dout, dout_full, w2, transpose_w=True)
@@ -113,11 +134,16 @@ def all_gather_variants(sms: int, tp: int, tiling=None) -> dict:
     dh, = vjp(g)
     return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
 
-  def fused_bwd(x, x_full, w, b, dout, dout_full, w2, h):
-    dh, = kernel(dout, dout_full, w2, gelu_gemm.GeluGrad(h, approx_math=True), True)
+  def fused_bwd(x, x_full, w, b, dout, dout_full, w2, h, **opts):
+    dh, = kernel(dout, dout_full, w2, gelu_gemm.GeluGrad(h, approx_math=True), True, **opts)
     return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
-  return {"ag_forward_xla": ("forward", xla_fwd), "ag_forward_fused": ("forward", fused_fwd),
-          "ag_backward_xla": ("backward", xla_bwd), "ag_backward_fused": ("backward", fused_bwd)}
+  out = {"ag_forward_xla": ("forward", xla_fwd), "ag_forward_fused": ("forward", fused_fwd),
+         "ag_backward_xla": ("backward", xla_bwd), "ag_backward_fused": ("backward", fused_bwd)}
+  for kind, fn in (("forward", fused_fwd), ("backward", fused_bwd)):
+    out[f"ag_{kind}_fused[pulled]"] = (kind, functools.partial(fn, pulled=True))
+    if fp8:
+      out[f"ag_{kind}_fused[fp8]"] = (f"{kind}_fp8", functools.partial(fn, fp8=True))
+  return out
 
 
 def _all_gather_args(tp: int, batch: int, x, w, b, dout, w2, h):
@@ -158,10 +184,17 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
   args = dict(xla=(x, w, b, dout, w2, y.astype(bf16)),
               fused=(x, w, b, dout, w2, (y + b).astype(bf16)))
   refs = _references(x, w, b, dout, w2, y.astype(bf16))
+  if all_gather_tp:  # the compressed kernels' inputs: the codec's decoded codes
+    from taco_jax.pallas_kernels.decode import decode_reference
+    from taco_jax.pallas_kernels.encode import encode
+    dec = [decode_reference(*encode(a, hadamard=False, **FP8), group_size=FP8["group_size"],
+                            hadamard=False) for a in (x, dout)]
+    fp8_refs = _references(dec[0], w, b, dec[1], w2, y.astype(bf16))
+    refs.update(forward_fp8=fp8_refs["forward"], backward_fp8=fp8_refs["backward"])
   case = dict(m=m, d=d, f=f, sms=sms, variants={})
   fns = variants(sms, tiling)
   if all_gather_tp:
-    fns.update(all_gather_variants(sms, all_gather_tp, tiling))
+    fns.update(all_gather_variants(sms, all_gather_tp, tiling, fp8=tiling is None))
     for kind in ("xla", "fused"):
       args[f"ag_{kind}"] = _all_gather_args(all_gather_tp, batch, *args[kind])
     case["all_gather_tp"] = all_gather_tp
@@ -181,7 +214,8 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
     vs = case["variants"]
     for name, times in best_of_rounds(
         {name: (jax.jit(fn), inputs(name))
-         for name, (_, fn) in fns.items() if vs[name]["ok"]}, iters, rounds).items():
+         for name, (_, fn) in fns.items() if vs[name]["ok"] and "[fp8]" not in name},
+        iters, rounds).items():
       vs[name].update(times)
     for kind in ("forward", "backward", "ag_forward", "ag_backward"):
       xla, fused = vs.get(f"{kind}_xla", {}), vs.get(f"{kind}_fused", {})
