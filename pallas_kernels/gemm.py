@@ -445,13 +445,14 @@ def weight_kn(w_shape, transpose_w: bool = False) -> tuple[int, int]:
 class Store:
   """What a kernel makes of each compute warpgroup's fp32 accumulator: here, the plain
   store in the output's dtype. Subclasses apply math on the way, write more outputs and
-  read arrays of their own (``gelu_gemm``'s epilogues). A kernel
-  on ``TileLoop`` passes ``inputs`` as operands after its own and its outputs' types from
-  ``outputs``, allocates ``scratch`` beside its own (whose ``out_smem`` the epilogue may
-  use where ``staged``), and for each warpgroup tile, whose first output element is
-  (``row``, ``col``), calls ``before_tile`` before the tile's pipeline and ``store`` with its
-  accumulator.
-  ``ins`` and ``outs`` are the gmem refs of ``inputs`` and of the outputs, in order."""
+  read arrays of their own (``gelu_gemm``'s epilogues).
+
+  A kernel on ``TileLoop`` passes ``inputs`` as operands after its own and its outputs'
+  types from ``outputs``, allocates ``scratch`` beside its own (whose ``out_smem`` the
+  epilogue may use where ``staged``), and for each warpgroup tile, whose first output
+  element is (``row``, ``col``), calls ``before_tile`` before the tile's pipeline and
+  ``store`` with its accumulator; ``ins`` and ``outs`` are the gmem refs of ``inputs`` and
+  of the outputs, in order."""
   name = ""            # the kernel name's suffix
   approx_math = False  # compiled with the GPU's fast approximations of tanh, exp, ...
   staged = True        # stores through the kernel's staging buffers (``out_smem``)
