@@ -369,8 +369,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
           return [arrays[0].at[pl.ds(row_of(m_idx), t.cta_m)]]
 
         def tile_at(m_idx, n_idx, wg, c=c):  # the warpgroup tile's first output element
-          row0, col0 = t.wg_offsets(wg)
-          return at.gathered(c, m_idx) + row0, n_idx * t.cta_n + col0
+          return t.wg_start(at.gathered(c, m_idx), n_idx, wg)
 
         def before_tile(m_idx, n_idx, wg, arrays=arrays, row_of=row_of, c=c, dests=dests,
                         tile_at=tile_at):
@@ -478,15 +477,11 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
     def row_of(m_idx):
       return at.gathered(*chunk(m_idx))
 
-    def tile_at(m_idx, n_idx, wg):  # the warpgroup tile's first output element
-      row0, col0 = t.wg_offsets(wg)
-      return row_of(m_idx) + row0, n_idx * t.cta_n + col0
-
     def before_tile(m_idx, n_idx, wg):
-      epilogue.before_tile(t, ins, scratch, *tile_at(m_idx, n_idx, wg), wg)
+      epilogue.before_tile(t, ins, scratch, *t.wg_start(row_of(m_idx), n_idx, wg), wg)
 
     def store(m_idx, n_idx, wg, acc):
-      epilogue.store(t, ins, outs, scratch, acc, *tile_at(m_idx, n_idx, wg), wg)
+      epilogue.store(t, ins, outs, scratch, acc, *t.wg_start(row_of(m_idx), n_idx, wg), wg)
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(x_ref, w_ref),
                        collective_axes=gemm.WG)

@@ -159,9 +159,8 @@ def all_to_all_matmul(y_BTC, w_FD, axis_name, *, n: int, num_sms: int,
     @pl.when(sm >= movers)
     def _multiply():
       def epilogue(m_idx, n_idx, wg, acc):
-        row0, col0 = t.wg_offsets(wg)
-        gemm.store_tiles(acc.astype(out_dtype), out_smem, out_ref, m_idx * t.cta_m + row0,
-                         n_idx * t.cta_n + col0, wg, t)
+        gemm.store_tiles(acc.astype(out_dtype), out_smem, out_ref,
+                         *t.wg_start(m_idx * t.cta_m, n_idx, wg), wg, t)
 
       def wait_rows(m_idx):
         plgpu.semaphore_wait(sems.at[m_idx], value=per_row_tile, decrement=False,

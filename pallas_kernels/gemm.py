@@ -109,6 +109,12 @@ class Tiling:
       return wg * self.tile_m, 0
     return 0, wg * self.tile_n
 
+  def wg_start(self, cta_row, n_idx, wg):
+    """(row, column) of the first output element of compute warpgroup ``wg``'s tile, in the
+    CTA tile of column tile ``n_idx`` whose rows start at ``cta_row``."""
+    row0, col0 = self.wg_offsets(wg)
+    return cta_row + row0, n_idx * self.cta_n + col0
+
   def misfit(self, *, rows_per_seq: int, m: int, n: int, k: int,
              clusters: str | None = None, num_sms: int | None = None) -> str | None:
     """Why these tiles do not divide a chunk of ``m`` rows (in runs of ``rows_per_seq``
@@ -527,8 +533,7 @@ def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
     ins, outs = refs[:n_ins], refs[n_ins:]
 
     def at(m_idx, n_idx, wg):
-      row0, col0 = t.wg_offsets(wg)
-      return m_idx * t.cta_m + row0, n_idx * t.cta_n + col0
+      return t.wg_start(m_idx * t.cta_m, n_idx, wg)
 
     @functools.partial(pl.run_scoped, allocs=loop.allocations(a_ref, w_ref),
                        collective_axes=WG)

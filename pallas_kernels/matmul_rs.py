@@ -376,8 +376,7 @@ def _call(y_RF, w_FD, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
       c = lax.rem(r + q, n)
 
       def at(m_idx, n_idx, wg):  # a warpgroup tile's (row, column) in its chunk
-        row0, col0 = t.wg_offsets(wg)
-        return (p * phase_tiles + m_idx) * t.cta_m + row0, n_idx * t.cta_n + col0
+        return t.wg_start((p * phase_tiles + m_idx) * t.cta_m, n_idx, wg)
 
       def epilogue(m_idx, n_idx, wg, acc):
         row, col = at(m_idx, n_idx, wg)
