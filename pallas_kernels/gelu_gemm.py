@@ -31,11 +31,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from taco_jax.pallas_kernels import gemm
 
 _C, _K = math.sqrt(2 / math.pi), 0.044715
-# The backward kernel's: three stages leave shared memory for its h tiles (2 x 32 KB), and the
-# GEMM core is about as fast at three as at four at the 1.3B shapes
-# (bench_collective_matmul_nvlink_rs_stages_2gpu_20261128). The forward kernel's bias takes
-# 1 KB: four stages fit (three took as long: probe_gelu_gemm_tune_1gpu_20261129).
-TILING = gemm.Tiling(stages=3)
+# The forward kernel's tiles: its bias takes 1 KB, so four stages fit (three took as long:
+# probe_gelu_gemm_tune_1gpu_20261129). The backward kernel's: ``TILING``, below.
 FORWARD_TILING = gemm.Tiling()
 
 
@@ -68,7 +65,7 @@ def matmul_gelu_grad_reference(g, w_NK, h):
                                g.dtype)[0]
 
 
-def misfit(m: int, k: int, n: int, tiling: gemm.Tiling = TILING) -> str | None:
+def misfit(m: int, k: int, n: int, tiling: gemm.Tiling) -> str | None:
   """Why the kernels cannot take an ``[m, k] @ [k, n]`` product on ``tiling``, or None."""
   if tiling.cluster_n != 1:
     return "the GELU GEMMs run without clusters (cluster_n = 1)"
@@ -148,7 +145,9 @@ class GeluGrad(gemm.Store):
   name = "_gelu_grad"
   staged = False  # stores from its h tile's buffer
   # its h tiles take 64 KB (two warpgroups' [64, 256] or [128, 128]): three stages of
-  # [128, 64] A and [64, 256] B blocks (48 KB each) fit beside them, four do not
+  # [128, 64] A and [64, 256] B blocks (48 KB each) fit beside them, four do not; the GEMM
+  # core is about as fast at three as at four at the 1.3B shapes
+  # (bench_collective_matmul_nvlink_rs_stages_2gpu_20261128)
   max_stages = 3
 
   def __init__(self, h_XN, approx_math: bool = False):
@@ -190,6 +189,10 @@ class GeluGrad(gemm.Store):
                    ).astype(outs[0].dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem.at[wg], outs[0].at[self._tile(t, row, col)])
+
+
+# The backward kernel's tiles: as many stages as leave room for its h tiles.
+TILING = gemm.Tiling(stages=GeluGrad.max_stages)
 
 
 def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWARD_TILING,
