@@ -196,8 +196,7 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
                                   compression=Decided(codec))
   if epilogue is None:
     return xla_matmul(x_full, w_DF, transpose_w), x_full
-  acc = jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", x_full, w_DF,
-                   preferred_element_type=jnp.float32)
+  acc = xla_matmul(x_full, w_DF, transpose_w, preferred_element_type=jnp.float32)
   return *epilogue.reference(acc, x_BSD.dtype), x_full
 
 
@@ -234,11 +233,12 @@ def matmul_reduce_scatter(y_BTF, w_FD, axis_name, codec: CompressionConfig | Non
                                     scatter_dimension=SEQ, compression=Decided(codec))
 
 
-def xla_matmul(a_BTK, w, transpose_w: bool = False):
+def xla_matmul(a_BTK, w, transpose_w: bool = False, preferred_element_type=None):
   """``a @ w`` (or ``a @ w.T``) by XLA, which reads a transposed weight in place: the
   layers' matmul where no kernel runs it (a bf16 dot, which XLA gives to cuBLAS on an H200;
   bench_collective_matmul's ``cublas`` baseline)."""
-  return jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", a_BTK, w)
+  return jnp.einsum("btk,nk->btn" if transpose_w else "btk,kn->btn", a_BTK, w,
+                    preferred_element_type=preferred_element_type)
 
 
 def _core_matmul(a_BTK, w, tiling: gemm.Tiling, transpose_w: bool,
@@ -247,12 +247,10 @@ def _core_matmul(a_BTK, w, tiling: gemm.Tiling, transpose_w: bool,
   cluster: the core in clusters is slower, and only the pulled all-gather needs them): the
   matmul of a kernel whose communication is free (the module docstring). With
   ``epilogue``: its outputs, a tuple."""
-  tiling = dataclasses.replace(tiling, cluster_n=1)
-  if epilogue is None:
-    return gemm.matmul(a_BTK, w, num_sms=gemm.num_sms(), transpose_w=transpose_w,
-                       tiling=tiling)
-  return gemm.matmul_epilogue(a_BTK, w, epilogue, num_sms=gemm.num_sms(),
-                              transpose_w=transpose_w, tiling=tiling, name="taco_gemm")
+  outs = gemm.matmul_epilogue(a_BTK, w, epilogue or gemm.Store(), num_sms=gemm.num_sms(),
+                              transpose_w=transpose_w, name="taco_gemm",
+                              tiling=dataclasses.replace(tiling, cluster_n=1))
+  return outs if epilogue else outs[0]
 
 
 @dataclasses.dataclass(frozen=True)
