@@ -100,9 +100,12 @@ def all_gather_variants(sms: int, tp: int, tiling=None, fp8: bool = True) -> dic
 
   def kernel(x, x_full, w, epilogue=None, transpose_w=False, pulled=False, fp8=False):
     w_kn = w.shape[::-1] if transpose_w else w.shape
-    base = tiling or ag_matmul.plain_tiling(x.shape, w_kn, tp, sms)
-    if fp8:
-      base = tiling or ag_matmul.fp8_tiling(x.shape, w_kn, FP8["group_size"])
+    if tiling:
+      base = tiling
+    elif fp8:
+      base = ag_matmul.fp8_tiling(x.shape, w_kn, FP8["group_size"])
+    else:
+      base = ag_matmul.plain_tiling(x.shape, w_kn, tp, sms)
     if pulled:
       base = dataclasses.replace(base, cluster_n=2)
     kw = dict(tiling=epilogue.fit(base) if epilogue else base, num_sms=sms,
