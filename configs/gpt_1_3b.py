@@ -20,7 +20,8 @@ def get_config():
   c.parallel.update(save_dots=True, save_attention=True, save_head=True, scan_layers=False)
   # the MLP's GELU in its GEMMs' epilogues (models.gelu_mlp): the trainer's step at batch 8
   # on one H200 went from 66.5k to 68.2k tokens/s (MFU 0.569 -> 0.583), its peak from 36.3 to
-  # 42.3 GB (trainer_summary_1.3b_h200_b8_mlp_gelu_*); where the TP layers' collectives run
-  # inside their matmuls (parallel.tp_overlap ring / kernel at tp > 1) the MLP keeps XLA's
+  # 42.3 GB (trainer_summary_1.3b_h200_b8_mlp_gelu_*); with the kernel layers
+  # (parallel.tp_overlap=kernel) in their all-gather kernels' epilogues; the ring layers keep
+  # XLA's
   c.model.mlp_gelu = 'fused'
   return c
