@@ -74,20 +74,7 @@ def variants(sms: int, tiling=None) -> dict:
   # wider epilogue sub-tiles: half as many stores a tile (three stages leave room for them)
   wide = functools.partial(fused_fwd, approx_math=True, tiling=tiling or dataclasses.replace(
       gelu_gemm.TILING, epi_n=128))
-  def pingpong(stages):  # the ping-pong schedule (gemm.Tiling(split="tiles"))
-    if tiling:
-      return dataclasses.replace(tiling, split="tiles")
-    return gemm.Tiling(split="tiles", stages=stages)
-
-  def pp(fn, stages):
-    return functools.partial(fn, approx_math=True, tiling=pingpong(stages))
   return {
-      "forward_fused[approx+pingpong]": ("forward", pp(fused_fwd, 6)),
-      "forward_fused[approx+pingpong+stages=4]": ("forward", pp(fused_fwd, 4)),
-      "backward_fused[approx+pingpong]": ("backward", pp(fused_bwd, 5)),
-      "backward_fused[approx+pingpong+stages=4]": ("backward", pp(fused_bwd, 4)),
-      "core[pingpong]": ("matmul", lambda x, w, *_: (gemm.matmul(
-          x, w, num_sms=sms, tiling=pingpong(6)),)),
       "forward_xla": ("forward", xla_fwd), "forward_fused": ("forward", fused_fwd),
       "forward_fused[approx]": ("forward", approx), "forward_fused[stages=3]": ("forward", three),
       "forward_fused[approx+stages=3+epi_n=128]": ("forward", wide),

@@ -62,10 +62,7 @@ class Tiling:
   tile_n: int = 128    # columns per compute warpgroup tile
   tile_k: int = 64     # contraction per pipeline step
   stages: int = 4      # pipeline depth (shared-memory buffers per operand)
-  # how the two compute warpgroups share the work: halves of each CTA tile along "n" or "m",
-  # or "tiles": whole [tile_m, tile_n] tiles in turns (``pingpong``: each warpgroup's epilogue
-  # beside the other's wgmmas; ``matmul_epilogue`` only)
-  split: str = "n"
+  split: str = "n"     # how the two compute warpgroups share the CTA tile: "n" or "m"
   epi_m: int = 64      # epilogue sub-tile rows (one TMA store each)
   epi_n: int = 64      # epilogue sub-tile columns
   # The order of the output tiles (``plgpu.planar_snake``): strips of ``grid_width`` tiles
@@ -91,10 +88,9 @@ class Tiling:
   decode_parts: int = 1
 
   def __post_init__(self):
-    for field, allowed in (("split", ("n", "m", "tiles")), ("grid_minor", ("n", "m"))):
-      if getattr(self, field) not in allowed:
-        raise ValueError(f"Tiling.{field} must be one of {allowed}, got "
-                         f"{getattr(self, field)!r}")
+    for field in ("split", "grid_minor"):
+      if getattr(self, field) not in ("n", "m"):
+        raise ValueError(f"Tiling.{field} must be 'n' or 'm', got {getattr(self, field)!r}")
     for field in ("grid_width", "cluster_n", "decode_parts"):
       if getattr(self, field) < 1:
         raise ValueError(f"Tiling.{field} must be >= 1, got {getattr(self, field)}")
@@ -111,8 +107,6 @@ class Tiling:
     """(row, column) offset of compute warpgroup ``wg``'s tile inside the CTA tile."""
     if self.split == "m":
       return wg * self.tile_m, 0
-    if self.split == "tiles":
-      return 0, 0
     return 0, wg * self.tile_n
 
   def wg_start(self, cta_row, n_idx, wg):
@@ -126,8 +120,6 @@ class Tiling:
     """Why these tiles do not divide a chunk of ``m`` rows (in runs of ``rows_per_seq``
     contiguous rows) times ``[k, n]`` on ``num_sms`` SMs, or None when they do;
     ``clusters``: None where the kernel runs clusters of CTAs, else why it does not."""
-    if self.split == "tiles" and (self.cluster_n != 1 or self.decode_parts != 1):
-      return "the ping-pong schedule (split='tiles') runs without clusters or decoded operands"
     if self.cluster_n != 1:
       if clusters is not None:
         return clusters
@@ -202,8 +194,6 @@ class TileLoop:
 
   def __init__(self, tiling: Tiling, a_ops: list[Operand], w_dtype, k: int,
                transpose_w: bool = False):
-    if tiling.split == "tiles":
-      raise ValueError("the ping-pong schedule (split='tiles') is gemm.matmul_epilogue's only")
     self.t, self.k_iters, self.transpose_w = tiling, k // tiling.tile_k, transpose_w
     if transpose_w:
       b = Operand((tiling.cta_n, tiling.tile_k), w_dtype, lambda kk: (0, kk))
@@ -534,12 +524,8 @@ def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
   if reason:
     raise ValueError(f"{name}: {reason}")
   out_dtype = out_dtype or a_MK.dtype
-  if t.split == "tiles":
-    from taco_jax.pallas_kernels.pingpong import PingPongLoop as loop_type
-  else:
-    loop_type = TileLoop
-  loop = loop_type(t, [Operand((t.cta_m, t.tile_k), a_MK.dtype, lambda kk: (0, kk))],
-                   w_KN.dtype, k, transpose_w)
+  loop = TileLoop(t, [Operand((t.cta_m, t.tile_k), a_MK.dtype, lambda kk: (0, kk))],
+                  w_KN.dtype, k, transpose_w)
   out_types = epilogue.outputs(m, n, out_dtype)
   n_ins = len(epilogue.inputs)
 
