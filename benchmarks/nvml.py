@@ -15,6 +15,10 @@ import threading
 import time
 
 CLOCK_SM = 1  # NVML_CLOCK_SM
+# NVML's clock-event reasons (nvmlClocksEventReasons): why the clocks are below the maximum
+CLOCK_EVENT_REASONS = {0x1: "idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                       0x20: "sync_boost", 0x40: "sw_thermal", 0x80: "hw_thermal",
+                       0x100: "hw_power_brake"}
 
 
 def _library():
@@ -52,6 +56,10 @@ class Gpu:
     mw = self._read("nvmlDeviceGetPowerUsage")
     return None if mw is None else mw / 1e3
 
+  def clock_event_reasons(self) -> int | None:
+    """The bit mask of ``CLOCK_EVENT_REASONS`` active now."""
+    return self._read("nvmlDeviceGetCurrentClocksEventReasons", value_type=ctypes.c_ulonglong)
+
 
 def gpus() -> list[Gpu]:
   """Every GPU NVML sees, or [] without NVML (CPU)."""
@@ -65,10 +73,11 @@ def gpus() -> list[Gpu]:
 
 
 class ClockSampler:
-  """Inside ``with``: each GPU's SM clock and power every ``period_s``, from a thread (the
-  NVML calls release the GIL, so the host keeps dispatching). ``summary()``: per GPU index,
-  the clock's mean, 10th percentile, median and minimum in MHz, the mean power in W and the
-  sample count; None with no GPU or no sample."""
+  """Inside ``with``: each GPU's SM clock, power and clock-event reasons every ``period_s``,
+  from a thread (the NVML calls release the GIL, so the host keeps dispatching).
+  ``summary()``: per GPU index, the clock's mean, 10th percentile, median and minimum in MHz,
+  the mean power in W, the sample count and, where NVML gives them, the share of samples
+  with each reason (``CLOCK_EVENT_REASONS``); None with no GPU or no sample."""
 
   def __init__(self, devices: list, period_s: float = 0.002):
     self.devices, self.period_s = devices, period_s
@@ -81,7 +90,8 @@ class ClockSampler:
       for d in self.devices:
         mhz = d.sm_mhz()
         if mhz is not None:
-          self.samples[d.index].append((mhz, d.power_w()))
+          reasons = getattr(d, "clock_event_reasons", lambda: None)()
+          self.samples[d.index].append((mhz, d.power_w(), reasons))
       time.sleep(self.period_s)
 
   def __enter__(self):
@@ -99,10 +109,14 @@ class ClockSampler:
     for index, samples in self.samples.items():
       if not samples:
         continue
-      mhz = sorted(m for m, _ in samples)
-      watts = [w for _, w in samples if w is not None]
+      mhz = sorted(m for m, _, _ in samples)
+      watts = [w for _, w, _ in samples if w is not None]
       out[index] = dict(mean_mhz=statistics.fmean(mhz), p10_mhz=mhz[len(mhz) // 10],
                         median_mhz=statistics.median(mhz), min_mhz=mhz[0],
                         mean_w=statistics.fmean(watts) if watts else None,
                         samples=len(mhz))
+      masks = [r for _, _, r in samples if r is not None]
+      if masks:
+        out[index]["reasons"] = {name: sum(bool(r & bit) for r in masks) / len(masks)
+                                 for bit, name in CLOCK_EVENT_REASONS.items()}
     return out or None

@@ -6,7 +6,8 @@ NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated call
 benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU),
 benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios),
 benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked, the all-gather kernel's
-too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32 beside XLA's) and
+too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32 beside XLA's),
+benchmarks/probe_sequences.py (a smoke run: every sequence's function runs) and
 benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
@@ -14,8 +15,8 @@ import time
 import pytest
 
 from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, gelu_numerics,
-                        probe_energy, probe_fused_decode, probe_gelu_gemm, probe_waves,
-                        report as report_lib)
+                        probe_energy, probe_fused_decode, probe_gelu_gemm, probe_sequences,
+                        probe_waves, report as report_lib)
 
 
 def test_setting_env():
@@ -187,9 +188,20 @@ def test_gelu_numerics_puts_the_fused_mlp_beside_xla_against_fp32(tmp_path):
     assert 0 < case["fused_vs_fp32"][out] <= case["xla_vs_fp32"][out] < 2e-2, out
 
 
+def test_sequence_probe_smoke_runs_every_variant(tmp_path):
+  """Every sequence of kernels builds and runs (the kernels' jnp references on CPU), and a
+  variant the probe does not know is a clear error."""
+  path = probe_sequences.main(["--smoke", "--out-dir", str(tmp_path)])
+  report = json.loads(path.read_text())
+  assert list(report["results"]) == list(probe_sequences.VARIANTS)
+  with pytest.raises(ValueError, match="unknown variant"):
+    probe_sequences.main(["--smoke", "--out-dir", str(tmp_path), "--variants", "nope[x]"])
+
+
 def test_clock_sampler_summarizes_each_gpus_samples():
   """``nvml.ClockSampler`` samples every GPU from its thread while the block runs; the
-  summary is per NVML index, and a GPU that never answers is left out."""
+  summary is per NVML index, with the share of samples with each clock-event reason where
+  the GPU gives them, and a GPU that never answers is left out."""
   from benchmarks import nvml
 
   class FakeGpu:
@@ -204,12 +216,18 @@ def test_clock_sampler_summarizes_each_gpus_samples():
 
   silent = FakeGpu(1, [])
   silent.sm_mhz = lambda: None
-  with nvml.ClockSampler([FakeGpu(0, [1980, 1500]), silent], period_s=0.001) as clocks:
+  capped = FakeGpu(2, [])
+  capped.clock_event_reasons = lambda: 0x4 | 0x80  # the power cap and the thermal slowdown
+  with nvml.ClockSampler([FakeGpu(0, [1980, 1500]), silent, capped],
+                         period_s=0.001) as clocks:
     while len(clocks.samples[0]) < 12:
       time.sleep(0.001)
   got = clocks.summary()
-  assert list(got) == [0] and got[0]["samples"] >= 12 and got[0]["mean_w"] == 500.0
+  assert list(got) == [0, 2] and got[0]["samples"] >= 12 and got[0]["mean_w"] == 500.0
   assert (got[0]["min_mhz"], got[0]["median_mhz"]) == (1000, 1000)
   assert got[0]["mean_mhz"] > 1000  # the 1980 and 1500 samples count too
+  assert "reasons" not in got[0]  # this GPU gives none
+  reasons = got[2]["reasons"]
+  assert reasons["sw_power_cap"] == reasons["hw_thermal"] == 1.0 and reasons["idle"] == 0.0
   assert nvml.ClockSampler([]).summary() is None
   assert nvml.gpus() == []  # no NVML here
