@@ -69,6 +69,7 @@
 #   bash benchmarks/gpu_suite.sh gelu_curve_1gpu     # the fused GELU's numerics (1.3B MLP
 #                                                  # shapes) and gpt_125m's val loss over 300
 #                                                  # steps, seeds 0-2, both ways (<= 9 min)
+#   bash benchmarks/gpu_suite.sh trainer_gelu_small_1gpu  # ... 125M / 350M, XLA's GELU / fused
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
@@ -252,6 +253,16 @@ for job in "$@"; do
             --config.optim.warmup_steps=50 2>&1 | grep -E "val_loss |Error"
           cp "/tmp/curve_${g}_$s/metrics.jsonl" "$out/gelu_curve_125m/${g}_seed${s}_metrics.jsonl"
           rm -rf "/tmp/curve_${g}_$s"
+        done
+      done ;;
+    trainer_gelu_small_1gpu)  # model.mlp_gelu on the small configs: gpt_125m once, gpt_350m
+      # twice, each XLA's GELU then the fused one (the configs' batch, 40 steps)
+      runs=0
+      for cfg in gpt_125m gpt_350m gpt_350m; do
+        for g in xla fused; do
+          trainer_40 $cfg "trainer_1gpu_${cfg}_mlp_gelu_$g" 150 --config.model.mlp_gelu=$g
+          mv "$out/trainer_1gpu_${cfg}_mlp_gelu_${g}_summary.json" \
+            "$out/trainer_1gpu_${cfg}_mlp_gelu_${g}_$((++runs))_summary.json"
         done
       done ;;
     trainer_scan_1gpu)  # issue 19: the trainer's 125M and 350M steps (no remat, the configs'
