@@ -21,6 +21,7 @@ call faster at the 1.3B shapes (benchmarks/probe_gelu_gemm.py).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -195,6 +196,15 @@ class GeluGrad(gemm.Store):
 TILING = gemm.Tiling(stages=GeluGrad.max_stages)
 
 
+# Both kernels are jitted: a step calls them once a layer, and each call of a Pallas kernel
+# inside one jit is traced and lowered again, its Mosaic GPU module copied into the step's
+# (12 layers of the pair at the 350M shapes lowered in 9.7 s to 5.6 MB, jitted in 1.2 s to
+# 0.5 MB; the 350M trainer compiled in 90 s, jitted in 24, on one H200:
+# trainer_summary_350m_h200_b32_mlp_gelu_fused*). Jitted, each shape and setting lowers once.
+_kernel_jit = functools.partial(jax.jit, static_argnames=("num_sms", "tiling", "approx_math"))
+
+
+@_kernel_jit
 def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWARD_TILING,
                      approx_math: bool = False):
   """``(h, a)``: ``h = x @ w + b`` and ``a = gelu(h)``, x ``[..., K]``, both ``[..., N]`` in
@@ -205,6 +215,7 @@ def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWAR
                               num_sms=num_sms, name="taco_matmul")
 
 
+@_kernel_jit
 def matmul_gelu_grad(g, w_NK, h, *, num_sms: int, tiling: gemm.Tiling = TILING,
                      approx_math: bool = False):
   """``(g @ w.T) * gelu'(h)``: g ``[..., K]``, w ``[N, K]`` (read transposed), h ``[..., N]``;
