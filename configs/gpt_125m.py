@@ -14,7 +14,7 @@ def get_config():
   c.parallel.scan_layers = False
   # the MLP's GELU in its GEMMs' epilogues (models.gelu_mlp): on one H200 the trainer's step
   # ran at 723k tokens/s against 654k (MFU 0.457 against 0.413), peak 11.1 against 13.6 GB,
-  # compiling in 44 s, its kernels included (trainer_summary_125m_h200_b32_mlp_gelu_*); val
-  # loss after 300 steps within the seeds' spread (gelu_curve_125m_1gpu_20261129)
+  # compiling in 15 s (trainer_summary_125m_h200_b32_mlp_gelu_*); val loss after 300 steps
+  # within the seeds' spread (gelu_curve_125m_1gpu_20261129)
   c.model.mlp_gelu = 'fused'
   return c

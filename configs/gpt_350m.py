@@ -14,6 +14,6 @@ def get_config():
   c.parallel.scan_layers = False
   # the MLP's GELU in its GEMMs' epilogues (models.gelu_mlp): on one H200 the trainer's step
   # ran at 238k and 236k tokens/s against 217k and 217k (MFU 0.510 against 0.465), peak 30.3
-  # against 36.9 GB, compiling in 90 s instead of 26 (trainer_summary_350m_h200_b32_mlp_gelu_*)
+  # against 36.9 GB, compiling in 24 s against 26 (trainer_summary_350m_h200_b32_mlp_gelu_*)
   c.model.mlp_gelu = 'fused'
   return c
