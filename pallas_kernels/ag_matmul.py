@@ -509,6 +509,8 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
   return results[:len(out_types)], results[len(out_types):]
 
 
+@gemm.lowered_once("axis_name", "tiling", "num_sms", "out_dtype", "transpose_w", "rank",
+                   "_skip", "_chunk_waits")
 def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
                       num_sms: int, out_dtype=None, transpose_w: bool = False,
                       epilogue: gemm.Store | None = None, rank=None,
@@ -547,6 +549,8 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   return (*(y.reshape(b, n * s, -1) for y in outs), *(a.reshape(b, n * s, k) for a in rest))
 
 
+@gemm.lowered_once("axis_name", "group_size", "dtype", "tiling", "num_sms", "out_dtype",
+                   "transpose_w", "rank")
 def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
                           dtype=jnp.bfloat16, tiling: gemm.Tiling | None = None, num_sms: int,
                           out_dtype=None, transpose_w: bool = False,

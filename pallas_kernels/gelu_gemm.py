@@ -21,7 +21,6 @@ call faster at the 1.3B shapes (benchmarks/probe_gelu_gemm.py).
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -93,6 +92,7 @@ def _sub_tiles(t: gemm.Tiling) -> list[tuple[slice, slice]]:
           for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
 
 
+@jax.tree_util.register_pytree_node_class
 class BiasGelu(gemm.Store):
   """The epilogue ``h = acc + b``, ``a = gelu(h)``: both written, in the output dtype (the
   compute dtype: h is rounded to it before the GELU). Each compute warpgroup's bias columns
@@ -105,6 +105,15 @@ class BiasGelu(gemm.Store):
   @property
   def inputs(self):
     return (self.bias_1N,)
+
+  def tree_flatten(self):
+    return self.inputs, self.approx_math
+
+  @classmethod
+  def tree_unflatten(cls, approx_math, arrays):
+    epilogue = cls.__new__(cls)
+    (epilogue.bias_1N,), epilogue.approx_math = arrays, approx_math
+    return epilogue
 
   def outputs(self, m, n, dtype):
     if self.bias_1N.shape[1] != n:
@@ -138,6 +147,7 @@ class BiasGelu(gemm.Store):
         slot ^= 1
 
 
+@jax.tree_util.register_pytree_node_class
 class GeluGrad(gemm.Store):
   """The epilogue ``acc * gelu'(h)``, h ``[rows, N]`` as the output's rows. Each compute
   warpgroup's h tile is copied into shared memory as its tile starts (after the last
@@ -157,6 +167,15 @@ class GeluGrad(gemm.Store):
   @property
   def inputs(self):
     return (self.h_MN,)
+
+  def tree_flatten(self):
+    return self.inputs, self.approx_math
+
+  @classmethod
+  def tree_unflatten(cls, approx_math, arrays):
+    epilogue = cls.__new__(cls)
+    (epilogue.h_MN,), epilogue.approx_math = arrays, approx_math
+    return epilogue
 
   def outputs(self, m, n, dtype):
     if self.h_MN.shape != (m, n):
@@ -196,15 +215,6 @@ class GeluGrad(gemm.Store):
 TILING = gemm.Tiling(stages=GeluGrad.max_stages)
 
 
-# Both kernels are jitted: a step calls them once a layer, and each call of a Pallas kernel
-# inside one jit is traced and lowered again, its Mosaic GPU module copied into the step's
-# (12 layers of the pair at the 350M shapes lowered in 9.7 s to 5.6 MB, jitted in 1.2 s to
-# 0.5 MB; the 350M trainer compiled in 90 s, jitted in 24, on one H200:
-# trainer_summary_350m_h200_b32_mlp_gelu_fused*). Jitted, each shape and setting lowers once.
-_kernel_jit = functools.partial(jax.jit, static_argnames=("num_sms", "tiling", "approx_math"))
-
-
-@_kernel_jit
 def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWARD_TILING,
                      approx_math: bool = False):
   """``(h, a)``: ``h = x @ w + b`` and ``a = gelu(h)``, x ``[..., K]``, both ``[..., N]`` in
@@ -215,7 +225,6 @@ def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWAR
                               num_sms=num_sms, name="taco_matmul")
 
 
-@_kernel_jit
 def matmul_gelu_grad(g, w_NK, h, *, num_sms: int, tiling: gemm.Tiling = TILING,
                      approx_math: bool = False):
   """``(g @ w.T) * gelu'(h)``: g ``[..., K]``, w ``[N, K]`` (read transposed), h ``[..., N]``;

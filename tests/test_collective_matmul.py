@@ -406,6 +406,35 @@ def _dp2_tp_mesh(tp: int):
                        devices=jax.devices()[:2 * tp])
 
 
+def test_kernels_lower_once_however_many_layers_call_them(tmp_path):
+  """The kernels' entry points are jitted (``gemm.lowered_once``): three layers' all-gather
+  and reduce-scatter kernels of the same shapes put one copy of each kernel's Mosaic GPU
+  module into the step's sm_90 lowering, as one layer's do; built with the profiler
+  (``gemm.profiling``), the same calls are other kernels."""
+  mesh = _dp2_tp_mesh(2)
+  sd = jax.ShapeDtypeStruct
+
+  args = sd((2, 512, 256), jnp.bfloat16), sd((256, 512), jnp.bfloat16), sd(
+      (512, 256), jnp.bfloat16)
+
+  def step(layers):
+    def f(x, w, w2):
+      outs = []
+      for _ in range(layers):
+        y, _ = ag_matmul.all_gather_matmul(x, w, "tensor", num_sms=132)
+        outs.append(matmul_rs.matmul_reduce_scatter(y, w2, "tensor", num_sms=132))
+      return outs
+    return jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tensor"), P(), P()),
+                         out_specs=P(None, "tensor"), check_vma=False)
+  one, three = _lowers_for_hopper(step(1), *args), _lowers_for_hopper(step(3), *args)
+  assert one.count("mosaic_gpu") == three.count("mosaic_gpu") > 0
+  assert len(three) < 1.1 * len(one)
+  plain = str(jax.make_jaxpr(step(1))(*args))
+  with gemm.profiling(str(tmp_path)):
+    profiled = str(jax.make_jaxpr(step(1))(*args))
+  assert str(tmp_path) in profiled and str(tmp_path) not in plain
+
+
 def test_the_ring_lowers_with_row_waits_at_four_ranks():
   """At 4 ranks (``ROW_WAITS_FROM`` on) the ring's tiles wait for their A rows, a semaphore
   per step and row tile: plain and FP8 through the sm_90 lowering on a (2, 1, 4) mesh, and
