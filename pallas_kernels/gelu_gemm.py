@@ -98,22 +98,10 @@ class BiasGelu(gemm.Store):
   compute dtype: h is rounded to it before the GELU). Each compute warpgroup's bias columns
   are copied into shared memory as its tile starts, and are there by its epilogue."""
   name = "_bias_gelu"
+  array_fields, setting_fields = ("bias_1N",), ("approx_math",)
 
   def __init__(self, bias_N, approx_math: bool = False):
     self.bias_1N, self.approx_math = bias_N.astype(jnp.float32).reshape(1, -1), approx_math
-
-  @property
-  def inputs(self):
-    return (self.bias_1N,)
-
-  def tree_flatten(self):
-    return self.inputs, self.approx_math
-
-  @classmethod
-  def tree_unflatten(cls, approx_math, arrays):
-    epilogue = cls.__new__(cls)
-    (epilogue.bias_1N,), epilogue.approx_math = arrays, approx_math
-    return epilogue
 
   def outputs(self, m, n, dtype):
     if self.bias_1N.shape[1] != n:
@@ -154,6 +142,7 @@ class GeluGrad(gemm.Store):
   tile's stores have read theirs); the epilogue writes the product over it, and stores it
   from there."""
   name = "_gelu_grad"
+  array_fields, setting_fields = ("h_MN",), ("approx_math",)
   staged = False  # stores from its h tile's buffer
   # its h tiles take 64 KB (two warpgroups' [64, 256] or [128, 128]): three stages of
   # [128, 64] A and [64, 256] B blocks (48 KB each) fit beside them, four do not; the GEMM
@@ -163,19 +152,6 @@ class GeluGrad(gemm.Store):
 
   def __init__(self, h_XN, approx_math: bool = False):
     self.h_MN, self.approx_math = h_XN.reshape(-1, h_XN.shape[-1]), approx_math
-
-  @property
-  def inputs(self):
-    return (self.h_MN,)
-
-  def tree_flatten(self):
-    return self.inputs, self.approx_math
-
-  @classmethod
-  def tree_unflatten(cls, approx_math, arrays):
-    epilogue = cls.__new__(cls)
-    (epilogue.h_MN,), epilogue.approx_math = arrays, approx_math
-    return epilogue
 
   def outputs(self, m, n, dtype):
     if self.h_MN.shape != (m, n):

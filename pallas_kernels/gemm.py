@@ -488,8 +488,8 @@ class Store:
   """What a kernel makes of each compute warpgroup's fp32 accumulator: here, the plain
   store in the output's dtype. Subclasses apply math on the way, write more outputs and
   read arrays of their own (``gelu_gemm``'s epilogues). Epilogues are pytrees, so that a
-  jitted kernel (``lowered_once``) takes their arrays as operands: a subclass with arrays
-  or settings of its own registers itself and flattens them (``tree_flatten``).
+  jitted kernel (``lowered_once``) takes their arrays as operands: a subclass registers
+  itself and names the attributes that hold its arrays and its settings.
 
   A kernel on ``TileLoop`` passes ``inputs`` as operands after its own and its outputs'
   types from ``outputs``, allocates ``scratch`` beside its own (whose ``out_smem`` the
@@ -504,9 +504,12 @@ class Store:
   # any, ``fit``)
   max_stages: int | None = None
 
+  array_fields: tuple[str, ...] = ()    # its arrays (``inputs``, in order)
+  setting_fields: tuple[str, ...] = ()  # its settings (hashable)
+
   @property
   def inputs(self) -> tuple:
-    return ()
+    return tuple(getattr(self, f) for f in self.array_fields)
 
   def outputs(self, m: int, n: int, dtype) -> tuple:
     return (jax.ShapeDtypeStruct((m, n), dtype),)
@@ -526,12 +529,14 @@ class Store:
     return (acc.astype(dtype),)
 
   def tree_flatten(self):
-    """(its arrays, its settings); ``tree_unflatten`` makes it again from them."""
-    return (), None
+    return self.inputs, tuple(getattr(self, f) for f in self.setting_fields)
 
   @classmethod
   def tree_unflatten(cls, settings, arrays):
-    return cls()
+    epilogue = cls.__new__(cls)
+    for field, value in zip(cls.array_fields + cls.setting_fields, (*arrays, *settings)):
+      setattr(epilogue, field, value)
+    return epilogue
 
   def fit(self, tiling: Tiling) -> Tiling:
     """``tiling``, with fewer pipeline stages of 64 where it leaves no room for this
