@@ -85,9 +85,10 @@ def test_gelu_gemms_lower_for_hopper_and_refuse_bad_input():
 
 
 def test_gelu_gemms_lower_once_however_many_layers_call_them():
-  """The kernels are jitted: three layers' calls of the same shapes put one copy of each
-  kernel's Mosaic GPU module into the step's lowering, as one layer's do (unjitted, every
-  call lowered its own: at the 350M's shapes 90 s of the trainer's compile against 24)."""
+  """The kernels run on the jitted GEMM core (``gemm.lowered_once``): three layers' calls of
+  the same shapes put one copy of each kernel's Mosaic GPU module into the step's lowering,
+  as one layer's do (unjitted, every call lowered its own: at the 350M's shapes 90 s of the
+  trainer's compile against 24)."""
   pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
   sd, bf16 = jax.ShapeDtypeStruct, jnp.bfloat16
   kw = dict(num_sms=132, approx_math=True)
