@@ -77,6 +77,7 @@ def _chunk(shape, n: int, split_axis: int) -> tuple[int, int]:
   return (r // n, c) if split_axis == 1 else (r, c // n)
 
 
+@gemm.lowered_once("axis_name", "n", "split_axis", "num_sms", "depth", "rank")
 def all_to_all(x, axis_name, *, n: int, split_axis: int, num_sms: int, depth: int = DEPTH,
                rank=None, local_x=None):
   """The exchange of x ``[B, R, C]`` over ``axis_name`` (n ranks; the module docstring),

@@ -21,8 +21,8 @@ import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
-from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, gelu_gemm, gemm,
-                                     matmul_all_to_all, matmul_rs)
+from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, exchange, gelu_gemm,
+                                     gemm, matmul_all_to_all, matmul_rs)
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import collectives, mappings, testing
@@ -407,10 +407,10 @@ def _dp2_tp_mesh(tp: int):
 
 
 def test_kernels_lower_once_however_many_layers_call_them(tmp_path):
-  """The kernels' entry points are jitted (``gemm.lowered_once``): three layers' all-gather
-  and reduce-scatter kernels of the same shapes put one copy of each kernel's Mosaic GPU
-  module into the step's sm_90 lowering, as one layer's do; built with the profiler
-  (``gemm.profiling``), the same calls are other kernels."""
+  """The kernels' entry points are jitted (``gemm.lowered_once``): three layers' all-gather,
+  reduce-scatter and exchange kernels of the same shapes put one copy of each kernel's
+  Mosaic GPU module into the step's sm_90 lowering, as one layer's do; built with the
+  profiler (``gemm.profiling``), the same calls are other kernels."""
   mesh = _dp2_tp_mesh(2)
   sd = jax.ShapeDtypeStruct
 
@@ -423,9 +423,11 @@ def test_kernels_lower_once_however_many_layers_call_them(tmp_path):
       for _ in range(layers):
         y, _ = ag_matmul.all_gather_matmul(x, w, "tensor", num_sms=132)
         outs.append(matmul_rs.matmul_reduce_scatter(y, w2, "tensor", num_sms=132))
+        outs.append(exchange.all_to_all(x, "tensor", n=2, split_axis=1, num_sms=132))
       return outs
     return jax.shard_map(f, mesh=mesh, in_specs=(P(None, "tensor"), P(), P()),
                          out_specs=P(None, "tensor"), check_vma=False)
+  assert exchange.misfit(args[0].shape, 2, 1) is None
   one, three = _lowers_for_hopper(step(1), *args), _lowers_for_hopper(step(3), *args)
   assert one.count("mosaic_gpu") == three.count("mosaic_gpu") > 0
   assert len(three) < 1.1 * len(one)
@@ -1024,7 +1026,6 @@ def test_exchange_block_loop_lands_every_chunk_in_place(n, split_axis, num_sms, 
   columns, as the forward pass sends, and back), its own chunk included, with several
   batch rows and column blocks per chunk (narrower blocks where 256 columns do not tile a
   chunk: 384 and 24) and unequal shares per SM. Under the race detector."""
-  from taco_jax.pallas_kernels import exchange
   rows = exchange.ROWS
   shape = (2, n * rows, cols) if split_axis == 1 else (2, rows, n * cols)
   x_all = _bf16(jax.random.key(n + split_axis), (n, *shape))
@@ -1081,7 +1082,6 @@ def test_exchange_lowers_for_hopper_and_refuses_bad_input():
   """Both ways, the kernel lowers for sm_90 with its peer reads and semaphores, on (2, 1, 2)
   and (2, 1, 4) meshes with TP as one of their axes; shapes its blocks do not tile are
   refused."""
-  from taco_jax.pallas_kernels import exchange
   for tp in (2, 4):
     mesh = _dp2_tp_mesh(tp)
     for split_axis, shape in ((1, (2, 64 * tp, 512)), (2, (2, 128, 256 * tp))):
