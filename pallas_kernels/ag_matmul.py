@@ -419,9 +419,7 @@ def _call(a_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Tiling,
     out_type.append(jax.ShapeDtypeStruct((t_rows, k), dtype))
   if local:
     out_type += gathered_types  # what was sent to rank r - 1
-  scratch = epilogue.scratch(t)
-  if fp8 or epilogue.staged:
-    scratch["out_smem"] = gemm.out_smem_type(t, out_dtype)
+  scratch = epilogue.kernel_scratch(t, out_dtype, staging=fp8)  # FP8: the decoded x's stores
   if fp8:
     scratch.update(mults.scratch())
   f = gemm.kernel(body, out_type=tuple(out_type), num_sms=num_sms, scratch_types=scratch,
@@ -499,10 +497,8 @@ def _call_pulled(x_RK, w_KN, *, s: int, n: int, rank, axis_name, tiling: gemm.Ti
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   out_type = (*out_types, jax.ShapeDtypeStruct((t_rows, k), x_RK.dtype))
-  scratch = epilogue.scratch(t)
-  if epilogue.staged:
-    scratch["out_smem"] = gemm.out_smem_type(t, out_dtype)
-  f = gemm.kernel(body, out_type=out_type, num_sms=num_sms, scratch_types=scratch,
+  f = gemm.kernel(body, out_type=out_type, num_sms=num_sms,
+                  scratch_types=epilogue.kernel_scratch(t, out_dtype),
                   name=f"taco_all_gather_matmul_pulled{epilogue.name}_{n}",
                   cluster_n=t.cluster_n, approx_math=epilogue.approx_math)
   results = f(x_RK, w_KN, *(() if gathered is None else gathered), *epilogue.inputs)

@@ -522,6 +522,14 @@ class Store:
   def scratch(self, tiling: Tiling) -> dict:
     return {}
 
+  def kernel_scratch(self, tiling: Tiling, out_dtype, staging: bool = False) -> dict:
+    """``scratch``, with the kernel's staging buffers (``out_smem_type``) where this
+    epilogue stores through them (``staged``) or the kernel needs them too (``staging``)."""
+    scratch = self.scratch(tiling)
+    if self.staged or staging:
+      scratch["out_smem"] = out_smem_type(tiling, out_dtype)
+    return scratch
+
   def before_tile(self, t: Tiling, ins, scratch, row, col, wg) -> None:
     pass
 
@@ -604,10 +612,8 @@ def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
                a_refs=lambda m_idx: [a_ref.at[pl.ds(m_idx * t.cta_m, t.cta_m)]])
     plgpu.wait_smem_to_gmem(0)
 
-  scratch = epilogue.scratch(t)
-  if epilogue.staged:
-    scratch["out_smem"] = out_smem_type(t, out_dtype)
-  outs = kernel(body, out_type=out_types, num_sms=num_sms, scratch_types=scratch,
+  outs = kernel(body, out_type=out_types, num_sms=num_sms,
+                scratch_types=epilogue.kernel_scratch(t, out_dtype),
                 name=name + epilogue.name, cluster_n=t.cluster_n,
                 approx_math=epilogue.approx_math)(a_MK, w_KN, *epilogue.inputs)
   return tuple(o.reshape(*lead, o.shape[-1]) for o in outs)
