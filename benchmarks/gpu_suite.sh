@@ -70,6 +70,8 @@
 #                                                  # shapes) and gpt_125m's val loss over 300
 #                                                  # steps, seeds 0-2, both ways (<= 9 min)
 #   bash benchmarks/gpu_suite.sh trainer_gelu_small_1gpu  # ... 125M / 350M, XLA's GELU / fused
+#   bash benchmarks/gpu_suite.sh allocators_1gpu     # ... GEMM sequences and the 1.3B step under
+#                                                    # each XLA allocator (<= 9 min)
 #   bash benchmarks/gpu_suite.sh trainer_scan_1gpu   # ... 125M / 350M, layers scanned or unrolled
 #   bash benchmarks/gpu_suite.sh cm_train            # ... end to end at TP=2 (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_dots           # issues 15 + 19, TP=2: strong step, kernel
@@ -236,6 +238,19 @@ for job in "$@"; do
       esac
       for v in $flags; do
         trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "${v#*.}")" 180 --config.$v \
+          --config.data.batch_size=8
+      done ;;
+    allocators_1gpu)  # why GEMMs run slower in sequences: the same kernel sequences
+      # (probe_sequences, with the SM clock stamped between GEMMs) and the trainer's 1.3B
+      # step (batch 8, 40 steps) under each of XLA's device allocators
+      v='alone[ours],ours>core[dep],ours>cublas[dep],alone[cublas],layers[in=cublas+out=cublas]'
+      for a in default platform cuda_async vmm; do
+        XLA_PYTHON_CLIENT_ALLOCATOR=$a timeout 75 python3 benchmarks/probe_sequences.py \
+          --label "h200_alloc_$a" --pad-mib 0,5 --variants "$v" --out-dir "$out" 2>&1 \
+          | grep -E '^round|Error' | cut -c1-200
+      done
+      for a in platform default cuda_async vmm; do
+        XLA_PYTHON_CLIENT_ALLOCATOR=$a trainer_40 gpt_1_3b "trainer_1gpu_b8_alloc_$a" 90 \
           --config.data.batch_size=8
       done ;;
     gelu_curve_1gpu)  # model.mlp_gelu=fused: per-layer errors against fp32 beside XLA's

@@ -11,12 +11,17 @@ D = 2048, F = 8192), ``--layers`` of each variant in one jitted function:
   XLA's GELU), the MLP-out (``cublas`` or ``core``) and the residual add, as a step's
   forward pass runs them;
 * ``a>b[dep]`` / ``a>b[indep]``: kernel a then kernel b, b on a's output or on an unrelated
-  input; ``+gap``: ~0.5 ms of launches that move no data between them.
+  input; ``+gap``: ~0.5 ms of launches that move no data between them; ``+copy``: as long
+  a pass over memory (a 512 MiB array scaled), SMs nearly idle; ``+fma``: a fused chain of
+  fp32 multiply-adds on the CUDA cores, no memory traffic. Which of them restores the
+  kernels' speed tells power from the memory's state.
 
 Every output is kept. Per variant it records each kernel's median time per launch (CUPTI)
 and its first launch's, and NVML's SM clock, power and clock-event reasons, sampled every
 2 ms while the variant's calls ran (``nvml.ClockSampler``), in ``--rounds`` rounds that take
-turns.
+turns. With ``--clock`` (the default on the GPU) a stamp kernel between every two GEMMs
+reads the SM clock there (``sm_clock``): ``clock_mhz``, the clock after each GEMM of the
+last call, beside ``launches``, that call's GEMMs in order with their times.
 
 GPU: python benchmarks/probe_sequences.py --out-dir $OUT
 CPU: python benchmarks/probe_sequences.py --smoke   (tiny shapes, the kernels' jnp
@@ -41,7 +46,8 @@ VARIANTS = ("alone[ours]", "alone[core]", "alone[cublas]",
             "layers[in=core+out=cublas]", "layers[in=ours+out=core]",
             "ours>core[dep]", "ours>core[indep]", "ours>core[dep]+gap",
             "ours>cublas[dep]", "core>ours[indep]", "core>ours[indep]+gap",
-            "cublas>ours[indep]", "cublas>core[indep]", "core>cublas[indep]")
+            "cublas>ours[indep]", "cublas>core[indep]", "core>cublas[indep]",
+            "ours>core[dep]+copy", "ours>core[dep]+fma")
 
 
 def parse_args(argv=None):
@@ -50,8 +56,20 @@ def parse_args(argv=None):
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--iters", type=int, default=6, help="calls per variant and round")
   p.add_argument("--rounds", type=int, default=2)
+  p.add_argument("--pad-mib", default="",
+                 help="comma-separated MiB: round i first allocates (and keeps) an array of "
+                      "the i-th size, so that the round's buffers land elsewhere in memory "
+                      "(sets --rounds)")
+  p.add_argument("--sleep-ms", type=float, default=0,
+                 help="wait for each call, then leave the GPU idle this long")
+  p.add_argument("--clock", action=argparse.BooleanOptionalAction, default=True,
+                 help="stamp the SM clock between the GEMMs (sm_clock)")
   add_output_args(p, label="h200", smoke="CPU, tiny, the kernels' jnp references, untimed")
-  return parse_with_smoke(p, argv, dict(layers=2, rounds=1, label="smoke"))
+  args = parse_with_smoke(p, argv, dict(layers=2, rounds=1, label="smoke"))
+  args.pads = [float(x) for x in args.pad_mib.split(",")] if args.pad_mib else []
+  if args.pads:
+    args.rounds = len(args.pads)
+  return args
 
 
 def kernels(on_gpu: bool):
@@ -85,20 +103,68 @@ def _layernorm(r):
   return ((r32 - mu) * jax.lax.rsqrt(var + 1e-5)).astype(r.dtype)
 
 
-def _gap(v):
-  """~0.5 ms of small launches (150 loop steps) that read one element of v."""
+def _gap(kind: str, v, buf):
+  """What runs between two kernels for the ``+kind`` variants (each ~0.5 ms on an H200):
+  ``gap``, 150 small launches that read one element of v; ``copy``, buf scaled (one read
+  and one write of it); ``fma``, a chain of multiply-adds on a 16M-element slice of v."""
   import jax
   import jax.numpy as jnp
-  z = jnp.zeros((256,), jnp.float32) + v.reshape(-1)[0].astype(jnp.float32)
-  return jax.lax.fori_loop(0, 150, lambda i, z: jnp.sin(z) + 1e-3, z)
+  if kind == "gap":
+    z = jnp.zeros((256,), jnp.float32) + v.reshape(-1)[0].astype(jnp.float32)
+    return jax.lax.fori_loop(0, 150, lambda i, z: jnp.sin(z) + 1e-3, z)
+  if kind == "copy":
+    return buf * jnp.asarray(1.5, buf.dtype)  # (x 1.0001 rounds to x 1 in bf16: no pass)
+  if kind == "fma":
+    z = v.reshape(-1)[:1 << 24].astype(jnp.float32)
+    for _ in range(FMA_CHAIN):
+      z = z * 0.999 + 1e-3
+    return z.sum()
+  raise ValueError(f"unknown gap {kind!r}")
 
 
-def variant_fn(name: str, ks: dict, layers: int):
-  """The jitted function of ``r, w_in [L, D, F], b [L, F], w_out [L, F, D]`` for ``name``."""
+# multiply-adds per element of the fma gap: 16M elements x 1000 ~ 0.5 ms of an H200's
+# fp32 CUDA cores
+FMA_CHAIN = 1000
+
+
+def stamped(ks: dict, between) -> tuple[dict, list]:
+  """``ks`` with a clock stamp (``between(last output, inputs)``) before every GEMM but the
+  first and after the last (``finish``), and the list the stamps go into."""
+  stamps, last = [], []
+
+  def wrap(k):
+    def run(x, w, b):
+      if last:
+        (x, w), s = between(last.pop(), (x, w))
+        stamps.append(s)
+      outs, y = k(x, w, b)
+      last.append(y)
+      return outs, y
+    return run
+
+  def finish():
+    if last:
+      _, s = between(last.pop(), ())
+      stamps.append(s)
+    return stamps
+  return {n: (k if n == "xla_gelu" else wrap(k)) for n, k in ks.items()}, finish
+
+
+def variant_fn(name: str, ks: dict, layers: int, between=None):
+  """The jitted function of ``r, w_in [L, D, F], b [L, F], w_out [L, F, D], buf`` (what the
+  ``+copy`` gap scales) for ``name``;
+  with ``between`` (``sm_clock.between`` or a stand-in) the stack of its clock stamps is
+  its last output."""
   import jax
+  import jax.numpy as jnp
   kind, _, spec = name.partition("[")
 
-  def fn(r, w_in, b, w_out):
+  def fn(r, w_in, b, w_out, buf):
+    ks_, finish = stamped(ks, between) if between else (ks, None)
+    kept = _sequence(r, w_in, b, w_out, buf, ks_)
+    return kept + [jnp.stack(finish())] if finish else kept
+
+  def _sequence(r, w_in, b, w_out, buf, ks):
     kept, x0 = [], _layernorm(r)
     for l in range(layers):
       if kind == "alone":
@@ -116,8 +182,9 @@ def variant_fn(name: str, ks: dict, layers: int):
         first, second = kind.split(">")
         outs, a = ks[first](x0, w_in[l], b[l])
         kept += outs
-        if name.endswith("+gap"):
-          kept.append(_gap(a))
+        gap = name.rpartition("]")[2].lstrip("+")
+        if gap:
+          kept.append(_gap(gap, a, buf))
         if spec.startswith("dep"):
           more, _ = ks[second](a, w_out[l], b[l] if second == "ours" else None)
         else:
@@ -129,20 +196,51 @@ def variant_fn(name: str, ks: dict, layers: int):
   return jax.jit(fn)
 
 
-def measure(fn, args, iters: int, gpus) -> dict:
+def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dict:
   """Per kernel name (launched at least once a layer): its launches' median and first time
-  in ms, and the clocks while the calls ran; plus the median call's summed kernel time."""
+  in ms, and the clocks while the calls ran; plus the median call's summed kernel time, and
+  with ``clock`` the last call's GEMMs in order and the SM clock after each. With
+  ``sleep_ms`` each call is waited for, then the GPU left idle that long."""
+  import time
   from jax.experimental.mosaic.gpu import profiler
+  from benchmarks import sm_clock
   with nvml.ClockSampler(gpus, 0.002) as clocks:
-    _, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
+    if sleep_ms:
+      runs = []
+      for _ in range(iters):
+        outs, launches = profiler.measure(fn, aggregate=False, iterations=1)(*args)
+        runs.append(launches)
+        time.sleep(sleep_ms / 1e3)
+    else:
+      outs, runs = profiler.measure(fn, aggregate=False, iterations=iters)(*args)
   per: dict[str, list[float]] = {}
   for launches in runs:
     for kname, ms in launches:
       per.setdefault(kname, []).append(ms)
-  return dict(total_ms=statistics.median(sum(ms for _, ms in ls) for ls in runs),
-              kernels={k: dict(median_ms=statistics.median(v), first_ms=v[0], launches=len(v))
-                       for k, v in per.items()},
-              clocks=(clocks.summary() or {}).get(gpus[0].index) if gpus else None)
+  got = dict(total_ms=statistics.median(sum(ms for _, ms in ls) for ls in runs),
+             kernels={k: dict(median_ms=statistics.median(v), first_ms=v[0], launches=len(v))
+                      for k, v in per.items()},
+             clocks=(clocks.summary() or {}).get(gpus[0].index) if gpus else None)
+  if clock:
+    got["clock_mhz"] = sm_clock.mhz(outs[-1])
+    got["launches"] = [(kname[:40], round(ms, 4)) for kname, ms in runs[-1]
+                       if ms > 0.05 and "sm_clock" not in kname]
+  return got
+
+
+def _between(on_gpu: bool):
+  """``sm_clock.between`` on the GPU; off it, a stand-in with the same dependencies that
+  stamps zeros (the smoke run checks the stamps' places, not their values)."""
+  import jax
+  import jax.numpy as jnp
+  if on_gpu:
+    from benchmarks import sm_clock
+    return sm_clock.between
+
+  def stand_in(before, after):
+    s = jnp.zeros((3,), jnp.int32) + (before.reshape(-1)[0] * 0).astype(jnp.int32)
+    return jax.lax.optimization_barrier((after, s))
+  return stand_in
 
 
 def main(argv=None):
@@ -157,23 +255,33 @@ def main(argv=None):
   operands = (jax.random.normal(k[0], (m, d)).astype(bf16),
               (jax.random.normal(k[1], (L, d, f)) / d ** 0.5).astype(bf16),
               0.1 * jax.random.normal(k[2], (L, f)),
-              (jax.random.normal(k[3], (L, f, d)) / f ** 0.5).astype(bf16))
+              (jax.random.normal(k[3], (L, f, d)) / f ** 0.5).astype(bf16),
+              jnp.ones((1 << 29,) if on_gpu else (1024,), bf16))  # the copy gap's 1 GiB
   ks = kernels(on_gpu)
-  fns = {name: variant_fn(name, ks, L) for name in args.variants.split(",")}
+  fns = {name: variant_fn(name, ks, L, _between(on_gpu) if args.clock else None)
+         for name in args.variants.split(",")}
   gpus = nvml.gpus()[:1]
   results = {name: [] for name in fns}
+  held = []  # the round's pad, kept while its variants run
   for rnd in range(args.rounds):
+    pad_mib = args.pads[rnd] if args.pads else 0
+    held[:] = [jnp.zeros((int(pad_mib * 2**20),), jnp.uint8).block_until_ready()]
     for name, fn in fns.items():
-      jax.block_until_ready(fn(*operands))
+      out = jax.block_until_ready(fn(*operands))
       if not on_gpu:
+        if args.clock:
+          results[name].append(dict(stamps=len(out[-1])))
         continue
-      got = measure(fn, operands, args.iters, gpus)
+      got = measure(fn, operands, args.iters, gpus, args.clock, args.sleep_ms)
+      got["pad_mib"] = pad_mib
       results[name].append(got)
       clocks = got["clocks"] or {}
       mains = {n[:40]: round(v["median_ms"], 3) for n, v in got["kernels"].items()
                if v["launches"] >= L * args.iters and v["median_ms"] > 0.3}
-      print(f"round {rnd} {name:28s} {got['total_ms']:7.3f} ms  clock mean "
-            f"{clocks.get('mean_mhz', 0):.0f} min {clocks.get('min_mhz')}  {mains}", flush=True)
+      print(f"round {rnd} pad {pad_mib:g} MiB {name:28s} {got['total_ms']:7.3f} ms  clock mean "
+            f"{clocks.get('mean_mhz', 0):.0f} min {clocks.get('min_mhz')}  {mains}"
+            f"  launches {[round(ms, 3) for _, ms in got.get('launches', [])][:8]}"
+            f"  stamps {[round(c) for c in got.get('clock_mhz', [])][:8]}", flush=True)
   report = one_device_report("probe_sequences", args, results)
   report["shapes"] = dict(m=m, d=d, f=f)
   return write_report("probe_sequences", args, report,

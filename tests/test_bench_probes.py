@@ -7,7 +7,8 @@ benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter o
 benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios),
 benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked, the all-gather kernel's
 too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32 beside XLA's),
-benchmarks/probe_sequences.py (a smoke run: every sequence's function runs) and
+benchmarks/probe_sequences.py (a smoke run: every sequence's function runs), its SM clock
+stamp (benchmarks/sm_clock.py: lowered for sm_90, in its place between two ops) and
 benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
@@ -189,13 +190,42 @@ def test_gelu_numerics_puts_the_fused_mlp_beside_xla_against_fp32(tmp_path):
 
 
 def test_sequence_probe_smoke_runs_every_variant(tmp_path):
-  """Every sequence of kernels builds and runs (the kernels' jnp references on CPU), and a
-  variant the probe does not know is a clear error."""
+  """Every sequence of kernels builds and runs (the kernels' jnp references on CPU), with a
+  clock stamp after each of its GEMMs (a stand-in off the GPU), and a variant the probe does
+  not know is a clear error."""
   path = probe_sequences.main(["--smoke", "--out-dir", str(tmp_path)])
   report = json.loads(path.read_text())
   assert list(report["results"]) == list(probe_sequences.VARIANTS)
+  gemms = {"alone": 1, "layers": 2}  # a layer's GEMMs; the pairs run 2
+  for name, (got,) in report["results"].items():
+    assert got["stamps"] == 2 * gemms.get(name.partition("[")[0], 2), name
   with pytest.raises(ValueError, match="unknown variant"):
     probe_sequences.main(["--smoke", "--out-dir", str(tmp_path), "--variants", "nope[x]"])
+
+
+def test_clock_stamp_lowers_for_hopper_between_the_ops_it_separates():
+  """``sm_clock.between(a, b)``: the stamp kernel lowers for sm_90 (no GPU needed), takes
+  ``a`` as its operand, and what reads ``b`` waits for it (an optimization barrier); its
+  counters read as MHz."""
+  pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
+  import jax
+  import jax.numpy as jnp
+  from benchmarks import sm_clock
+
+  def f(x, y):
+    a = x * 3
+    (b,), s = sm_clock.between(a, (y,))
+    return b + 1, s
+  text = jax.jit(f).trace(jnp.ones((8,)), jnp.ones((8,))).lower(
+      lowering_platforms=("cuda",)).as_text()
+  stamp_line, = [line for line in text.splitlines() if "sm_clock_stamp" in line
+                 and "custom_call" in line]
+  assert "mosaic_gpu" in stamp_line and "optimization_barrier" in text
+  assert text.index("stablehlo.multiply") < text.index(stamp_line) < text.index(
+      "optimization_barrier")
+  assert sm_clock.mhz([[40_000, 20_000, 7], [1, 0, 0]])[0] == 2000.0
+  with pytest.raises(ValueError):
+    sm_clock.stamp(jnp.ones((8,)), spin_ns=0)
 
 
 def test_clock_sampler_summarizes_each_gpus_samples():
