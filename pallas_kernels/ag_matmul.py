@@ -546,7 +546,7 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
 
 
 @gemm.lowered_once("axis_name", "group_size", "dtype", "tiling", "num_sms", "out_dtype",
-                   "transpose_w", "rank")
+                   "transpose_w", "rank", reads=("FP8_TILINGS",))
 def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: int,
                           dtype=jnp.bfloat16, tiling: gemm.Tiling | None = None, num_sms: int,
                           out_dtype=None, transpose_w: bool = False,

@@ -83,7 +83,7 @@ def default_tiling(y_shape, w_shape, n: int) -> gemm.Tiling:
 
 
 @gemm.lowered_once("axis_name", "n", "num_sms", "movers", "tiling", "depth", "out_dtype",
-                   "rank")
+                   "rank", reads=("TILINGS",))
 def all_to_all_matmul(y_BTC, w_FD, axis_name, *, n: int, num_sms: int,
                       movers: int = MOVERS, tiling: gemm.Tiling | None = None,
                       depth: int = DEPTH, out_dtype=None, rank=None, local_y=None):

@@ -426,24 +426,27 @@ class _HashableDict(dict):
     return hash(tuple(sorted(self.items())))
 
 
-def lowered_once(*static: str):
+def lowered_once(*static: str, reads: tuple[str, ...] = ()):
   """Decorator: ``jax.jit`` for a kernel's entry point, with the arguments named in
   ``static`` static (a dict among them is keyed by its items). A step calls each kernel once
   a layer, and inside one jit every call of a Pallas kernel is traced and lowered again, its
   Mosaic GPU module copied into the step's: jitted, each shape and setting lowers once (the
   GELU GEMMs of 12 layers at the 350M's shapes lowered in 1.2 s to 0.5 MB of module, against
   9.7 s and 5.6 MB; the 350M trainer compiled in 24 s against 90 on one H200). Whether the
-  kernels are built with the profiler (``profiling``) is part of the key. The entry point
-  gets every argument by name, its defaults filled in. Under jax's GPU interpreter (the CPU
-  tests) it runs unjitted, as before: there jitted kernels once deadlocked the interpreter's
-  threads on a 2-core machine (its warpgroups' eager ops waiting for the CPU backend)."""
+  kernels are built with the profiler (``profiling``) is part of the key, and so are the
+  current values of the module globals named in ``reads`` (the defaults the entry point
+  falls back on, e.g. a module's ``TILING``): a default changed after a shape's first trace
+  gives a new kernel, not the old one. The entry point gets every argument by name, its
+  defaults filled in. Under jax's GPU interpreter (the CPU tests) it runs unjitted, as
+  before: there jitted kernels once deadlocked the interpreter's threads on a 2-core machine
+  (its warpgroups' eager ops waiting for the CPU backend)."""
   def decorate(fn):
     signature = inspect.signature(fn)
 
-    def by_name(_profile, **arguments):
+    def by_name(_profile, _reads, **arguments):
       return fn(**arguments)
     by_name.__name__ = by_name.__qualname__ = fn.__name__
-    jitted = jax.jit(by_name, static_argnames=(*static, "_profile"))
+    jitted = jax.jit(by_name, static_argnames=(*static, "_profile", "_reads"))
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
@@ -453,7 +456,8 @@ def lowered_once(*static: str):
       bound.apply_defaults()
       arguments = {k: _HashableDict(v) if k in static and isinstance(v, dict) else v
                    for k, v in bound.arguments.items()}
-      return jitted(_profile=tuple(_profile_dir), **arguments)
+      return jitted(_profile=tuple(_profile_dir),
+                    _reads=tuple(fn.__globals__[name] for name in reads), **arguments)
     return call
   return decorate
 

@@ -72,7 +72,8 @@ def default_tiling(a_shape, w_shape, n: int) -> gemm.Tiling:
   return gemm.first_fitting(TILINGS, lambda tiling: misfit(a_shape, w_shape, n, tiling))
 
 
-@gemm.lowered_once("axis_name", "n", "num_sms", "tiling", "out_dtype", "transpose_w", "rank")
+@gemm.lowered_once("axis_name", "n", "num_sms", "tiling", "out_dtype", "transpose_w", "rank",
+                   reads=("TILINGS",))
 def matmul_all_to_all(a_BSK, w, axis_name, *, n: int, num_sms: int,
                       tiling: gemm.Tiling | None = None, out_dtype=None,
                       transpose_w: bool = False, rank=None):

@@ -456,7 +456,8 @@ def slot_shapes(n: int, rows: int, d: int, dtype, fp8=None) -> list[jax.ShapeDty
 
 
 @gemm.lowered_once("axis_name", "tiling", "num_sms", "out_dtype", "fp8", "phases",
-                   "pull_depth", "transpose_w", "rank", "n", "_skip", "_probe")
+                   "pull_depth", "transpose_w", "rank", "n", "_skip", "_probe",
+                   reads=("TILING", "FP8_TILING"))
 def matmul_reduce_scatter(y_BTF, w_FD, axis_name, *, tiling: gemm.Tiling | None = None,
                           num_sms: int, out_dtype=None, fp8=None, phases: int | None = None,
                           pull_depth: int = PULL_DEPTH, transpose_w: bool = False, rank=None,

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import re
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -404,6 +405,26 @@ def _dp2_tp_mesh(tp: int):
   return jax.make_mesh((2, 1, tp), ("data", "pipeline", "tensor"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 3,
                        devices=jax.devices()[:2 * tp])
+
+
+_SCALE = 2.0  # a module default that ``test_lowered_once_keys_on_the_globals_it_reads`` patches
+
+
+def test_lowered_once_keys_on_the_globals_it_reads(monkeypatch):
+  """A default that an entry point reads from a module global (``reads``, as the kernels'
+  ``TILING``) is part of ``gemm.lowered_once``'s key: patched after a shape's first call, the
+  next call traces anew instead of reusing the old value."""
+  traces = []
+
+  @gemm.lowered_once("k", reads=("_SCALE",))
+  def scaled(x, k=None):
+    traces.append(k)
+    return x * (k or _SCALE)
+  x = jnp.ones(3)
+  assert float(scaled(x)[0]) == float(scaled(x)[0]) == 2.0 and len(traces) == 1
+  monkeypatch.setattr(sys.modules[__name__], "_SCALE", 3.0)
+  assert float(scaled(x)[0]) == 3.0 and len(traces) == 2
+  assert float(scaled(x, k=5.0)[0]) == 5.0 and len(traces) == 3
 
 
 def test_kernels_lower_once_however_many_layers_call_them(tmp_path):
