@@ -1,27 +1,31 @@
 """Our GEMM kernels and cuBLAS in sequences of kernels against each alone, on one GPU: why
 the kernels run slower in a training step than in a kernel benchmark.
 
-In a step our GEMM core and GELU GEMMs take 5-13% more than their benchmark times, cuBLAS's
-GEMMs 0-4% (docs/measurements.md). This runs, at the 1.3B MLP shapes (M = 16384 tokens,
-D = 2048, F = 8192), ``--layers`` of each variant in one jitted function:
+In a step's traces our GEMM core and GELU GEMMs took 5-13% more than their benchmark times,
+cuBLAS's GEMMs 0-4% (docs/measurements.md). This runs, at the 1.3B MLP shapes (M = 16384
+tokens, D = 2048, F = 8192), ``--layers`` of each variant in one jitted function:
 
 * ``alone[k]``: kernel k (``ours``: the MLP-in with its GELU epilogue, ``core``: our GEMM
-  core, ``cublas``: XLA's dot) on one input and each layer's weight, back to back;
+  core, ``core.<name>``: the core on ``CORE_TILINGS[name]``, ``cublas``: XLA's dot,
+  ``clocked``: the core stamping each tile, ``tile_clocks`` in the results) on one input
+  and each layer's weight, back to back;
 * ``layers[in=.+out=.]``: LayerNorm, the MLP-in (``ours``, or ``core`` / ``cublas`` then
   XLA's GELU), the MLP-out (``cublas`` or ``core``) and the residual add, as a step's
   forward pass runs them;
 * ``a>b[dep]`` / ``a>b[indep]``: kernel a then kernel b, b on a's output or on an unrelated
-  input; ``+gap``: ~0.5 ms of launches that move no data between them; ``+copy``: as long
-  a pass over memory (a 512 MiB array scaled), SMs nearly idle; ``+fma``: a fused chain of
-  fp32 multiply-adds on the CUDA cores, no memory traffic. Which of them restores the
-  kernels' speed tells power from the memory's state.
+  input; ``+gap``: ~0.5 ms of launches that move no data between them; ``+copy``: a pass
+  over 1 GiB of memory; ``+fma``: a fused chain of fp32 multiply-adds, no memory traffic.
 
-Every output is kept. Per variant it records each kernel's median time per launch (CUPTI)
-and its first launch's, and NVML's SM clock, power and clock-event reasons, sampled every
-2 ms while the variant's calls ran (``nvml.ClockSampler``), in ``--rounds`` rounds that take
-turns. With ``--clock`` (the default on the GPU) a stamp kernel between every two GEMMs
-reads the SM clock there (``sm_clock``): ``clock_mhz``, the clock after each GEMM of the
-last call, beside ``launches``, that call's GEMMs in order with their times.
+Every output is kept. Per variant and round (``--rounds``, taking turns) it records each
+kernel's median and first time per launch by CUPTI, NVML's SM clock, power and clock-event
+reasons sampled every 2 ms (``nvml.ClockSampler``), and, with ``--clock`` (the default),
+the GPU's own view (``sm_clock``): a stamp kernel between every two GEMMs (``stamps``,
+``clock_mhz``, beside ``launches``: the last call's GEMMs in order), and the same calls
+issued back to back without a profiler, timed by the host and by the stamps
+(``host_ms_per_call``, ``gpu_timer_ms``, ``back_to_back``: each call's span and the time
+between calls). CUPTI's times can exceed the GPU's under back-to-back load; the host's and
+the stamps' agree. ``--sleep-ms`` leaves the GPU idle after each call instead, ``--pad-mib``
+moves the buffers.
 
 GPU: python benchmarks/probe_sequences.py --out-dir $OUT
 CPU: python benchmarks/probe_sequences.py --smoke   (tiny shapes, the kernels' jnp
@@ -47,7 +51,10 @@ VARIANTS = ("alone[ours]", "alone[core]", "alone[cublas]",
             "ours>core[dep]", "ours>core[indep]", "ours>core[dep]+gap",
             "ours>cublas[dep]", "core>ours[indep]", "core>ours[indep]+gap",
             "cublas>ours[indep]", "cublas>core[indep]", "core>cublas[indep]",
-            "ours>core[dep]+copy", "ours>core[dep]+fma")
+            "ours>core[dep]+copy", "ours>core[dep]+fma",
+            "alone[clocked]", "ours>clocked[dep]", "ours>clocked[dep]+gap",
+            "ours>core.w4[dep]", "ours>core.w16[dep]", "ours>core.n8[dep]",
+            "ours>core.split_m[dep]")
 
 
 def parse_args(argv=None):
@@ -73,17 +80,35 @@ def parse_args(argv=None):
 
 
 def kernels(on_gpu: bool):
-  """name -> matmul ``(x, w, b) -> (kept outputs, what the next kernel reads)``."""
+  """name -> matmul ``(x, w, b) -> (kept outputs, what the next kernel reads)``;
+  ``clocked``: the core stamping the SM clock at each tile's end (``sm_clock.clocked_store``);
+  ``core.<name>``: the core on ``CORE_TILINGS[name]``."""
   import jax
   import jax.numpy as jnp
+  from benchmarks import sm_clock
   from taco_jax.pallas_kernels import gelu_gemm, gemm
   if on_gpu:
     sms = gemm.num_sms()
     bias_gelu = functools.partial(gelu_gemm.matmul_bias_gelu, num_sms=sms, approx_math=True)
     core = functools.partial(gemm.matmul, num_sms=sms)
+    clocked_core = functools.partial(gemm.matmul_epilogue, epilogue=sm_clock.clocked_store(),
+                                     num_sms=sms)
   else:
     bias_gelu = gelu_gemm.matmul_bias_gelu_reference
     core = jnp.dot
+
+    def clocked_core(x, w):  # the core's stand-in, its stamps zeros
+      n_tiles = w.shape[1] // gemm.Tiling().tile_n
+      return x @ w, jnp.zeros((x.shape[0], n_tiles * 3), jnp.int32)
+
+  def clocked(x, w, b):
+    y, stamps = clocked_core(x, w)
+    return [y, stamps], y
+
+  def core_on(tiling):  # the core on other tiles (the stand-in off the GPU)
+    run = functools.partial(gemm.matmul, num_sms=sms, tiling=tiling) if on_gpu else jnp.dot
+    return lambda x, w, b: ([y := run(x, w)], y)
+  others = {f"core.{name}": core_on(tiling) for name, tiling in CORE_TILINGS.items()}
 
   def ours(x, w, b):
     h, a = bias_gelu(x, w, b)
@@ -91,8 +116,20 @@ def kernels(on_gpu: bool):
 
   def xla_gelu(y, b):
     return jax.nn.gelu(y + b.astype(y.dtype), approximate=True)
-  return dict(ours=ours, core=lambda x, w, b: ([y := core(x, w)], y),
-              cublas=lambda x, w, b: ([y := x @ w], y), xla_gelu=xla_gelu)
+  return dict(ours=ours, core=lambda x, w, b: ([y := core(x, w)], y), clocked=clocked,
+              cublas=lambda x, w, b: ([y := x @ w], y), xla_gelu=xla_gelu, **others)
+
+
+def _core_tilings() -> dict:
+  """``core.<name>``: the GEMM core on other tile orders and shapes than its default's."""
+  import dataclasses
+  from taco_jax.pallas_kernels import gemm
+  t = gemm.Tiling()
+  return dict(w4=dataclasses.replace(t, grid_width=4), w16=dataclasses.replace(t, grid_width=16),
+              n8=dataclasses.replace(t, grid_minor="n"), split_m=dataclasses.replace(t, split="m"))
+
+
+CORE_TILINGS = _core_tilings()
 
 
 def _layernorm(r):
@@ -200,8 +237,11 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
   """Per kernel name (launched at least once a layer): its launches' median and first time
   in ms, and the clocks while the calls ran; plus the median call's summed kernel time, and
   with ``clock`` the last call's GEMMs in order and the SM clock after each. With
-  ``sleep_ms`` each call is waited for, then the GPU left idle that long."""
+  ``sleep_ms`` each call is waited for, then the GPU left idle that long; without, the
+  calls are also timed back to back by the host (``host_ms_per_call``), which CUPTI's
+  summed kernel times can exceed (docs/measurements.md)."""
   import time
+  import jax
   from jax.experimental.mosaic.gpu import profiler
   from benchmarks import sm_clock
   with nvml.ClockSampler(gpus, 0.002) as clocks:
@@ -217,12 +257,35 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
   for launches in runs:
     for kname, ms in launches:
       per.setdefault(kname, []).append(ms)
+  wall_ms = gpu_timer_ms = back_to_back = None
+  if not sleep_ms:  # the same calls back to back, timed by the host (and the GPU's timer)
+    jax.block_until_ready(fn(*args))
+    t0 = time.perf_counter()
+    stamps = []  # each call's clock stamps (its other outputs freed as it ends)
+    for _ in range(iters):
+      stamps.append(fn(*args)[-1])
+    jax.block_until_ready(stamps)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / iters
+    if clock:  # from the first call's first stamp to the last call's last stamp's end
+      calls = [[[int(v) for v in row] for row in s] for s in stamps]
+      start, end = calls[0][0][2], calls[-1][-1][2] + calls[-1][-1][1]
+      gpu_timer_ms = (end - start) % 2**32 / 1e6
+      back_to_back = dict(  # per call: its stamps' span; between calls: last end to first
+          span_ms=[round((c[-1][2] + c[-1][1] - c[0][2]) % 2**32 / 1e6, 3) for c in calls],
+          between_ms=[round((b[0][2] - a[-1][2] - a[-1][1]) % 2**32 / 1e6, 3)
+                      for a, b in zip(calls, calls[1:])])
   got = dict(total_ms=statistics.median(sum(ms for _, ms in ls) for ls in runs),
+             host_ms_per_call=wall_ms, host_ms=None if wall_ms is None else wall_ms * iters,
+             gpu_timer_ms=gpu_timer_ms, back_to_back=back_to_back,
              kernels={k: dict(median_ms=statistics.median(v), first_ms=v[0], launches=len(v))
                       for k, v in per.items()},
              clocks=(clocks.summary() or {}).get(gpus[0].index) if gpus else None)
+  got["tile_clocks"] = [sm_clock.tile_clocks(o) for o in outs  # clocked's, in order
+                        if o.dtype == "int32" and o.ndim == 2 and o.shape[1] % 3 == 0
+                        and o.shape[0] > 128]
   if clock:
     got["clock_mhz"] = sm_clock.mhz(outs[-1])
+    got["stamps"] = [[int(v) for v in row] for row in outs[-1]]  # [cycles, ns, start ns]
     got["launches"] = [(kname[:40], round(ms, 4)) for kname, ms in runs[-1]
                        if ms > 0.05 and "sm_clock" not in kname]
   return got
@@ -278,10 +341,15 @@ def main(argv=None):
       clocks = got["clocks"] or {}
       mains = {n[:40]: round(v["median_ms"], 3) for n, v in got["kernels"].items()
                if v["launches"] >= L * args.iters and v["median_ms"] > 0.3}
-      print(f"round {rnd} pad {pad_mib:g} MiB {name:28s} {got['total_ms']:7.3f} ms  clock mean "
+      print(f"round {rnd} pad {pad_mib:g} MiB {name:28s} {got['total_ms']:7.3f} ms "
+            f"(host {got['host_ms_per_call'] or 0:.3f}; {args.iters} calls: host "
+            f"{got['host_ms'] or 0:.2f}, GPU timer {got['gpu_timer_ms'] or 0:.2f})  clock mean "
             f"{clocks.get('mean_mhz', 0):.0f} min {clocks.get('min_mhz')}  {mains}"
             f"  launches {[round(ms, 3) for _, ms in got.get('launches', [])][:8]}"
-            f"  stamps {[round(c) for c in got.get('clock_mhz', [])][:8]}", flush=True)
+            f"  stamps {[round(c) for c in got.get('clock_mhz', [])][:8]}"
+            f"  in-kernel MHz, tile us, span us "
+            f"{[(c['median_mhz'], c['tile_us'], c['span_us']) for c in got['tile_clocks']][:6]}",
+            flush=True)
   report = one_device_report("probe_sequences", args, results)
   report["shapes"] = dict(m=m, d=d, f=f)
   return write_report("probe_sequences", args, report,

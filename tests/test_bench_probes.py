@@ -8,7 +8,8 @@ benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios),
 benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked, the all-gather kernel's
 too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32 beside XLA's),
 benchmarks/probe_sequences.py (a smoke run: every sequence's function runs), its SM clock
-stamp (benchmarks/sm_clock.py: lowered for sm_90, in its place between two ops) and
+stamps (benchmarks/sm_clock.py: lowered for sm_90, in its place between two ops, and inside
+the GEMM core's epilogue) and
 benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
@@ -226,6 +227,33 @@ def test_clock_stamp_lowers_for_hopper_between_the_ops_it_separates():
   assert sm_clock.mhz([[40_000, 20_000, 7], [1, 0, 0]])[0] == 2000.0
   with pytest.raises(ValueError):
     sm_clock.stamp(jnp.ones((8,)), spin_ns=0)
+
+
+def test_clocked_core_lowers_for_hopper_and_its_stamps_read_as_mhz():
+  """``sm_clock.clocked_store``: the GEMM core with a stamp as each tile ends lowers for
+  sm_90 with its stamps output; ``tile_clocks`` turns each SM's consecutive stamps into its
+  clock, across the counters' 32-bit wrap."""
+  pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from benchmarks import sm_clock
+  from taco_jax.pallas_kernels import gemm
+
+  def f(x, w):
+    return gemm.matmul_epilogue(x, w, sm_clock.clocked_store(), num_sms=132)
+  x, w = jnp.ones((1024, 256), jnp.bfloat16), jnp.ones((256, 512), jnp.bfloat16)
+  traced = jax.jit(f).trace(x, w)
+  assert [o.shape for o in traced.out_info] == [(1024, 512), (1024, 24)]
+  assert "taco_matmul_clocked" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  stamps = np.full((4 * 128, 6), -1, np.int64)  # rows other than a tile's first: unwritten
+  wrap = lambda v: v - 2**32 if v >= 2**31 else v  # noqa: E731  (int32 as the kernel stores)
+  for tile, (clock, ns, sm) in enumerate([(2**32 - 5000, 10_000, 0), (15_000, 20_000, 0),
+                                          (0, 12_000, 5), (15_000, 22_000, 5)]):
+    stamps[tile * 128] = (wrap(clock), ns, sm, 0, ns - 4_000, sm)  # 4 us tiles, from 6 us
+  got = sm_clock.tile_clocks(stamps.astype(np.int32))
+  assert (got["median_mhz"], got["min_mhz"], got["sms"]) == (1750, 1500, 2)
+  assert (got["tile_us"], got["span_us"]) == (4, 16)
 
 
 def test_clock_sampler_summarizes_each_gpus_samples():
