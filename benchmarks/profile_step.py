@@ -15,6 +15,11 @@ no time the host keeps the device waiting), and writes:
   hlo_<label>_<variant>.txt.gz     the optimized, scheduled HLO of the step  } --out-dir,
   trace_<label>_<variant>.json.gz  the Perfetto trace (when under 15 MiB)    } else a tmp dir
 
+A trace's kernel times are CUPTI's: with kernels dispatched back to back they can overlap
+one another by 10-15% on the GPU's own timeline (docs/measurements.md, "What slows them"),
+so compare kernels across traces by more than a few percent only; a step's time is the
+host's (bench_train).
+
 GPU (4xH200): python benchmarks/profile_step.py --variants off,gspmd --out-dir $OUT
 CPU smoke:    python benchmarks/profile_step.py --smoke
 Again:        python benchmarks/profile_step.py --resummarize RESULT.json   (its variants
