@@ -22,8 +22,8 @@ reasons sampled every 2 ms (``nvml.ClockSampler``), and, with ``--clock`` (the d
 the GPU's own view (``sm_clock``): a stamp kernel between every two GEMMs (``stamps``,
 ``clock_mhz``, beside ``launches``: the last call's GEMMs in order), and the same calls
 issued back to back without a profiler, timed by the host and by the stamps
-(``host_ms_per_call``, ``gpu_timer_ms``, ``back_to_back``: each call's span and the time
-between calls). CUPTI's times can exceed the GPU's under back-to-back load; the host's and
+(``host_ms_per_call``, ``gpu_timer_ms``, ``back_to_back``: each call's span, the time
+between calls, and the ``clocked`` core's SM clock and tile time). CUPTI's times can exceed the GPU's under back-to-back load; the host's and
 the stamps' agree. ``--sleep-ms`` leaves the GPU idle after each call instead, ``--pad-mib``
 moves the buffers.
 
@@ -261,10 +261,12 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
   if not sleep_ms:  # the same calls back to back, timed by the host (and the GPU's timer)
     jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
-    stamps = []  # each call's clock stamps (its other outputs freed as it ends)
+    stamps, tiles = [], []  # each call's clock stamps and clocked tiles' (the rest freed)
     for _ in range(iters):
-      last = fn(*args)[-1]
+      out = fn(*args)
+      last = out[-1]
       stamps.append(last if clock else None)
+      tiles.append([o for o in out if _tile_stamps(o)])
     jax.block_until_ready(last)
     wall_ms = (time.perf_counter() - t0) * 1e3 / iters
     if clock:  # from the first call's first stamp to the last call's last stamp's end
@@ -274,22 +276,31 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
       back_to_back = dict(  # per call: its stamps' span; between calls: last end to first
           span_ms=[round((c[-1][2] + c[-1][1] - c[0][2]) % 2**32 / 1e6, 3) for c in calls],
           between_ms=[round((b[0][2] - a[-1][2] - a[-1][1]) % 2**32 / 1e6, 3)
-                      for a, b in zip(calls, calls[1:])])
+                      for a, b in zip(calls, calls[1:])],
+          # the clocked core's SM clock (median over its GEMMs) and tile time, per call
+          core_mhz=[round(statistics.median(sm_clock.tile_clocks(t)["median_mhz"]
+                                            for t in ts), 1) for ts in tiles if ts],
+          tile_us=[round(statistics.median(sm_clock.tile_clocks(t)["tile_us"]
+                                           for t in ts), 2) for ts in tiles if ts])
   got = dict(total_ms=statistics.median(sum(ms for _, ms in ls) for ls in runs),
              host_ms_per_call=wall_ms, host_ms=None if wall_ms is None else wall_ms * iters,
              gpu_timer_ms=gpu_timer_ms, back_to_back=back_to_back,
              kernels={k: dict(median_ms=statistics.median(v), first_ms=v[0], launches=len(v))
                       for k, v in per.items()},
              clocks=(clocks.summary() or {}).get(gpus[0].index) if gpus else None)
-  got["tile_clocks"] = [sm_clock.tile_clocks(o) for o in outs  # clocked's, in order
-                        if o.dtype == "int32" and o.ndim == 2 and o.shape[1] % 3 == 0
-                        and o.shape[0] > 128]
+  got["tile_clocks"] = [sm_clock.tile_clocks(o) for o in outs if _tile_stamps(o)]
   if clock:
     got["clock_mhz"] = sm_clock.mhz(outs[-1])
     got["stamps"] = [[int(v) for v in row] for row in outs[-1]]  # [cycles, ns, start ns]
     got["launches"] = [(kname[:40], round(ms, 4)) for kname, ms in runs[-1]
                        if ms > 0.05 and "sm_clock" not in kname]
   return got
+
+
+def _tile_stamps(a) -> bool:
+  """Whether an output is the clocked core's tile stamps (``[M, column tiles x 6]`` int32;
+  the stamps between GEMMs are ``[n, 3]``)."""
+  return a.dtype == "int32" and a.ndim == 2 and a.shape[1] % 6 == 0 and a.shape[0] > 128
 
 
 def _between(on_gpu: bool):
