@@ -23,9 +23,9 @@ the GPU's own view (``sm_clock``): a stamp kernel between every two GEMMs (``sta
 ``clock_mhz``, beside ``launches``: the last call's GEMMs in order), and the same calls
 issued back to back without a profiler, timed by the host and by the stamps
 (``host_ms_per_call``, ``gpu_timer_ms``, ``back_to_back``: each call's span, the time
-between calls, and the ``clocked`` core's SM clock and tile time). CUPTI's times can exceed the GPU's under back-to-back load; the host's and
-the stamps' agree. ``--sleep-ms`` leaves the GPU idle after each call instead, ``--pad-mib``
-moves the buffers.
+between calls, and the ``clocked`` core's SM clock and tile time). CUPTI's times can
+exceed the GPU's under back-to-back load; the host's and the stamps' agree. ``--sleep-ms``
+leaves the GPU idle after each call instead, ``--pad-mib`` moves the buffers.
 
 GPU: python benchmarks/probe_sequences.py --out-dir $OUT
 CPU: python benchmarks/probe_sequences.py --smoke   (tiny shapes, the kernels' jnp
