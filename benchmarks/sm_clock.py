@@ -169,10 +169,10 @@ def tile_clocks(stamps, tile_m: int = 128) -> dict:
     rates += [1e3 * a / b for a, b in zip(dc, dt) if b > 0]
   rates = np.asarray(rates) if rates else np.asarray([np.nan])
   first = start_ns.min()
+  span = int(((ns - first) % 2**32).max())
   return dict(median_mhz=round(float(np.median(rates)), 1),
               p10_mhz=round(float(np.percentile(rates, 10)), 1),
               min_mhz=round(float(rates.min()), 1), sms=int(len(np.unique(sm))),
               tile_us=round(float(np.median((ns - start_ns) % 2**32)) / 1e3, 2),
-              span_us=round(float(((ns - first) % 2**32).max()) / 1e3, 1),
-              first_start_ns=int(first), last_end_ns=int((first + ((ns - first) % 2**32).max())
-                                                         % 2**32))
+              span_us=round(span / 1e3, 1), first_start_ns=int(first),
+              last_end_ns=(int(first) + span) % 2**32)
