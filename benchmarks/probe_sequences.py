@@ -81,7 +81,7 @@ def parse_args(argv=None):
 
 def kernels(on_gpu: bool):
   """name -> matmul ``(x, w, b) -> (kept outputs, what the next kernel reads)``;
-  ``clocked``: the core stamping the SM clock at each tile's end (``sm_clock.clocked_store``);
+  ``clocked``: the core stamping each tile's start and end (``sm_clock.clocked_store``);
   ``core.<name>``: the core on ``CORE_TILINGS[name]``."""
   import jax
   import jax.numpy as jnp
@@ -99,7 +99,7 @@ def kernels(on_gpu: bool):
 
     def clocked_core(x, w):  # the core's stand-in, its stamps zeros
       n_tiles = w.shape[1] // gemm.Tiling().tile_n
-      return x @ w, jnp.zeros((x.shape[0], n_tiles * 3), jnp.int32)
+      return x @ w, jnp.zeros((x.shape[0], n_tiles * 6), jnp.int32)
 
   def clocked(x, w, b):
     y, stamps = clocked_core(x, w)
