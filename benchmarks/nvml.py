@@ -90,8 +90,7 @@ class ClockSampler:
       for d in self.devices:
         mhz = d.sm_mhz()
         if mhz is not None:
-          reasons = getattr(d, "clock_event_reasons", lambda: None)()
-          self.samples[d.index].append((mhz, d.power_w(), reasons))
+          self.samples[d.index].append((mhz, d.power_w(), d.clock_event_reasons()))
       time.sleep(self.period_s)
 
   def __enter__(self):

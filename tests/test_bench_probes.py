@@ -272,6 +272,9 @@ def test_clock_sampler_summarizes_each_gpus_samples():
     def power_w(self):
       return 500.0
 
+    def clock_event_reasons(self):  # None: NVML gives none, as `Gpu`'s read where it fails
+      return None
+
   silent = FakeGpu(1, [])
   silent.sm_mhz = lambda: None
   capped = FakeGpu(2, [])
