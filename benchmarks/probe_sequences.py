@@ -270,7 +270,8 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
     jax.block_until_ready(last)
     wall_ms = (time.perf_counter() - t0) * 1e3 / iters
     if clock:  # from the first call's first stamp to the last call's last stamp's end
-      calls = [[[int(v) for v in row] for row in s] for s in stamps]
+      calls = [_rows(s) for s in stamps]
+      clocked = [[sm_clock.tile_clocks(t) for t in ts] for ts in tiles if ts]
       start, end = calls[0][0][2], calls[-1][-1][2] + calls[-1][-1][1]
       gpu_timer_ms = (end - start) % 2**32 / 1e6
       back_to_back = dict(  # per call: its stamps' span; between calls: last end to first
@@ -278,10 +279,8 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
           between_ms=[round((b[0][2] - a[-1][2] - a[-1][1]) % 2**32 / 1e6, 3)
                       for a, b in zip(calls, calls[1:])],
           # the clocked core's SM clock (median over its GEMMs) and tile time, per call
-          core_mhz=[round(statistics.median(sm_clock.tile_clocks(t)["median_mhz"]
-                                            for t in ts), 1) for ts in tiles if ts],
-          tile_us=[round(statistics.median(sm_clock.tile_clocks(t)["tile_us"]
-                                           for t in ts), 2) for ts in tiles if ts])
+          core_mhz=[round(statistics.median(c["median_mhz"] for c in cs), 1) for cs in clocked],
+          tile_us=[round(statistics.median(c["tile_us"] for c in cs), 2) for cs in clocked])
   got = dict(total_ms=statistics.median(sum(ms for _, ms in ls) for ls in runs),
              host_ms_per_call=wall_ms, host_ms=None if wall_ms is None else wall_ms * iters,
              gpu_timer_ms=gpu_timer_ms, back_to_back=back_to_back,
@@ -291,10 +290,15 @@ def measure(fn, args, iters: int, gpus, clock: bool, sleep_ms: float = 0) -> dic
   got["tile_clocks"] = [sm_clock.tile_clocks(o) for o in outs if _tile_stamps(o)]
   if clock:
     got["clock_mhz"] = sm_clock.mhz(outs[-1])
-    got["stamps"] = [[int(v) for v in row] for row in outs[-1]]  # [cycles, ns, start ns]
+    got["stamps"] = _rows(outs[-1])  # [cycles, ns, start ns]
     got["launches"] = [(kname[:40], round(ms, 4)) for kname, ms in runs[-1]
                        if ms > 0.05 and "sm_clock" not in kname]
   return got
+
+
+def _rows(stamps) -> list[list[int]]:
+  """A call's clock stamps (``sm_clock.stamp``'s, stacked) as lists of ints."""
+  return [[int(v) for v in row] for row in stamps]
 
 
 def _tile_stamps(a) -> bool:
