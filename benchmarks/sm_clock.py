@@ -21,6 +21,14 @@ import jax.numpy as jnp
 SPIN_NS = 10_000
 
 
+def _clock64():
+  """Mosaic GPU code: the SM's cycle counter, as an i64 (``utils.globaltimer``'s twin)."""
+  from jax._src.lib.mlir import ir
+  from jax.experimental.mosaic.gpu import utils
+  return utils.inline_ptx("mov.u64 $0, %clock64;", result_types=ir.IntegerType.get_signless(64),
+                          has_side_effects=True)
+
+
 def _spin_and_store(spin_ns: int, out_ref) -> None:
   """Mosaic GPU code: read both counters, spin, read them again, store the differences."""
   from jax._src.lib.mlir import ir
@@ -28,10 +36,7 @@ def _spin_and_store(spin_ns: int, out_ref) -> None:
   from jax.experimental.mosaic.gpu import utils
   i32, i64, index = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
                      ir.IndexType.get())
-
-  def clock():
-    return utils.inline_ptx("mov.u64 $0, %clock64;", result_types=i64, has_side_effects=True)
-  t0, c0 = utils.globaltimer(), clock()
+  t0, c0 = utils.globaltimer(), _clock64()
   spin = scf.WhileOp([i64], [t0])
   before = spin.before.blocks.append(i64)
   with ir.InsertionPoint(before):
@@ -42,7 +47,7 @@ def _spin_and_store(spin_ns: int, out_ref) -> None:
   after = spin.after.blocks.append(i64)
   with ir.InsertionPoint(after):
     scf.yield_([after.arguments[0]])
-  t1, c1 = utils.globaltimer(), clock()
+  t1, c1 = utils.globaltimer(), _clock64()
   with utils.single_thread():
     for i, value in enumerate((arith.subi(c1, c0), arith.subi(t1, t0), t0)):
       memref.store(arith.trunci(i32, value), out_ref, [arith.constant(index, i)])
@@ -89,10 +94,8 @@ def _stamp_now(out_ref, copy=None) -> None:
   from jax._src.lib.mlir import ir
   from jax._src.lib.mlir.dialects import arith, memref
   from jax.experimental.mosaic.gpu import utils
-  i32, i64, index = (ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(64),
-                     ir.IndexType.get())
-  clock = utils.inline_ptx("mov.u64 $0, %clock64;", result_types=i64, has_side_effects=True)
-  now = utils.globaltimer()
+  i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+  clock, now = _clock64(), utils.globaltimer()
   with utils.single_thread(scope=utils.ThreadSubset.WARPGROUP):
     for i, value in enumerate((arith.trunci(i32, clock), arith.trunci(i32, now),
                                utils.smid())):
