@@ -19,6 +19,7 @@ import pytest
 from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, gelu_numerics,
                         probe_energy, probe_fused_decode, probe_gelu_gemm, probe_sequences,
                         probe_waves, report as report_lib)
+from taco_jax import testing
 
 
 def test_setting_env():
@@ -209,7 +210,6 @@ def test_clock_stamp_lowers_for_hopper_between_the_ops_it_separates():
   ``a`` as its operand, and what reads ``b`` waits for it (an optimization barrier); its
   counters read as MHz."""
   pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
-  import jax
   import jax.numpy as jnp
   from benchmarks import sm_clock
 
@@ -217,8 +217,7 @@ def test_clock_stamp_lowers_for_hopper_between_the_ops_it_separates():
     a = x * 3
     (b,), s = sm_clock.between(a, (y,))
     return b + 1, s
-  text = jax.jit(f).trace(jnp.ones((8,)), jnp.ones((8,))).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = testing.cuda_lowering(f, jnp.ones((8,)), jnp.ones((8,)))
   stamp_line, = [line for line in text.splitlines() if "sm_clock_stamp" in line
                  and "custom_call" in line]
   assert "mosaic_gpu" in stamp_line and "optimization_barrier" in text

@@ -396,7 +396,7 @@ def _lowers_for_hopper(f, *args) -> str:
   a (2, 2, 2) mesh with TP as one of its axes; needs jax-cuda13-plugin's Mosaic GPU
   bindings, which `make install` adds (no GPU needed)."""
   pytest.importorskip("jax_cuda13_plugin", reason="jax-cuda13-plugin not installed")
-  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return testing.cuda_lowering(f, *args)
 
 
 def _dp2_tp_mesh(tp: int):

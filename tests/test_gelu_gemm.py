@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from taco_jax import testing
 from taco_jax.models import gelu_mlp
 from taco_jax.pallas_kernels import gelu_gemm, gemm
 
@@ -67,8 +68,7 @@ def test_gelu_gemms_lower_for_hopper_and_refuse_bad_input():
   for fn, args in ((gelu_gemm.matmul_bias_gelu, (x, w, b)),
                    (gelu_gemm.matmul_gelu_grad, (x, sd((8192, 2048), bf16),
                                                  sd((8, 2048, 8192), bf16)))):
-    text = jax.jit(functools.partial(fn, num_sms=132, approx_math=True)).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+    text = testing.cuda_lowering(functools.partial(fn, num_sms=132, approx_math=True), *args)
     assert "mosaic_gpu" in text
   z = jnp.zeros
   with pytest.raises(ValueError, match="rows 100 is not a multiple of the tile 128"):
@@ -102,7 +102,7 @@ def test_gelu_gemms_lower_once_however_many_layers_call_them():
       return outs
     args = sd((256, 128), bf16), sd((128, 256), bf16), sd((256,), jnp.float32), sd(
         (256, 128), bf16)
-    return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return testing.cuda_lowering(f, *args)
   one, three = layers(1), layers(3)
   assert one.count("mosaic_gpu") == three.count("mosaic_gpu") > 0
   assert len(three) < 1.1 * len(one)

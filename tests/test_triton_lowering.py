@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from taco_jax import pallas_kernels
+from taco_jax import pallas_kernels, testing
 from taco_jax.pallas_kernels.decode import decode_pallas, decode_sum_pallas
 from taco_jax.pallas_kernels.encode import encode_pallas
 from jax._src.pallas.triton import pallas_call_registration
@@ -25,7 +25,7 @@ def pretend_hopper(monkeypatch):
 
 def triton_calls(fn, *args) -> int:
   """Lowers ``fn`` for CUDA and counts the Triton kernels in the module."""
-  hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  hlo = testing.cuda_lowering(fn, *args)
   return hlo.count("@__gpu$xla.gpu.triton")
 
 

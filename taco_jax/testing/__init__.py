@@ -118,6 +118,13 @@ def hlo_collectives(hlo_text: str) -> list[dict]:
   return list(ops.values())
 
 
+def cuda_lowering(f, *args) -> str:
+  """``jit(f)``'s module lowered for CUDA, as text: its Mosaic GPU kernels through their
+  sm_90 lowering (layouts, shared memory) and its Triton calls, on a machine without a GPU
+  (Mosaic GPU's bindings come with jax-cuda13-plugin, which `make install` adds)."""
+  return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
 @functools.cache
 def mesh_1d(n: int):
   """A 1-D mesh ("x",) over the first n devices."""
