@@ -195,6 +195,8 @@ def variant_fn(name: str, ks: dict, layers: int, between=None):
   import jax
   import jax.numpy as jnp
   kind, _, spec = name.partition("[")
+  spec, _, gap = spec.partition("]")
+  gap = gap.lstrip("+")
 
   def fn(r, w_in, b, w_out, buf):
     ks_, finish = stamped(ks, between) if between else (ks, None)
@@ -205,9 +207,9 @@ def variant_fn(name: str, ks: dict, layers: int, between=None):
     kept, x0 = [], _layernorm(r)
     for l in range(layers):
       if kind == "alone":
-        kept += ks[spec.rstrip("]")](x0, w_in[l], b[l])[0]
+        kept += ks[spec](x0, w_in[l], b[l])[0]
       elif kind == "layers":
-        opts = spec_fields(spec.rstrip("]"))
+        opts = spec_fields(spec)
         x = _layernorm(r)
         outs, y = ks[opts["in"]](x, w_in[l], b[l])
         a = y if opts["in"] == "ours" else ks["xla_gelu"](y, b[l])
@@ -219,7 +221,6 @@ def variant_fn(name: str, ks: dict, layers: int, between=None):
         first, second = kind.split(">")
         outs, a = ks[first](x0, w_in[l], b[l])
         kept += outs
-        gap = name.rpartition("]")[2].lstrip("+")
         if gap:
           kept.append(_gap(gap, a, buf))
         if spec.startswith("dep"):
