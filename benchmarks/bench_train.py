@@ -78,6 +78,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _gelu   the MLP's GELU in its GEMMs' epilogues (`model.mlp_gelu="fused"`,
           `models.gelu_mlp`; with _cm in the all-gather kernels' epilogues,
           `fused.KernelMatmuls`; not with ring_)
+  _dbxla  (with _gelu only) the MLP-in bias's gradient summed by XLA from dh
+          (`gelu_gemm.BIAS_GRAD` off), where the GELU's backward kernel sums it in its
+          epilogue (since 2026-11-29): the step before that
   _ogr    each layer's gradients all-reduced over "data" inside the backward pass
           (`parallel.overlap_grad_reduce`: they travel while the earlier layers' backward
           runs), not all of them after it; pp = 1 and no _zero
@@ -162,7 +165,8 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "head", "gelu", "ogr", "zero", "unroll", "idx",
+             "vs2", "il2", "save", "dots", "attn", "head", "gelu", "dbxla", "ogr", "zero", "unroll",
+             "idx",
              "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
@@ -189,6 +193,7 @@ class Variant:
   save_attention: bool = False  # _attn: parallel.save_attention (with remat)
   save_head: bool = False       # _head: parallel.save_head
   fused_gelu: bool = False      # _gelu: model.mlp_gelu="fused"
+  db_xla: bool = False          # _dbxla: gelu_gemm.BIAS_GRAD off
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
   kernels: bool = False         # _cm: parallel.tp_overlap="kernel"
@@ -247,7 +252,7 @@ def parse_variant(name: str) -> Variant:
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods) or (
-      "gelu" in mods and base.startswith("ring_")):
+      "gelu" in mods and base.startswith("ring_")) or ("dbxla" in mods and "gelu" not in mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
@@ -255,11 +260,11 @@ def parse_variant(name: str) -> Variant:
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
                      "_cif2 or _cif4; no ideal_zero; _idx only with _unroll; _gelu not with "
-                     "ring_)")
+                     "ring_; _dbxla only with _gelu)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  save_attention="attn" in mods, save_head="head" in mods,
-                 fused_gelu="gelu" in mods,
+                 fused_gelu="gelu" in mods, db_xla="dbxla" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
                  dw_f32="dwf32" in mods,
@@ -357,7 +362,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
   import jax
   from benchmarks import gspmd
   from taco_jax import collectives
-  from taco_jax.pallas_kernels import ag_matmul, matmul_rs
+  from taco_jax.pallas_kernels import ag_matmul, gelu_gemm, matmul_rs
   from taco_jax.tp import fused, overlap, step as step_lib
   from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
@@ -393,6 +398,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         + [mock.patch.object(matmul_rs, "TILING", dataclasses.replace(ag_matmul.WIDE, stages=3))]
         * variant.rs_wide
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
+        + [mock.patch.object(gelu_gemm, "BIAS_GRAD", False)] * variant.db_xla
         + [mock.patch.object(step_lib, "UNSTACK_LAYERS", False)] * variant.indexed
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange),
            mock.patch.object(fused, "EXCHANGE_FORWARD", variant.forward_exchange)])

@@ -6,7 +6,8 @@ against an fp32 reference of the same math:
   forward   xla:   y = x @ w (cuBLAS), a = gelu(y + b)          -> y, a (the step keeps y)
             fused: h, a = matmul_bias_gelu(x, w, b)
   backward  xla:   g = dout @ w2.T (cuBLAS), dh = g * gelu'(y + b), db = sum(dh)
-            fused: dh = matmul_gelu_grad(dout, w2, h), db = sum(dh)
+            fused: dh, db = matmul_gelu_grad(dout, w2, h)   (db summed in the epilogue;
+                   ``[..+db=xla]``: by XLA from dh, as before the epilogue summed it)
 
 plus cuBLAS and our GEMM core alone on the same product (what the epilogue costs on top).
 With ``--all-gather`` (tp > 1), the same two passes through the kernel layers' all-gather
@@ -66,8 +67,7 @@ def variants(sms: int, tiling=None) -> dict:
     return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
 
   def fused_bwd(x, w, b, dout, w2, h, **opts):
-    dh = gelu_gemm.matmul_gelu_grad(dout, w2, h, **{**kw, **opts})
-    return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
+    return gelu_gemm.matmul_gelu_grad(dout, w2, h, **{**kw, **opts})
 
   approx = functools.partial(fused_fwd, approx_math=True)
   three = functools.partial(fused_fwd, tiling=tiling or gelu_gemm.TILING)
@@ -80,6 +80,8 @@ def variants(sms: int, tiling=None) -> dict:
       "forward_fused[approx+stages=3+epi_n=128]": ("forward", wide),
       "backward_xla": ("backward", xla_bwd), "backward_fused": ("backward", fused_bwd),
       "backward_fused[approx]": ("backward", functools.partial(fused_bwd, approx_math=True)),
+      "backward_fused[approx+db=xla]": ("backward", functools.partial(
+          fused_bwd, approx_math=True, bias_grad=False)),
       "cublas": ("matmul", lambda x, w, *_: (x @ w,)),
       "core": ("matmul", lambda x, w, *_: (gemm.matmul(x, w, num_sms=sms,
                                                         tiling=core_tiling),)),
@@ -121,7 +123,8 @@ def all_gather_variants(sms: int, tp: int, tiling=None, fp8: bool = True) -> dic
           local_gathered=(codes, mult), **kw)
     else:
       outs = ag_matmul.all_gather_matmul(x, w, "t", local_gathered=x_full, **kw)
-    n_out = 2 if isinstance(epilogue, gelu_gemm.BiasGelu) else 1  # then the gathered x, ...
+    m = x_full.shape[0] * x_full.shape[1]  # the epilogue's outputs, then the gathered x, ...
+    n_out = 1 if epilogue is None else len(epilogue.outputs(m, w_kn[1], x.dtype))
     return [o.reshape(-1, o.shape[-1]) for o in outs[:n_out]]
 
   def xla_fwd(x, x_full, w, b, dout, dout_full, w2, h):
@@ -137,11 +140,14 @@ def all_gather_variants(sms: int, tp: int, tiling=None, fp8: bool = True) -> dic
     dh, = vjp(g)
     return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
 
-  def fused_bwd(x, x_full, w, b, dout, dout_full, w2, h, **opts):
-    dh, = kernel(dout, dout_full, w2, gelu_gemm.GeluGrad(h, approx_math=True), True, **opts)
-    return dh, jnp.sum(dh, axis=0, dtype=jnp.float32)
+  def fused_bwd(x, x_full, w, b, dout, dout_full, w2, h, bias_grad=True, **opts):
+    epilogue = gelu_gemm.GeluGrad(h, approx_math=True, bias_grad=bias_grad)
+    outs = kernel(dout, dout_full, w2, epilogue, True, **opts)
+    return outs[0], epilogue.bias_gradient(outs)
   out = {"ag_forward_xla": ("forward", xla_fwd), "ag_forward_fused": ("forward", fused_fwd),
-         "ag_backward_xla": ("backward", xla_bwd), "ag_backward_fused": ("backward", fused_bwd)}
+         "ag_backward_xla": ("backward", xla_bwd), "ag_backward_fused": ("backward", fused_bwd),
+         "ag_backward_fused[db=xla]": ("backward", functools.partial(fused_bwd,
+                                                                     bias_grad=False))}
   for kind, fn in (("forward", fused_fwd), ("backward", fused_bwd)):
     out[f"ag_{kind}_fused[pulled]"] = (kind, functools.partial(fn, pulled=True))
     if fp8:
@@ -220,10 +226,15 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
          for name, (_, fn) in fns.items() if vs[name]["ok"] and "[fp8]" not in name},
         iters, rounds).items():
       vs[name].update(times)
-    for kind in ("forward", "backward", "ag_forward", "ag_backward"):
-      xla, fused = vs.get(f"{kind}_xla", {}), vs.get(f"{kind}_fused", {})
-      if xla.get("best_ms") and fused.get("best_ms"):
-        case[f"{kind}_fused_over_xla"] = fused["best_ms"] / xla["best_ms"]
+    pairs = {f"{kind}_fused_over_xla": (f"{kind}_fused", f"{kind}_xla")
+             for kind in ("forward", "backward", "ag_forward", "ag_backward")}
+    pairs.update(backward_db_fused_over_xla_sum=(
+                     "backward_fused[approx]", "backward_fused[approx+db=xla]"),
+                 ag_backward_db_fused_over_xla_sum=(
+                     "ag_backward_fused", "ag_backward_fused[db=xla]"))
+    for key, (fused, xla) in pairs.items():
+      if vs.get(fused, {}).get("best_ms") and vs.get(xla, {}).get("best_ms"):
+        case[key] = vs[fused]["best_ms"] / vs[xla]["best_ms"]
   return case
 
 

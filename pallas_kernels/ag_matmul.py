@@ -542,7 +542,7 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   else:
     outs, rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip,
                        chunk_waits=_chunk_waits, **args)
-  return (*(y.reshape(b, n * s, -1) for y in outs), *(a.reshape(b, n * s, k) for a in rest))
+  return (*gemm.with_rows(outs, (b, n * s)), *(a.reshape(b, n * s, k) for a in rest))
 
 
 @gemm.lowered_once("axis_name", "group_size", "dtype", "tiling", "num_sms", "out_dtype",
@@ -580,7 +580,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
       group_size=group_size, gathered=gathered, transpose_w=transpose_w,
       epilogue=epilogue or gemm.Store())
-  out = [*(y.reshape(b, n * s, -1) for y in outs), x_full.reshape(b, n * s, k)]
+  out = [*gemm.with_rows(outs, (b, n * s)), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]
   return tuple(out)

@@ -8,9 +8,11 @@ GELU and DGELU epilogues, which XLA does not use: ``benchmarks/probe_epilogue.py
 * ``matmul_bias_gelu(x, w, b)``: ``h = x @ w + b`` and ``a = gelu(h)`` (tanh form), both
   written by the epilogue of one GEMM: the MLP-in's forward. ``h`` is what the backward
   needs, ``a`` what the MLP-out multiplies.
-* ``matmul_gelu_grad(g, w, h)``: ``(g @ w.T) * gelu'(h)``, with ``w`` as stored ``[N, K]``
-  (the MLP-out's weight, read transposed): the gradient at ``h`` straight from the GEMM
-  that makes the gradient at ``a``, each tile's ``h`` loaded while its matmul runs.
+* ``matmul_gelu_grad(g, w, h)``: ``dh = (g @ w.T) * gelu'(h)``, with ``w`` as stored
+  ``[N, K]`` (the MLP-out's weight, read transposed): the gradient at ``h`` straight from
+  the GEMM that makes the gradient at ``a``, each tile's ``h`` loaded while its matmul runs,
+  and the MLP-in bias's gradient (dh summed over rows), summed from the fp32 product in the
+  same epilogue rather than by a pass of XLA's over dh.
 
 Both run on the GEMM core (``gemm.TileLoop``) and round as the XLA ops they replace where
 those round: ``h`` to the compute dtype before the GELU and its derivative, computed in
@@ -25,7 +27,11 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import arith, vector
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from taco_jax.pallas_kernels import gemm
@@ -59,10 +65,12 @@ def matmul_bias_gelu_reference(x, w_KN, b_N):
 
 
 def matmul_gelu_grad_reference(g, w_NK, h):
-  """``(g @ w.T) * gelu'(h)``, g ``[..., K]``, h ``[..., N]`` (fp32 accumulation and product,
-  then g's dtype)."""
-  return GeluGrad(h).reference(jnp.dot(g, w_NK.T, preferred_element_type=jnp.float32),
-                               g.dtype)[0]
+  """``(dh, db)``: ``dh = (g @ w.T) * gelu'(h)``, g ``[..., K]``, h ``[..., N]`` (fp32
+  accumulation and product, then g's dtype), and ``db``, fp32 ``[N]``, the sum of that fp32
+  product over rows (the bias's gradient)."""
+  epilogue = GeluGrad(h)
+  outs = epilogue.reference(jnp.dot(g, w_NK.T, preferred_element_type=jnp.float32), g.dtype)
+  return outs[0], epilogue.bias_gradient(outs)
 
 
 def misfit(m: int, k: int, n: int, tiling: gemm.Tiling) -> str | None:
@@ -90,6 +98,54 @@ def _sub_tiles(t: gemm.Tiling) -> list[tuple[slice, slice]]:
   beside the accumulator."""
   return [(slice(i * t.epi_m, (i + 1) * t.epi_m), slice(j * t.epi_n, (j + 1) * t.epi_n))
           for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
+
+
+# ``GeluGrad`` sums the MLP-in bias's gradient in its epilogue (else XLA sums dh after it:
+# bench_train's ``_dbxla``)
+BIAS_GRAD = True
+# The rows of dh that ``GeluGrad`` sums into each row of its bias-gradient output: one
+# warp's share of a warpgroup's 64 accumulator rows
+BIAS_ROWS = 16
+
+
+def warp_column_sums(value, dest) -> None:
+  """Writes the sums over each warp's 16 rows of ``value``, a compute warpgroup's fp32
+  ``[64, n]`` accumulator (WGMMA layout), to the gmem ref ``dest`` ``[4, n]``: warp w's
+  sums to row w. Each thread adds its two rows of a column, then butterfly shuffles over the
+  eight lanes that share its columns add theirs, and four lanes of each warp store the
+  warp's sums. No warp waits for another: Mosaic GPU's own reduction over all 64 rows
+  (``jnp.sum``) meets the four warps in shared memory, at one offset for the whole CTA
+  where the two compute warpgroups race, and with its barriers made the backward kernel
+  slower than XLA's pass over dh (benchmarks/probe_gelu_gemm.py). jax's GPU interpreter
+  runs no inline Mosaic GPU: there it is ``jnp.sum``."""
+  if gemm.interpreting():
+    dest[...] = jnp.sum(value.reshape(4, BIAS_ROWS, -1), axis=1)
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
+  def column_sums(ctx, v, dest):
+    del ctx
+    i32, index = ir.IntegerType.get_signless(32), ir.IndexType.get()
+    n = v.shape[1]
+    if v.layout != mgpu.WGMMA_LAYOUT or v.shape[0] != 64:
+      raise NotImplementedError(f"warp_column_sums: {v.shape} in {v.layout}")
+    # thread t of warp w holds rows 16 w + t // 4 (+ 8) of columns 8 j + 2 (t % 4) (+ 1)
+    regs = v.registers.reshape(n // 8, 2)
+    tid = mgpu_utils.thread_idx()
+    lane = arith.remui(tid, mgpu_utils.c(32, i32))
+    warp = arith.remui(arith.divui(tid, mgpu_utils.c(32, i32)), mgpu_utils.c(4, i32))
+    col = arith.muli(arith.remui(lane, mgpu_utils.c(4, i32)), mgpu_utils.c(2, i32))
+    sums = []
+    for j in range(n // 8):
+      part = arith.addf(regs[j, 0], regs[j, 1])
+      for distance in (4, 8, 16):
+        part = arith.addf(part, mgpu_utils.shfl_bfly(part, distance))
+      sums.append(part)
+    with mgpu_utils.when(arith.cmpi(arith.CmpIPredicate.ult, lane, mgpu_utils.c(4, i32))):
+      for j, part in enumerate(sums):
+        at = arith.addi(col, mgpu_utils.c(8 * j, i32))
+        vector.store(part, dest, [arith.index_cast(index, warp), arith.index_cast(index, at)])
+  column_sums(value, dest)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -137,12 +193,14 @@ class BiasGelu(gemm.Store):
 
 @jax.tree_util.register_pytree_node_class
 class GeluGrad(gemm.Store):
-  """The epilogue ``acc * gelu'(h)``, h ``[rows, N]`` as the output's rows. Each compute
+  """The epilogue ``dh = acc * gelu'(h)``, h ``[rows, N]`` as the output's rows. Each compute
   warpgroup's h tile is copied into shared memory as its tile starts (after the last
   tile's stores have read theirs); the epilogue writes the product over it, and stores it
-  from there."""
+  from there. With ``bias_grad`` it also sums the fp32 product over each block of
+  ``BIAS_ROWS`` rows, a second output ``[rows / BIAS_ROWS, N]`` whose sum over rows is the
+  MLP-in bias's gradient (``bias_gradient``), so that no pass reads dh again for it."""
   name = "_gelu_grad"
-  array_fields, setting_fields = ("h_MN",), ("approx_math",)
+  array_fields, setting_fields = ("h_MN",), ("approx_math", "bias_grad")
   staged = False  # stores from its h tile's buffer
   # its h tiles take 64 KB (two warpgroups' [64, 256] or [128, 128]): three stages of
   # [128, 64] A and [64, 256] B blocks (48 KB each) fit beside them, four do not; the GEMM
@@ -150,13 +208,15 @@ class GeluGrad(gemm.Store):
   # (bench_collective_matmul_nvlink_rs_stages_2gpu_20261128)
   max_stages = 3
 
-  def __init__(self, h_XN, approx_math: bool = False):
+  def __init__(self, h_XN, approx_math: bool = False, bias_grad: bool | None = None):
     self.h_MN, self.approx_math = h_XN.reshape(-1, h_XN.shape[-1]), approx_math
+    self.bias_grad = BIAS_GRAD if bias_grad is None else bias_grad
 
   def outputs(self, m, n, dtype):
     if self.h_MN.shape != (m, n):
       raise ValueError(f"matmul_gelu_grad: h {self.h_MN.shape} is not {(m, n)}")
-    return (jax.ShapeDtypeStruct((m, n), dtype),)
+    db_rows = (jax.ShapeDtypeStruct((m // BIAS_ROWS, n), jnp.float32),) * self.bias_grad
+    return (jax.ShapeDtypeStruct((m, n), dtype), *db_rows)
 
   def scratch(self, t):
     return dict(h_smem=plgpu.SMEM((gemm.COMPUTE_WGS, t.tile_m, t.tile_n), self.h_MN.dtype,
@@ -165,7 +225,16 @@ class GeluGrad(gemm.Store):
 
   def reference(self, acc, dtype):
     h = self.h_MN.reshape(acc.shape).astype(jnp.float32)
-    return ((acc * gelu_grad(h)).astype(dtype),)
+    dh = acc * gelu_grad(h)
+    db_rows = (dh.reshape(-1, dh.shape[-1]).sum(0, keepdims=True),) * self.bias_grad
+    return (dh.astype(dtype), *db_rows)
+
+  def bias_gradient(self, outs):
+    """The MLP-in bias's gradient, fp32 ``[N]``: from this epilogue's outputs ``outs``
+    (the rows it summed, or, without ``bias_grad``, the sum of dh)."""
+    if self.bias_grad:
+      return outs[1].sum(0)
+    return jnp.sum(outs[0].reshape(-1, outs[0].shape[-1]), axis=0, dtype=jnp.float32)
 
   @staticmethod
   def _tile(t, row, col):
@@ -181,8 +250,12 @@ class GeluGrad(gemm.Store):
     h_smem = scratch["h_smem"]
     for rows, cols in _sub_tiles(t):
       part = h_smem.at[wg, pl.ds(rows.start, t.epi_m), pl.ds(cols.start, t.epi_n)]
-      part[...] = (acc[rows, cols] * gelu_grad(part[...].astype(jnp.float32))
-                   ).astype(outs[0].dtype)
+      dh = acc[rows, cols] * gelu_grad(part[...].astype(jnp.float32))
+      part[...] = dh.astype(outs[0].dtype)
+      for i in range(t.epi_m // 64) if self.bias_grad else ():  # each warpgroup row block
+        first = (row + rows.start + 64 * i) // BIAS_ROWS
+        warp_column_sums(dh[64 * i:64 * (i + 1)],
+                         outs[1].at[pl.ds(first, 4), pl.ds(col + cols.start, t.epi_n)])
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem.at[wg], outs[0].at[self._tile(t, row, col)])
 
@@ -202,13 +275,15 @@ def matmul_bias_gelu(x, w_KN, b_N, *, num_sms: int, tiling: gemm.Tiling = FORWAR
 
 
 def matmul_gelu_grad(g, w_NK, h, *, num_sms: int, tiling: gemm.Tiling = TILING,
-                     approx_math: bool = False):
-  """``(g @ w.T) * gelu'(h)``: g ``[..., K]``, w ``[N, K]`` (read transposed), h ``[..., N]``;
-  in g's dtype (``matmul_gelu_grad_reference``): the GEMM core with the ``GeluGrad``
-  epilogue."""
+                     approx_math: bool = False, bias_grad: bool | None = None):
+  """``(dh, db)`` as ``matmul_gelu_grad_reference``: the GEMM core with the ``GeluGrad``
+  epilogue, w ``[N, K]`` read transposed. ``bias_grad`` (default ``BIAS_GRAD``): ``db``
+  summed in the epilogue, else by XLA from dh (one more pass over it)."""
   *lead, _ = g.shape
   _, _, n = _check("matmul_gelu_grad", g.shape, gemm.weight_kn(w_NK.shape, True), tiling)
   if h.shape != (*lead, n):
     raise ValueError(f"matmul_gelu_grad: h {h.shape} is not {(*lead, n)}")
-  return gemm.matmul_epilogue(g, w_NK, GeluGrad(h, approx_math), tiling=tiling,
-                              num_sms=num_sms, transpose_w=True, name="taco_matmul")[0]
+  epilogue = GeluGrad(h, approx_math, bias_grad)
+  outs = gemm.matmul_epilogue(g, w_NK, epilogue, tiling=tiling, num_sms=num_sms,
+                              transpose_w=True, name="taco_matmul")
+  return outs[0], epilogue.bias_gradient(outs)

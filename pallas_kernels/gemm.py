@@ -35,12 +35,13 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import math
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import config as jax_config  # is jax's GPU interpreter on (``lowered_once``)
+from jax._src import config as jax_config  # is jax's GPU interpreter on (``interpreting``)
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -450,7 +451,7 @@ def lowered_once(*static: str, reads: tuple[str, ...] = ()):
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-      if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
+      if interpreting():
         return fn(*args, **kwargs)
       bound = signature.bind(*args, **kwargs)
       bound.apply_defaults()
@@ -460,6 +461,12 @@ def lowered_once(*static: str, reads: tuple[str, ...] = ()):
                     _reads=tuple(fn.__globals__[name] for name in reads), **arguments)
     return call
   return decorate
+
+
+def interpreting() -> bool:
+  """Whether kernels run under jax's GPU interpreter (``force_gpu_interpret_mode``: the CPU
+  tests) rather than on the GPU."""
+  return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
 
 
 def clusters(num_sms: int, cluster_n: int) -> int:
@@ -620,7 +627,14 @@ def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
                 scratch_types=epilogue.kernel_scratch(t, out_dtype),
                 name=name + epilogue.name, cluster_n=t.cluster_n,
                 approx_math=epilogue.approx_math)(a_MK, w_KN, *epilogue.inputs)
-  return tuple(o.reshape(*lead, o.shape[-1]) for o in outs)
+  return with_rows(outs, lead)
+
+
+def with_rows(outs, lead) -> tuple:
+  """An epilogue's outputs ``[M, N]`` as ``[*lead, N]`` (M = prod(lead)), and those of other
+  rows (``gelu_gemm.GeluGrad``'s sums) as they are."""
+  m = math.prod(lead)
+  return tuple(o.reshape(*lead, o.shape[-1]) if o.shape[0] == m else o for o in outs)
 
 
 def num_sms(default: int = 4) -> int:

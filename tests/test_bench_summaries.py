@@ -145,7 +145,8 @@ def test_bench_train_variant_names():
   assert bench_train.parse_variant("off_save_dots_attn_head_gelu_unroll").fused_gelu
   assert not bench_train.parse_variant("off_save_dots_attn_head_unroll").fused_gelu
   cm = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs")
-  assert cm.fused_gelu and cm.kernels
+  assert cm.fused_gelu and cm.kernels and not cm.db_xla
+  assert bench_train.parse_variant("off_save_dots_attn_head_gelu_dbxla_unroll").db_xla
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
               "off_save_noremat", "off_dots_noremat", "off_attn_noremat", "off_attn_dots",
               "gspmd_dots", "gspmd_zero", "ideal_zero",
@@ -156,7 +157,7 @@ def test_bench_train_variant_names():
               "off_dwf32",
               "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit",
               "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu",
-              "off_gelu_head"):
+              "off_gelu_head", "off_dbxla", "off_dbxla_gelu"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):

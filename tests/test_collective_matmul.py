@@ -89,8 +89,9 @@ def test_all_gather_matmul_kernel_gelu_epilogues_per_rank(cluster_n):
   store, each rank's rows of h and gelu(h), and of the GELU's gradient, are their
   references on the gathered input (the MLP-in's forward, and the MLP-out's backward with
   its weight read transposed), and its own chunk is in the gathered input. The GELU gradient's h
-  rows are read at the gathered rows the ring computes, chunk by chunk. Under the race
-  detector: its h tiles are loaded while the last tile's product is still being stored."""
+  rows are read at the gathered rows the ring computes, chunk by chunk, and the bias's
+  gradient it sums is the reference's. Under the race detector: its h tiles are loaded
+  while the last tile's product is still being stored."""
   n, b, s, k, f = 2, 2, 128, 128, 256
   tiling = dataclasses.replace(TILING, split="m", cluster_n=cluster_n)
   ks = jax.random.split(jax.random.key(4), 5)
@@ -98,7 +99,7 @@ def test_all_gather_matmul_kernel_gelu_epilogues_per_rank(cluster_n):
   w_in, w_out = _bf16(ks[2], (k, f), k ** -0.5), _bf16(ks[3], (f, k), k ** -0.5)
   bias = jax.random.normal(ks[4], (f,), jnp.float32)
   want_h, want_a = gelu_gemm.matmul_bias_gelu_reference(x_full, w_in, bias)
-  want_dh = gelu_gemm.matmul_gelu_grad_reference(dy_full, w_out, want_h)
+  want_dh, want_db = gelu_gemm.matmul_gelu_grad_reference(dy_full, w_out, want_h)
   kw = dict(tiling=tiling, num_sms=2 * cluster_n)
   close = functools.partial(np.testing.assert_allclose, rtol=2e-2, atol=2e-2)
   with _interpret(detect_races=cluster_n == 1):
@@ -110,10 +111,13 @@ def test_all_gather_matmul_kernel_gelu_epilogues_per_rank(cluster_n):
       close(np.asarray(h, np.float32), np.asarray(want_h, np.float32))
       close(np.asarray(a, np.float32), np.asarray(want_a, np.float32))
       np.testing.assert_array_equal(xg[:, own], x_full[:, own])
-      dh, dyg, *_ = ag_matmul.all_gather_matmul(
+      grad = gelu_gemm.GeluGrad(want_h)
+      dh, db_rows, dyg, *_ = ag_matmul.all_gather_matmul(
           dy_full[:, own], w_out, "t", transpose_w=True, rank=r, local_gathered=dy_full,
-          epilogue=gelu_gemm.GeluGrad(want_h), **kw)
+          epilogue=grad, **kw)
       close(np.asarray(dh, np.float32), np.asarray(want_dh, np.float32))
+      assert db_rows.shape == (b * n * s // gelu_gemm.BIAS_ROWS, f)
+      close(grad.bias_gradient((dh, db_rows)), want_db)
       np.testing.assert_array_equal(dyg[:, own], dy_full[:, own])
 
 

@@ -29,7 +29,8 @@ def _close(got, want):
 @pytest.mark.parametrize("approx_math", [False, True])
 def test_gelu_gemms_are_their_references(approx_math):
   """Both kernels, on fresh inputs of ``[2, 64, 128]`` rows (leading dimensions kept), give
-  their references' values to bf16 rounding, under the interpreter's race detector (the
+  their references' values to bf16 rounding (the bias's gradient, which the backward's
+  epilogue sums from its fp32 product, to fp32 rounding), under the interpreter's race detector (the
   bias and h tiles loaded into shared memory as a tile starts, the product stored from where
   h was); with the GPU's fast tanh as well (the interpreter computes it exactly: what it
   checks is the epilogues' data flow)."""
@@ -42,14 +43,20 @@ def test_gelu_gemms_are_their_references(approx_math):
   interpreter.reset_gpu_interpret_mode_state()
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
     h, a = gelu_gemm.matmul_bias_gelu(x, w, b, **kw)
-    dh = gelu_gemm.matmul_gelu_grad(g, w2, h, **kw)
+    dh, db = gelu_gemm.matmul_gelu_grad(g, w2, h, **kw)
+    _, db_xla = gelu_gemm.matmul_gelu_grad(g, w2, h, bias_grad=False, **kw)
   assert not interpreter.get_races().races_found
   want_h, want_a = gelu_gemm.matmul_bias_gelu_reference(x.reshape(128, 128), w, b)
   assert h.shape == a.shape == dh.shape == (2, 64, 384)
   _close(h.reshape(128, 384), want_h)
   _close(a.reshape(128, 384), want_a)
-  _close(dh.reshape(128, 384), gelu_gemm.matmul_gelu_grad_reference(
-      g.reshape(128, 128), w2, h.reshape(128, 384)))
+  want_dh, want_db = gelu_gemm.matmul_gelu_grad_reference(
+      g.reshape(128, 128), w2, h.reshape(128, 384))
+  _close(dh.reshape(128, 384), want_dh)
+  # the bias's gradient: the epilogue's sums of the fp32 product, and XLA's sum of dh
+  assert db.shape == db_xla.shape == (384,) and db.dtype == jnp.float32
+  np.testing.assert_allclose(db, want_db, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(db_xla, want_db, rtol=2e-2, atol=5e-2)
   # the references are the math they name
   _close(want_a, jax.nn.gelu(want_h.astype(jnp.float32), approximate=True))
   _close(gelu_gemm.gelu_grad(want_h.astype(jnp.float32)),

@@ -287,9 +287,10 @@ class KernelMatmuls:
 
   def grad_gelu(self, dy, w_out, h):
     w_t, read_transposed = _transposed(w_out)
-    return all_gather_matmul(dy, w_t, self.axis_name, self.scatter[1],
-                             transpose_w=read_transposed,
-                             epilogue=gelu_gemm.GeluGrad(h, approx_math=True))
+    epilogue = gelu_gemm.GeluGrad(h, approx_math=True)
+    *outs, dy_full = all_gather_matmul(dy, w_t, self.axis_name, self.scatter[1],
+                                       transpose_w=read_transposed, epilogue=epilogue)
+    return outs[0], epilogue.bias_gradient(outs), dy_full
 
   def in_grad(self, dh, w_in):
     w_t, read_transposed = _transposed(w_in)
