@@ -115,9 +115,10 @@ def warp_column_sums(value, dest) -> None:
   eight lanes that share its columns add theirs, and four lanes of each warp store the
   warp's sums. No warp waits for another: Mosaic GPU's own reduction over all 64 rows
   (``jnp.sum``) meets the four warps in shared memory, at one offset for the whole CTA
-  where the two compute warpgroups race, and with its barriers made the backward kernel
-  slower than XLA's pass over dh (benchmarks/probe_gelu_gemm.py). jax's GPU interpreter
-  runs no inline Mosaic GPU: there it is ``jnp.sum``."""
+  where the two compute warpgroups race, and even given a scratch per warpgroup its
+  barriers made the backward kernel slower than the kernel plus XLA's pass over dh
+  (``benchmarks/results/reverted/probe_gelu_gemm_db_xwarp_*``). jax's GPU interpreter runs
+  no inline Mosaic GPU: there it is ``jnp.sum``."""
   if gemm.interpreting():
     dest[...] = jnp.sum(value.reshape(4, BIAS_ROWS, -1), axis=1)
     return
@@ -197,8 +198,9 @@ class GeluGrad(gemm.Store):
   warpgroup's h tile is copied into shared memory as its tile starts (after the last
   tile's stores have read theirs); the epilogue writes the product over it, and stores it
   from there. With ``bias_grad`` it also sums the fp32 product over each block of
-  ``BIAS_ROWS`` rows, a second output ``[rows / BIAS_ROWS, N]`` whose sum over rows is the
-  MLP-in bias's gradient (``bias_gradient``), so that no pass reads dh again for it."""
+  ``BIAS_ROWS`` rows, a second output ``[rows / BIAS_ROWS, N]`` (``reference``'s: one row)
+  whose sum over rows is the MLP-in bias's gradient (``bias_gradient``), so that no pass
+  reads dh again for it."""
   name = "_gelu_grad"
   array_fields, setting_fields = ("h_MN",), ("approx_math", "bias_grad")
   staged = False  # stores from its h tile's buffer
