@@ -9,7 +9,9 @@ against an fp32 reference of the same math:
             fused: dh, db = matmul_gelu_grad(dout, w2, h)   (db summed in the epilogue;
                    ``[..+db=xla]``: by XLA from dh, as before the epilogue summed it)
 
-plus cuBLAS and our GEMM core alone on the same product (what the epilogue costs on top).
+plus cuBLAS and our GEMM core alone on the same product (what the epilogue costs on top);
+``[unfactored]``: the backward kernel with the GELU's derivative as written before it was
+factored into fewer operations (``unfactored_grad``).
 With ``--all-gather`` (tp > 1), the same two passes through the kernel layers' all-gather
 kernel (``ag_matmul``) in local mode on one GPU, rank 0 of tp: the peers' chunks read from
 a pre-gathered input, what goes to rank r - 1 written locally; its plain store then XLA's
@@ -46,6 +48,22 @@ def _gelu(y):
   return jax.nn.gelu(y, approximate=True)
 
 
+@functools.cache
+def unfactored_grad():
+  """``gelu_gemm.GeluGrad`` with the GELU's derivative as written before it was factored
+  (2026-11-29): a registered subclass."""
+  from taco_jax.pallas_kernels import gelu_gemm
+  c, k = gelu_gemm._C, gelu_gemm._K
+
+  def gelu_grad(h):
+    t = jnp.tanh(c * (h + k * h * h * h))
+    return 0.5 * (1 + t) + 0.5 * h * (1 - t * t) * c * (1 + 3 * k * h * h)
+
+  class Unfactored(gelu_gemm.GeluGrad):
+    name, derivative = "_gelu_grad_unfactored", staticmethod(gelu_grad)
+  return jax.tree_util.register_pytree_node_class(Unfactored)
+
+
 def variants(sms: int, tiling=None) -> dict:
   """name -> (pass, function of the pass's inputs); ``[approx]``: the kernel with the GPU's
   fast tanh, ``[stages=3]`` with three pipeline stages."""
@@ -69,6 +87,12 @@ def variants(sms: int, tiling=None) -> dict:
   def fused_bwd(x, w, b, dout, w2, h, **opts):
     return gelu_gemm.matmul_gelu_grad(dout, w2, h, **{**kw, **opts})
 
+  def unfactored_bwd(x, w, b, dout, w2, h):
+    epilogue = unfactored_grad()(h, approx_math=True)
+    outs = gemm.matmul_epilogue(dout, w2, epilogue, num_sms=sms, transpose_w=True,
+                                tiling=tiling or gelu_gemm.TILING)
+    return outs[0], epilogue.bias_gradient(outs)
+
   approx = functools.partial(fused_fwd, approx_math=True)
   three = functools.partial(fused_fwd, tiling=tiling or gelu_gemm.TILING)
   # wider epilogue sub-tiles: half as many stores a tile (three stages leave room for them)
@@ -82,6 +106,7 @@ def variants(sms: int, tiling=None) -> dict:
       "backward_fused[approx]": ("backward", functools.partial(fused_bwd, approx_math=True)),
       "backward_fused[approx+db=xla]": ("backward", functools.partial(
           fused_bwd, approx_math=True, bias_grad=False)),
+      "backward_fused[approx+unfactored]": ("backward", unfactored_bwd),
       "cublas": ("matmul", lambda x, w, *_: (x @ w,)),
       "core": ("matmul", lambda x, w, *_: (gemm.matmul(x, w, num_sms=sms,
                                                         tiling=core_tiling),)),
@@ -231,7 +256,9 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
     pairs.update(backward_db_fused_over_xla_sum=(
                      "backward_fused[approx]", "backward_fused[approx+db=xla]"),
                  ag_backward_db_fused_over_xla_sum=(
-                     "ag_backward_fused", "ag_backward_fused[db=xla]"))
+                     "ag_backward_fused", "ag_backward_fused[db=xla]"),
+                 backward_factored_over_unfactored=(
+                     "backward_fused[approx]", "backward_fused[approx+unfactored]"))
     for key, (fused, xla) in pairs.items():
       if vs.get(fused, {}).get("best_ms") and vs.get(xla, {}).get("best_ms"):
         case[key] = vs[fused]["best_ms"] / vs[xla]["best_ms"]

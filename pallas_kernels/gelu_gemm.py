@@ -42,19 +42,21 @@ _C, _K = math.sqrt(2 / math.pi), 0.044715
 FORWARD_TILING = gemm.Tiling()
 
 
-def _tanh_term(h32):
-  return jnp.tanh(_C * (h32 + _K * h32 * h32 * h32))
-
-
 def gelu(h32):
   """GELU, tanh form (``jax.nn.gelu(approximate=True)``), of fp32 values."""
-  return 0.5 * h32 * (1 + _tanh_term(h32))
+  return 0.5 * h32 * (1 + jnp.tanh(_C * (h32 + _K * h32 * h32 * h32)))
 
 
 def gelu_grad(h32):
-  """d gelu(h) / dh of fp32 values (tanh form)."""
-  t = _tanh_term(h32)
-  return 0.5 * (1 + t) + 0.5 * h32 * (1 - t * t) * _C * (1 + 3 * _K * h32 * h32)
+  """d gelu(h) / dh of fp32 values (tanh form). With t = tanh(c (h + k h^3)),
+  0.5 (1 + t) + 0.5 h (1 - t^2) c (1 + 3 k h^2), factored as
+  0.5 (1 + t) (1 + (1 - t) h c (1 + 3 k h^2)) with t = tanh(h (c + c k h^2)): fewer
+  operations on each element of the epilogue, 1.3-1.6% off the backward kernel at the 1.3B
+  shapes (``benchmarks/probe_gelu_gemm.py``'s ``[unfactored]``). The forward's ``gelu``,
+  factored alike, ran 1% slower, and keeps its form."""
+  h2 = h32 * h32
+  t = jnp.tanh(h32 * (_C + (_C * _K) * h2))
+  return (0.5 + 0.5 * t) * (1 + (1 - t) * (h32 * (_C + (3 * _C * _K) * h2)))
 
 
 def matmul_bias_gelu_reference(x, w_KN, b_N):
@@ -202,6 +204,7 @@ class GeluGrad(gemm.Store):
   whose sum over rows is the MLP-in bias's gradient (``bias_gradient``), so that no pass
   reads dh again for it."""
   name = "_gelu_grad"
+  derivative = staticmethod(gelu_grad)  # of fp32 values (a subclass may change it)
   array_fields, setting_fields = ("h_MN",), ("approx_math", "bias_grad")
   staged = False  # stores from its h tile's buffer
   # its h tiles take 64 KB (two warpgroups' [64, 256] or [128, 128]): three stages of
@@ -227,7 +230,7 @@ class GeluGrad(gemm.Store):
 
   def reference(self, acc, dtype):
     h = self.h_MN.reshape(acc.shape).astype(jnp.float32)
-    dh = acc * gelu_grad(h)
+    dh = acc * self.derivative(h)
     db_rows = (dh.reshape(-1, dh.shape[-1]).sum(0, keepdims=True),) * self.bias_grad
     return (dh.astype(dtype), *db_rows)
 
@@ -252,7 +255,7 @@ class GeluGrad(gemm.Store):
     h_smem = scratch["h_smem"]
     for rows, cols in _sub_tiles(t):
       part = h_smem.at[wg, pl.ds(rows.start, t.epi_m), pl.ds(cols.start, t.epi_n)]
-      dh = acc[rows, cols] * gelu_grad(part[...].astype(jnp.float32))
+      dh = acc[rows, cols] * self.derivative(part[...].astype(jnp.float32))
       part[...] = dh.astype(outs[0].dtype)
       for i in range(t.epi_m // 64) if self.bias_grad else ():  # each warpgroup row block
         first = (row + rows.start + 64 * i) // BIAS_ROWS
