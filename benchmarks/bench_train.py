@@ -110,6 +110,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _fgraphs (with _cm only) CUDA graphs for XLA's fusions and library calls, the kernels
           outside them: what the trainer compiles (since 2026-11-27). Without either, the
           kernel layers compile with no CUDA graph at all (the trainer's before)
+  _cublas XLA's dots on cuBLAS only (`xla_gpu_enable_triton_gemm` off), where XLA's
+          autotuner may give some of them to Triton GEMMs of its own
 
 Attention: `--attention` (auto | cudnn | xla, `model.attention`); the JSON records which ran
 (`DecoderConfig.attention_backend`) and, on one random batch of the run's attention shapes,
@@ -167,7 +169,7 @@ BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
              "vs2", "il2", "save", "dots", "attn", "head", "gelu", "dbxla", "ogr", "zero", "unroll",
              "idx",
-             "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs")
+             "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs", "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
@@ -212,6 +214,7 @@ class Variant:
   indexed: bool = False         # _idx: step.UNSTACK_LAYERS off
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
   graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
+  cublas: bool = False          # _cublas: xla_gpu_enable_triton_gemm off
 
   @property
   def ours(self) -> bool:  # our shard_map step (not GSPMD)
@@ -278,7 +281,7 @@ def parse_variant(name: str) -> Variant:
                  scan_layers="unroll" not in mods, indexed="idx" in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
                  graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
-                             "none"))
+                             "none"), cublas="cublas" in mods)
 
 
 def parse_args(argv=None):
@@ -327,9 +330,10 @@ def xla_options(variant: Variant, args) -> dict:
   interleaving ones unless --no-interleave-options. XLA's overlap options come for every
   variant from XLA_FLAGS (`add_overlap_flags`), not from here."""
   from taco_jax.tp.step import compiler_options
-  return compiler_options(1 if args.no_interleave_options else variant.interleave,
-                          collectives_in_flight=variant.collectives_in_flight,
-                          kernels=variant.kernels, kernel_graphs=variant.graphs)
+  options = compiler_options(1 if args.no_interleave_options else variant.interleave,
+                             collectives_in_flight=variant.collectives_in_flight,
+                             kernels=variant.kernels, kernel_graphs=variant.graphs)
+  return {**options, "xla_gpu_enable_triton_gemm": False} if variant.cublas else options
 
 
 def build(variant: Variant, layout, args, cfg, tx):

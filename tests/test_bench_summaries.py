@@ -147,6 +147,10 @@ def test_bench_train_variant_names():
   cm = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs")
   assert cm.fused_gelu and cm.kernels and not cm.db_xla
   assert bench_train.parse_variant("off_save_dots_attn_head_gelu_dbxla_unroll").db_xla
+  cublas = bench_train.parse_variant("off_save_unroll_cublas")
+  assert cublas.cublas and not cm.cublas
+  assert bench_train.xla_options(cublas, bench_train.parse_args([]))[
+      "xla_gpu_enable_triton_gemm"] is False
   for bad in ("of", "on_pgle_il2", "on_il2_il2", "gspmd_save", "on_", "on_x", "off_dots_save",
               "off_save_noremat", "off_dots_noremat", "off_attn_noremat", "off_attn_dots",
               "gspmd_dots", "gspmd_zero", "ideal_zero",
@@ -157,7 +161,8 @@ def test_bench_train_variant_names():
               "off_dwf32",
               "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit",
               "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu",
-              "off_gelu_head", "off_dbxla", "off_dbxla_gelu"):
+              "off_gelu_head", "off_dbxla", "off_dbxla_gelu", "gspmd_cublas",
+              "off_cublas_unroll"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
   for variants in ("off,on_save", "off_dots"):
