@@ -168,8 +168,7 @@ BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
              "vs2", "il2", "save", "dots", "attn", "head", "gelu", "dbxla", "ogr", "zero", "unroll",
-             "idx",
-             "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs", "cublas")
+             "idx", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs", "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs

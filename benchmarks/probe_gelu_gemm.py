@@ -259,9 +259,9 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
                      "ag_backward_fused", "ag_backward_fused[db=xla]"),
                  backward_factored_over_unfactored=(
                      "backward_fused[approx]", "backward_fused[approx+unfactored]"))
-    for key, (fused, xla) in pairs.items():
-      if vs.get(fused, {}).get("best_ms") and vs.get(xla, {}).get("best_ms"):
-        case[key] = vs[fused]["best_ms"] / vs[xla]["best_ms"]
+    for key, (variant, baseline) in pairs.items():
+      if vs.get(variant, {}).get("best_ms") and vs.get(baseline, {}).get("best_ms"):
+        case[key] = vs[variant]["best_ms"] / vs[baseline]["best_ms"]
   return case
 
 
