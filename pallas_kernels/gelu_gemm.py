@@ -112,15 +112,13 @@ BIAS_ROWS = 16
 
 def warp_column_sums(value, dest) -> None:
   """Writes the sums over each warp's 16 rows of ``value``, a compute warpgroup's fp32
-  ``[64, n]`` accumulator (WGMMA layout), to the gmem ref ``dest`` ``[4, n]``: warp w's
-  sums to row w. Each thread adds its two rows of a column, then butterfly shuffles over the
-  eight lanes that share its columns add theirs, and four lanes of each warp store the
-  warp's sums. No warp waits for another: Mosaic GPU's own reduction over all 64 rows
-  (``jnp.sum``) meets the four warps in shared memory, at one offset for the whole CTA
-  where the two compute warpgroups race, and even given a scratch per warpgroup its
-  barriers made the backward kernel slower than the kernel plus XLA's pass over dh
-  (``benchmarks/results/reverted/probe_gelu_gemm_db_xwarp_*``). jax's GPU interpreter runs
-  no inline Mosaic GPU: there it is ``jnp.sum``."""
+  ``[64, n]`` accumulator (WGMMA layout), to the gmem ref ``dest`` ``[4, n]`` (warp w's to
+  row w): each thread adds its two rows of a column, butterfly shuffles add the eight lanes
+  that share its columns, and four lanes a warp store. No warp waits for another. (Mosaic
+  GPU's ``jnp.sum`` over all 64 rows meets the warps in shared memory at one offset for the
+  whole CTA, where the two compute warpgroups would race; given a scratch each, its barriers
+  made the kernel slower than XLA's pass over dh: ``results/reverted/*_db_xwarp_*``.) Under
+  jax's GPU interpreter, which runs no inline Mosaic GPU, it is ``jnp.sum``."""
   if gemm.interpreting():
     dest[...] = jnp.sum(value.reshape(4, BIAS_ROWS, -1), axis=1)
     return
