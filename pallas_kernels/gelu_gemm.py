@@ -120,7 +120,7 @@ def warp_column_sums(value, dest) -> None:
   made the kernel slower than XLA's pass over dh: ``results/reverted/*_db_xwarp_*``.) Under
   jax's GPU interpreter, which runs no inline Mosaic GPU, it is ``jnp.sum``."""
   if gemm.interpreting():
-    dest[...] = jnp.sum(value.reshape(4, BIAS_ROWS, -1), axis=1)
+    dest[...] = jnp.sum(value.reshape(-1, BIAS_ROWS, value.shape[-1]), axis=1)
     return
 
   @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.RefType()))
@@ -257,8 +257,8 @@ class GeluGrad(gemm.Store):
       part[...] = dh.astype(outs[0].dtype)
       for i in range(t.epi_m // 64) if self.bias_grad else ():  # each warpgroup row block
         first = (row + rows.start + 64 * i) // BIAS_ROWS
-        warp_column_sums(dh[64 * i:64 * (i + 1)],
-                         outs[1].at[pl.ds(first, 4), pl.ds(col + cols.start, t.epi_n)])
+        warp_column_sums(dh[64 * i:64 * (i + 1)], outs[1].at[
+            pl.ds(first, 64 // BIAS_ROWS), pl.ds(col + cols.start, t.epi_n)])
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(h_smem.at[wg], outs[0].at[self._tile(t, row, col)])
 

@@ -30,10 +30,10 @@ def _close(got, want):
 def test_gelu_gemms_are_their_references(approx_math):
   """Both kernels, on fresh inputs of ``[2, 64, 128]`` rows (leading dimensions kept), give
   their references' values to bf16 rounding (the bias's gradient, which the backward's
-  epilogue sums from its fp32 product, to fp32 rounding), under the interpreter's race detector (the
-  bias and h tiles loaded into shared memory as a tile starts, the product stored from where
-  h was); with the GPU's fast tanh as well (the interpreter computes it exactly: what it
-  checks is the epilogues' data flow)."""
+  epilogue sums from its fp32 product, to fp32 rounding), under the interpreter's race
+  detector (the bias and h tiles loaded into shared memory as a tile starts, the product
+  stored from where h was); with the GPU's fast tanh as well (the interpreter computes it
+  exactly: what it checks is the epilogues' data flow)."""
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
   kx, kw, kb, kg, kv = jax.random.split(jax.random.key(11), 5)
   x, w = _bf16(kx, (2, 64, 128)), _bf16(kw, (128, 384), 128 ** -0.5)
