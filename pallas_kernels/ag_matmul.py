@@ -531,9 +531,10 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   b, s, k = x_BSK.shape
   n = lax.axis_size(axis_name) if rank is None else local_gathered.shape[1] // s
   gathered = None if local_gathered is None else [local_gathered.reshape(-1, k)]
+  epilogue = epilogue or gemm.Store()
   args = dict(s=s, n=n, rank=rank, axis_name=axis_name, tiling=tiling, num_sms=num_sms,
               out_dtype=out_dtype or x_BSK.dtype, gathered=gathered, transpose_w=transpose_w,
-              epilogue=epilogue or gemm.Store())
+              epilogue=epilogue)
   if tiling.cluster_n > 1:
     if _skip or _chunk_waits is not None:
       raise ValueError("all_gather_matmul: _skip and _chunk_waits are for the ring schedule "
@@ -542,7 +543,7 @@ def all_gather_matmul(x_BSK, w_KN, axis_name, *, tiling: gemm.Tiling = WIDE,
   else:
     outs, rest = _call(x_BSK.reshape(b * s, k), w_KN, dtype=x_BSK.dtype, skip=_skip,
                        chunk_waits=_chunk_waits, **args)
-  return (*gemm.with_rows(outs, (b, n * s)), *(a.reshape(b, n * s, k) for a in rest))
+  return (*epilogue.with_rows(outs, (b, n * s)), *(a.reshape(b, n * s, k) for a in rest))
 
 
 @gemm.lowered_once("axis_name", "group_size", "dtype", "tiling", "num_sms", "out_dtype",
@@ -562,6 +563,7 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
   was sent to rank r - 1 (codes ``[B, T, K]`` and multipliers)."""
   w_shape = gemm.weight_kn(w_KN.shape, transpose_w)
   tiling = tiling or fp8_tiling(codes_BSK.shape, w_shape, group_size)
+  epilogue = epilogue or gemm.Store()
   reason = misfit(codes_BSK.shape, w_shape, tiling, group_size)
   if not reason and jnp.dtype(out_dtype or dtype) != jnp.dtype(dtype):
     reason = f"y in {jnp.dtype(out_dtype)} is staged where the gathered x in {dtype} is"
@@ -579,8 +581,8 @@ def all_gather_matmul_fp8(codes_BSK, mult_GR, w_KN, axis_name, *, group_size: in
       codes_BSK.reshape(b * s, k), w_KN, s=s, n=n, rank=rank, axis_name=axis_name,
       tiling=tiling, num_sms=num_sms, out_dtype=dtype, dtype=dtype, mult_GR=mult_GR,
       group_size=group_size, gathered=gathered, transpose_w=transpose_w,
-      epilogue=epilogue or gemm.Store())
-  out = [*gemm.with_rows(outs, (b, n * s)), x_full.reshape(b, n * s, k)]
+      epilogue=epilogue)
+  out = [*epilogue.with_rows(outs, (b, n * s)), x_full.reshape(b, n * s, k)]
   if sent:
     out += [sent[0].reshape(b, n * s, k), sent[1]]
   return tuple(out)

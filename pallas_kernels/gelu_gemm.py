@@ -204,6 +204,7 @@ class GeluGrad(gemm.Store):
   name = "_gelu_grad"
   derivative = staticmethod(gelu_grad)  # of fp32 values (a subclass may change it)
   array_fields, setting_fields = ("h_MN",), ("approx_math", "bias_grad")
+  row_outputs = 1  # dh; the sums have a row per BIAS_ROWS
   staged = False  # stores from its h tile's buffer
   # its h tiles take 64 KB (two warpgroups' [64, 256] or [128, 128]): three stages of
   # [128, 64] A and [64, 256] B blocks (48 KB each) fit beside them, four do not; the GEMM

@@ -35,7 +35,6 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import math
 from typing import Callable
 
 import jax
@@ -522,6 +521,9 @@ class Store:
 
   array_fields: tuple[str, ...] = ()    # its arrays (``inputs``, in order)
   setting_fields: tuple[str, ...] = ()  # its settings (hashable)
+  # how many of ``outputs``, the first ones, have the kernel's rows (None: all); the others
+  # (``gelu_gemm.GeluGrad``'s sums) keep their own shape
+  row_outputs: int | None = None
 
   @property
   def inputs(self) -> tuple:
@@ -532,6 +534,12 @@ class Store:
 
   def scratch(self, tiling: Tiling) -> dict:
     return {}
+
+  def with_rows(self, outs, lead) -> tuple:
+    """``outs``, the kernel's outputs, with their rows ``[M, N]`` as ``[*lead, N]`` (M =
+    prod(lead)): those of ``row_outputs``."""
+    rows = len(outs) if self.row_outputs is None else self.row_outputs
+    return (*(o.reshape(*lead, o.shape[-1]) for o in outs[:rows]), *outs[rows:])
 
   def kernel_scratch(self, tiling: Tiling, out_dtype, staging: bool = False) -> dict:
     """``scratch``, with the kernel's staging buffers (``out_smem_type``) where this
@@ -627,14 +635,7 @@ def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
                 scratch_types=epilogue.kernel_scratch(t, out_dtype),
                 name=name + epilogue.name, cluster_n=t.cluster_n,
                 approx_math=epilogue.approx_math)(a_MK, w_KN, *epilogue.inputs)
-  return with_rows(outs, lead)
-
-
-def with_rows(outs, lead) -> tuple:
-  """An epilogue's outputs ``[M, N]`` as ``[*lead, N]`` (M = prod(lead)), and those of other
-  rows (``gelu_gemm.GeluGrad``'s sums) as they are."""
-  m = math.prod(lead)
-  return tuple(o.reshape(*lead, o.shape[-1]) if o.shape[0] == m else o for o in outs)
+  return epilogue.with_rows(outs, lead)
 
 
 def num_sms(default: int = 4) -> int:
