@@ -94,14 +94,6 @@ def _check(what, a_shape, w_kn, tiling):
   return m, k, n
 
 
-def _sub_tiles(t: gemm.Tiling) -> list[tuple[slice, slice]]:
-  """The (rows, columns) of each ``[epi_m, epi_n]`` epilogue sub-tile of a warpgroup's tile:
-  the epilogue works a sub-tile at a time, so that its fp32 temporaries stay in registers
-  beside the accumulator."""
-  return [(slice(i * t.epi_m, (i + 1) * t.epi_m), slice(j * t.epi_n, (j + 1) * t.epi_n))
-          for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
-
-
 # ``GeluGrad`` sums the MLP-in bias's gradient in its epilogue (else XLA sums dh after it:
 # bench_train's ``_dbxla``)
 BIAS_GRAD = True
@@ -150,42 +142,29 @@ def warp_column_sums(value, dest) -> None:
 
 
 @jax.tree_util.register_pytree_node_class
-class BiasGelu(gemm.Store):
+class BiasGelu(gemm.AddBias):
   """The epilogue ``h = acc + b``, ``a = gelu(h)``: both written, in the output dtype (the
-  compute dtype: h is rounded to it before the GELU). Each compute warpgroup's bias columns
-  are copied into shared memory as its tile starts, and are there by its epilogue."""
+  compute dtype: h is rounded to it before the GELU)."""
   name = "_bias_gelu"
-  array_fields, setting_fields = ("bias_1N",), ("approx_math",)
+  setting_fields = ("approx_math",)
 
   def __init__(self, bias_N, approx_math: bool = False):
-    self.bias_1N, self.approx_math = bias_N.astype(jnp.float32).reshape(1, -1), approx_math
+    super().__init__(bias_N)
+    self.approx_math = approx_math
 
   def outputs(self, m, n, dtype):
-    if self.bias_1N.shape[1] != n:
-      raise ValueError(f"matmul_bias_gelu: bias ({self.bias_1N.shape[1]},) is not ({n},)")
+    self.check_width(n, "matmul_bias_gelu")
     return (jax.ShapeDtypeStruct((m, n), dtype),) * 2
 
-  def scratch(self, t):
-    return dict(bias_smem=plgpu.SMEM((gemm.COMPUTE_WGS, 1, t.tile_n), jnp.float32),
-                bias_barrier=plgpu.Barrier(num_barriers=gemm.COMPUTE_WGS))
-
   def reference(self, acc, dtype):
-    h = (acc + self.bias_1N[0]).astype(dtype)
+    h, = super().reference(acc, dtype)
     return h, gelu(h.astype(jnp.float32)).astype(dtype)
-
-  def before_tile(self, t, ins, scratch, row, col, wg):
-    plgpu.copy_gmem_to_smem(ins[0].at[:, pl.ds(col, t.tile_n)], scratch["bias_smem"].at[wg],
-                            scratch["bias_barrier"].at[wg])
 
   def store(self, t, ins, outs, scratch, acc, row, col, wg):
     h_ref, a_ref = outs
-    dtype = h_ref.dtype
-    plgpu.barrier_wait(scratch["bias_barrier"].at[wg])
     slot = 0
-    for rows, cols in _sub_tiles(t):
-      bias = scratch["bias_smem"][wg, 0, pl.ds(cols.start, t.epi_n)]
-      h = (acc[rows, cols] + bias[None, :]).astype(dtype)
-      a = gelu(h.astype(jnp.float32)).astype(dtype)
+    for rows, cols, h in self.biased(t, scratch, acc, wg, h_ref.dtype):
+      a = gelu(h.astype(jnp.float32)).astype(h_ref.dtype)
       dest = (pl.ds(row + rows.start, t.epi_m), pl.ds(col + cols.start, t.epi_n))
       for out_ref, value in ((h_ref, h), (a_ref, a)):
         gemm.stage_out(value, scratch["out_smem"], wg, slot, out_ref.at[dest])
@@ -252,7 +231,7 @@ class GeluGrad(gemm.Store):
   def store(self, t, ins, outs, scratch, acc, row, col, wg):
     plgpu.barrier_wait(scratch["h_barrier"].at[wg])
     h_smem = scratch["h_smem"]
-    for rows, cols in _sub_tiles(t):
+    for rows, cols in gemm.sub_tiles(t):
       part = h_smem.at[wg, pl.ds(rows.start, t.epi_m), pl.ds(cols.start, t.epi_n)]
       dh = acc[rows, cols] * self.derivative(part[...].astype(jnp.float32))
       part[...] = dh.astype(outs[0].dtype)

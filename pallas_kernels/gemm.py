@@ -532,6 +532,10 @@ class Store:
   def outputs(self, m: int, n: int, dtype) -> tuple:
     return (jax.ShapeDtypeStruct((m, n), dtype),)
 
+  def misfit(self, n: int, tiling: Tiling) -> str | None:
+    """Why this epilogue cannot store ``n`` output columns on ``tiling``, or None."""
+    return None
+
   def scratch(self, tiling: Tiling) -> dict:
     return {}
 
@@ -579,6 +583,58 @@ class Store:
     return dataclasses.replace(tiling, tile_k=64, stages=self.max_stages, decode_parts=1)
 
 
+def sub_tiles(t: Tiling) -> list[tuple[slice, slice]]:
+  """The (rows, columns) of each ``[epi_m, epi_n]`` epilogue sub-tile of a warpgroup's tile:
+  an epilogue with math works a sub-tile at a time, so that its fp32 temporaries stay in
+  registers beside the accumulator."""
+  return [(slice(i * t.epi_m, (i + 1) * t.epi_m), slice(j * t.epi_n, (j + 1) * t.epi_n))
+          for i in range(t.tile_m // t.epi_m) for j in range(t.tile_n // t.epi_n)]
+
+
+@jax.tree_util.register_pytree_node_class
+class AddBias(Store):
+  """The store of ``acc + b`` (fp32, then the output's dtype), b ``[N]``: each compute
+  warpgroup's bias columns are copied into shared memory as its tile starts, and are there
+  by its epilogue. Subclasses apply more math to the biased sub-tiles (``biased``)."""
+  name = "_bias"
+  array_fields = ("bias_1N",)
+
+  def __init__(self, bias_N):
+    self.bias_1N = bias_N.astype(jnp.float32).reshape(1, -1)
+
+  def check_width(self, n: int, what: str) -> None:
+    if self.bias_1N.shape[1] != n:
+      raise ValueError(f"{what}: bias ({self.bias_1N.shape[1]},) is not ({n},)")
+
+  def outputs(self, m, n, dtype):
+    self.check_width(n, "matmul + bias")
+    return (jax.ShapeDtypeStruct((m, n), dtype),)
+
+  def scratch(self, t):
+    return dict(bias_smem=plgpu.SMEM((COMPUTE_WGS, 1, t.tile_n), jnp.float32),
+                bias_barrier=plgpu.Barrier(num_barriers=COMPUTE_WGS))
+
+  def reference(self, acc, dtype):
+    return ((acc + self.bias_1N[0]).astype(dtype),)
+
+  def before_tile(self, t, ins, scratch, row, col, wg):
+    plgpu.copy_gmem_to_smem(ins[0].at[:, pl.ds(col, t.tile_n)], scratch["bias_smem"].at[wg],
+                            scratch["bias_barrier"].at[wg])
+
+  def biased(self, t, scratch, acc, wg, dtype):
+    """Each epilogue sub-tile ``(rows, cols, acc[rows, cols] + b)``, in ``dtype``, once the
+    tile's bias is in shared memory."""
+    plgpu.barrier_wait(scratch["bias_barrier"].at[wg])
+    for rows, cols in sub_tiles(t):
+      bias = scratch["bias_smem"][wg, 0, pl.ds(cols.start, t.epi_n)]
+      yield rows, cols, (acc[rows, cols] + bias[None, :]).astype(dtype)
+
+  def store(self, t, ins, outs, scratch, acc, row, col, wg):
+    for k, (rows, cols, y) in enumerate(self.biased(t, scratch, acc, wg, outs[0].dtype)):
+      stage_out(y, scratch["out_smem"], wg, k % 2, outs[0].at[
+          pl.ds(row + rows.start, t.epi_m), pl.ds(col + cols.start, t.epi_n)])
+
+
 def matmul(a_XK, w_KN, *, tiling: Tiling = Tiling(), num_sms: int, out_dtype=None,
            transpose_w: bool = False):
   """``a @ w`` (fp32 accumulation) by the GEMM core alone, with no hooks: the yardstick of
@@ -604,7 +660,7 @@ def matmul_epilogue(a_XK, w_KN, epilogue: Store, *, tiling: Tiling = Tiling(),
   if wk != k:
     raise ValueError(f"{name}: a {a_XK.shape} and w {w_KN.shape} do not contract"
                      + " (w transposed)" * transpose_w)
-  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, num_sms=num_sms)
+  reason = t.misfit(rows_per_seq=m, m=m, n=n, k=k, num_sms=num_sms) or epilogue.misfit(n, t)
   if reason:
     raise ValueError(f"{name}: {reason}")
   out_dtype = out_dtype or a_MK.dtype
