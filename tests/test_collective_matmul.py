@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.sharding import PartitionSpec as P
 
 from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul, common, exchange, gelu_gemm,
-                                     gemm, matmul_all_to_all, matmul_rs)
+                                     gemm, matmul_all_to_all, matmul_rs, qkv_gemm)
 from taco_jax.pallas_kernels.decode import decode_reference, group_multiplier
 from taco_jax.pallas_kernels.encode import encode_reference
 from taco_jax import collectives, mappings, testing
@@ -84,17 +84,19 @@ def test_all_gather_matmul_kernel_per_rank(transpose_w):
 
 
 @pytest.mark.parametrize("cluster_n", [1, 2], ids=["ring", "pulled"])
-def test_all_gather_matmul_kernel_gelu_epilogues_per_rank(cluster_n):
+def test_all_gather_matmul_kernel_epilogues_per_rank(cluster_n):
   """With the GELU GEMMs' epilogues (`gelu_gemm.BiasGelu`, `GeluGrad`) in place of the plain
   store, each rank's rows of h and gelu(h), and of the GELU's gradient, are their
   references on the gathered input (the MLP-in's forward, and the MLP-out's backward with
   its weight read transposed), and its own chunk is in the gathered input. The GELU gradient's h
   rows are read at the gathered rows the ring computes, chunk by chunk, and the bias's
   gradient it sums is the reference's. Under the race detector: its h tiles are loaded
-  while the last tile's product is still being stored."""
+  while the last tile's product is still being stored. With the QKV split's
+  (`qkv_gemm.SplitHeads`), its rows of q, k and v are the reference's."""
   n, b, s, k, f = 2, 2, 128, 128, 256
   tiling = dataclasses.replace(TILING, split="m", cluster_n=cluster_n)
-  ks = jax.random.split(jax.random.key(4), 5)
+  ks = jax.random.split(jax.random.key(4), 7)
+  w_qkv, b_qkv = _bf16(ks[5], (k, 384), k ** -0.5), jax.random.normal(ks[6], (384,))
   x_full, dy_full = _bf16(ks[0], (b, n * s, k)), _bf16(ks[1], (b, n * s, k))
   w_in, w_out = _bf16(ks[2], (k, f), k ** -0.5), _bf16(ks[3], (f, k), k ** -0.5)
   bias = jax.random.normal(ks[4], (f,), jnp.float32)
@@ -119,6 +121,13 @@ def test_all_gather_matmul_kernel_gelu_epilogues_per_rank(cluster_n):
       assert db_rows.shape == (b * n * s // gelu_gemm.BIAS_ROWS, f)
       close(grad.bias_gradient((dh, db_rows)), want_db)
       np.testing.assert_array_equal(dyg[:, own], dy_full[:, own])
+      *qkv, _ = ag_matmul.all_gather_matmul(
+          x_full[:, own], w_qkv, "t", rank=r, local_gathered=x_full,
+          epilogue=qkv_gemm.SplitHeads(b_qkv, 64), **kw)
+      for got, want in zip(qkv, qkv_gemm.matmul_bias_split_reference(x_full, w_qkv, b_qkv,
+                                                                     head_dim=64)):
+        assert got.shape == (b, n * s, 128)
+        close(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize("n,cluster_n,sms,nout,b,races", [
@@ -690,12 +699,13 @@ def test_kernels_lower_for_hopper_inside_a_3d_mesh(compressed):
     assert "mosaic_gpu" in _lowers_for_hopper(fn, sd((b, t, 2 * f), jnp.bfloat16), w)
 
 
-def test_gelu_epilogues_fit_the_all_gather_kernels_and_lower_for_hopper():
+def test_epilogues_fit_the_all_gather_kernels_and_lower_for_hopper():
   """The all-gather kernels with the GELU epilogues, as `fused.KernelMatmuls` runs them at the
   1.3B MLP's TP=2 shapes, lower for sm_90 (shared memory included) on a (2, 1, 2) mesh:
   plain and FP8, the forward's bias + GELU on the kernels' own tiles and the backward's
   derivative, with its h tiles, on the fewer stages `GeluGrad.fit` leaves (four do not fit
-  beside them, nor the FP8 kernel's steps of 128)."""
+  beside them, nor the FP8 kernel's steps of 128); and the QKV split's (`qkv_gemm.SplitHeads`)
+  at the QKV's TP=2 shapes."""
   mesh = _dp2_tp_mesh(2)
   sd = jax.ShapeDtypeStruct
   bf16 = jnp.bfloat16
@@ -708,25 +718,29 @@ def test_gelu_epilogues_fit_the_all_gather_kernels_and_lower_for_hopper():
   assert gelu_gemm.BiasGelu(jnp.zeros(1)).fit(ag_matmul.WIDE) == ag_matmul.WIDE
   x, w_in, w_out = sd((b, t, d), bf16), sd((d, f), bf16), sd((f, d), bf16)
   h, bias = sd((b, t, f), bf16), sd((f,), jnp.float32)
+  epilogues = {"gelu": lambda extra: gelu_gemm.BiasGelu(extra, True),
+               "gelu_grad": lambda extra: gelu_gemm.GeluGrad(extra, True),
+               "split": lambda extra: qkv_gemm.SplitHeads(extra, 128)}
 
-  def plain(x, w, extra, fwd):
-    epi = gelu_gemm.BiasGelu(extra, True) if fwd else gelu_gemm.GeluGrad(extra, True)
+  def plain(x, w, extra, kind):
+    epi, fwd = epilogues[kind](extra), kind != "gelu_grad"
     tiling = epi.fit(ag_matmul.plain_tiling(x.shape, w.shape[::1 if fwd else -1], 2))
     return ag_matmul.all_gather_matmul(x, w, "tensor", tiling=tiling, num_sms=132,
                                        transpose_w=not fwd, epilogue=epi)[0]
 
-  def fp8(codes, mult, w, extra, fwd):
-    epi = gelu_gemm.BiasGelu(extra, True) if fwd else gelu_gemm.GeluGrad(extra, True)
+  def fp8(codes, mult, w, extra, kind):
+    epi, fwd = epilogues[kind](extra), kind != "gelu_grad"
     tiling = epi.fit(ag_matmul.fp8_tiling(codes.shape, w.shape[::1 if fwd else -1], g))
     return ag_matmul.all_gather_matmul_fp8(codes, mult, w, "tensor", group_size=g,
                                            tiling=tiling, num_sms=132, transpose_w=not fwd,
                                            epilogue=epi)[0]
-  for fwd, w, extra, extra_spec in ((True, w_in, bias, P()), (False, w_out, h, P())):
-    fn = smap(functools.partial(plain, fwd=fwd), in_specs=(P(None, "tensor"), P(), extra_spec),
+  for kind, w, extra in (("gelu", w_in, bias), ("gelu_grad", w_out, h),
+                         ("split", sd((d, 3 * d // 2), bf16), sd((3 * d // 2,), jnp.float32))):
+    fn = smap(functools.partial(plain, kind=kind), in_specs=(P(None, "tensor"), P(), P()),
               out_specs=P())
     assert "mosaic_gpu" in _lowers_for_hopper(fn, x, w, extra)
-    fn = smap(functools.partial(fp8, fwd=fwd), out_specs=P(),
-              in_specs=(P(None, "tensor"), P(None, "tensor"), P(), extra_spec))
+    fn = smap(functools.partial(fp8, kind=kind), out_specs=P(),
+              in_specs=(P(None, "tensor"), P(None, "tensor"), P(), P()))
     assert "mosaic_gpu" in _lowers_for_hopper(
         fn, sd((b, t, d), jnp.float8_e4m3fn), sd((d // g, b * t), jnp.float32), w, extra)
 
