@@ -46,6 +46,9 @@ def base_config(name: str) -> ml_collections.ConfigDict:
   m.block = 'gpt'                # decoder block: 'gpt' (models.gpt) | 'qwen' (models.qwen)
   m.mlp_gelu = 'xla'             # GPT's MLP activation: xla | fused (in its GEMMs' epilogues,
   #                                Hopper GPUs: models.gelu_mlp; XLA's elsewhere); Qwen: ignored
+  m.qkv_split = 'xla'            # GPT's q, k, v: xla (sliced from the QKV output) | fused (apart
+  #                                from its GEMM's epilogue, Hopper GPUs: models.split_qkv; XLA's
+  #                                elsewhere); Qwen: ignored
 
   c.data = d = ml_collections.ConfigDict()
   d.path = ''                    # '' = embedded corpus (this interpreter's stdlib *.py); or a

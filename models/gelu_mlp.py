@@ -60,15 +60,21 @@ def kernel_problem(x_shape, w_in_shape) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class LocalMatmuls:
-  """Where ``gelu_mlp``'s four matmuls run: here, on this device's operands (TP = 1, or
-  after XLA's all-gather), on the GELU GEMMs (``kernels``; the GPU's fast tanh) or their
-  jnp references, and XLA's dots. The kernel layers' (``taco_jax.tp.fused.KernelMatmuls``)
-  run them with the TP collectives inside."""
+  """Where ``gelu_mlp``'s four matmuls, and ``split_qkv``'s, run: here, on this device's
+  operands (TP = 1, or after XLA's all-gather), on our GEMMs with epilogues (``kernels``;
+  the GPU's fast tanh) or their jnp references, and XLA's dots. The kernel layers'
+  (``taco_jax.tp.fused.KernelMatmuls``) run them with the TP collectives inside."""
   kernels: bool = True
 
   def problem(self, x_shape, w_in_shape) -> str | None:
     """Why the GELU GEMMs cannot run here (``kernel_problem``), or None."""
     return kernel_problem(x_shape, w_in_shape)
+
+  def split_problem(self, x_shape, w_shape, head_dim: int) -> str | None:
+    """Why the split QKV GEMM (``qkv_gemm``) cannot run here, or None."""
+    from taco_jax.pallas_kernels import qkv_gemm
+    (d, f), m = w_shape, math.prod(x_shape[:-1])
+    return hopper_problem() or qkv_gemm.misfit(m, d, f, head_dim, qkv_gemm.FORWARD_TILING)
 
   def stand_in(self) -> LocalMatmuls:
     """The same math in jnp (the kernels' references)."""
@@ -85,6 +91,14 @@ class LocalMatmuls:
     """``(h, gelu(h), x as the weight gradient takes it)``, ``h = x @ w_in + b_in``."""
     return *self._gelu_gemm("matmul_bias_gelu")(x, w_in, b_in), x
 
+  def in_split(self, x, w, b, head_dim: int):
+    """``(q, k, v, x as the weight gradient takes it)`` of ``x @ w + b``
+    (``split_qkv``)."""
+    from taco_jax.pallas_kernels import gemm, qkv_gemm
+    if not self.kernels:
+      return *qkv_gemm.matmul_bias_split_reference(x, w, b, head_dim=head_dim), x
+    return *qkv_gemm.matmul_bias_split(x, w, b, head_dim=head_dim, num_sms=gemm.num_sms()), x
+
   def out(self, a, w_out):
     """The MLP's output from the activation."""
     return jnp.einsum("...f,fd->...d", a, w_out)
@@ -95,7 +109,7 @@ class LocalMatmuls:
     return *self._gelu_gemm("matmul_gelu_grad")(dy, w_out, h), dy
 
   def in_grad(self, dh, w_in):
-    """The gradient at x from the gradient at h."""
+    """The gradient at x from the gradient at h (or at the QKV projection's output)."""
     return jnp.einsum("...f,df->...d", dh, w_in)
 
 

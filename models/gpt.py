@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_jax.models import gelu_mlp
+from taco_jax.models import gelu_mlp, split_qkv
 from taco_jax.models.attention import causal_attention
 from taco_jax.models.decoder import Decoder, DecoderBlock, DecoderConfig
 from taco_jax.models.layers import layer_norm, normal_init
@@ -27,12 +27,17 @@ class GPTConfig(DecoderConfig):
   # the MLP's GELU: 'xla' (its own passes) or 'fused' (in the MLP's GEMMs' epilogues,
   # `models.gelu_mlp`: Hopper GPUs, else XLA's, said once)
   mlp_gelu: str = 'xla'
+  # the attention's q, k, v: 'xla' (sliced out of the QKV projection's output by a pass of
+  # its own) or 'fused' (written apart by the projection's GEMM, `models.split_qkv`: Hopper
+  # GPUs, else XLA's, said once)
+  qkv_split: str = 'xla'
 
   def __post_init__(self):
     super().__post_init__()
-    if self.mlp_gelu not in gelu_mlp.MLP_GELUS:
-      raise ValueError(f'mlp_gelu={self.mlp_gelu!r} is unknown; use one of '
-                       f'{gelu_mlp.MLP_GELUS}')
+    for field, choices in (('mlp_gelu', gelu_mlp.MLP_GELUS),
+                           ('qkv_split', split_qkv.QKV_SPLITS)):
+      if getattr(self, field) not in choices:
+        raise ValueError(f'{field}={getattr(self, field)!r} is unknown; use one of {choices}')
 
   def num_params(self) -> int:
     """Closed-form parameter count of `GPT(self)`."""
@@ -53,16 +58,26 @@ class Block(DecoderBlock):
 
   def __init__(self, cfg: GPTConfig, **kw):
     super().__init__(cfg, **kw)
-    self.mlp_gelu = cfg.mlp_gelu
+    self.mlp_gelu, self.qkv_split = cfg.mlp_gelu, cfg.qkv_split
 
   def attention(self, x_BTD: jax.Array) -> jax.Array:
+    q_BTF, k_BTF, v_BTF = self.project_qkv(x_BTD)
+    b, t, f = q_BTF.shape
+    n_local = f // self.head_dim  # local heads: whatever the projection produced
+    o_BTNH = causal_attention(*(a.reshape(b, t, n_local, self.head_dim)
+                                for a in (q_BTF, k_BTF, v_BTF)), self.attention_impl)
+    return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
+
+  def project_qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q, k, v ``[b, t, local heads * head_dim]`` from the QKV projection."""
+    if self.qkv_split == 'fused':
+      qkv = split_qkv.fused_qkv(self.qkv, x_BTD, self.head_dim)
+      if qkv is not None:
+        return qkv
     qkv_BTF = self.qkv(x_BTD)
     b, t, f = qkv_BTF.shape
-    n_local = f // (3 * self.head_dim)  # local heads: whatever the projection produced
-    qkv = qkv_BTF.reshape(b, t, n_local, 3, self.head_dim)
-    o_BTNH = causal_attention(qkv[:, :, :, 0], qkv[:, :, :, 1], qkv[:, :, :, 2],
-                              self.attention_impl)
-    return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
+    qkv = qkv_BTF.reshape(b, t, f // (3 * self.head_dim), 3, self.head_dim)
+    return tuple(qkv[:, :, :, p].reshape(b, t, -1) for p in range(3))
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:
     if self.mlp_gelu == 'fused':

@@ -18,7 +18,8 @@ Contract a factory must keep (what `Block` relies on):
     itself: a column layer's `fused_operands(x)` gives its matmul's (input, weight, bias)
     and where the MLP's matmuls run (`gelu_mlp.LocalMatmuls`, or the TP kernels'), or None
     where it cannot give them; a row layer's `fused_takes()` says whether the MLP may run
-    its matmul, and `fused_output(y)` finishes its output from that product.
+    its matmul, and `fused_output(y)` finishes its output from that product. The QKV
+    projection's column layer gives `model.qkv_split='fused'` (`models.split_qkv`) the same.
 """
 from __future__ import annotations
 

@@ -170,20 +170,23 @@ def test_registry_names_every_model_on_the_decoder_base(monkeypatch):
 
 
 def test_model_fields_belong_to_their_model():
-  """GPTConfig holds the shared fields and its MLP's activation; Qwen's own fields are
-  QwenConfig's, and a model section may carry them for either block (it is shared); a GELU
-  that is neither XLA's nor fused is an error."""
+  """GPTConfig holds the shared fields, its MLP's activation and its QKV split; Qwen's own
+  fields are QwenConfig's, and a model section may carry them for either block (it is
+  shared); a GELU or a QKV split that is neither XLA's nor fused is an error."""
   from taco_jax import models
   from taco_jax.models.decoder import DecoderConfig
   from taco_jax.models.qwen import QwenConfig
   names = lambda c: {f.name for f in dataclasses.fields(c)}
-  assert names(GPTConfig) - names(DecoderConfig) == {'mlp_gelu'}
+  assert names(GPTConfig) - names(DecoderConfig) == {'mlp_gelu', 'qkv_split'}
   assert names(QwenConfig) - names(DecoderConfig) == {'n_kv_heads', 'rope_theta'}
   assert models.model_config(dict(n_kv_heads=1, rope_theta=1.0)) == GPTConfig()
   assert models.model_config(dict(block='qwen', mlp_gelu='fused')) == QwenConfig()
   with pytest.raises(ValueError, match=r"mlp_gelu='tanh' is unknown; use one of \('xla', "
                      r"'fused'\)"):
     models.model_config(dict(mlp_gelu='tanh'))
+  with pytest.raises(ValueError, match=r"qkv_split='heads' is unknown; use one of \('xla', "
+                     r"'fused'\)"):
+    models.model_config(dict(qkv_split='heads'))
   with pytest.raises(ValueError, match=r"unknown model config field\(s\) \['n_kv_head'\]; "
                      r"known: \[.*'n_kv_heads'"):
     models.model_config(dict(block='qwen', n_kv_head=1))

@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from taco_jax.models import attention, gelu_mlp
+from taco_jax.models import attention, gelu_mlp, split_qkv
 from taco_jax.models.decoder import loss_fn
 from taco_jax.pallas_kernels import common, wire
 from taco_jax import testing
@@ -609,9 +609,10 @@ def test_save_head_keeps_the_backward_from_redoing_the_head(tp):
   _assert_f32_close(*got[True][2], *got[False][2])
 
 
-def _fused_mlp_and_xlas(fused, tp: int, tp_overlap: str):
-  """The loss and gradients of config ``fused`` with ``tp_overlap``, then those of XLA's GELU on
-  the plain layers (`CFG`), on a (1, 1, tp) mesh from the same parameters and batch."""
+def _fused_and_xlas(fused, tp: int, tp_overlap: str):
+  """The loss and gradients of config ``fused`` with ``tp_overlap``, then those of XLA's GELU
+  and QKV slices on the plain layers (`CFG`), on a (1, 1, tp) mesh from the same parameters
+  and batch."""
   mesh = make_mesh(1, 1, tp, devices=jax.devices()[:tp])
   params = layout_lib.shard_params(CFG, _parallel(layout_lib.single_device_model(CFG, seed=0)),
                                   mesh)
@@ -622,53 +623,68 @@ def _fused_mlp_and_xlas(fused, tp: int, tp_overlap: str):
                   params, tokens))]
 
 
-def test_fused_mlp_gelu_matches_xlas_and_save_dots_keeps_it(monkeypatch):
-  """`model.mlp_gelu='fused'` (`models.gelu_mlp`, its jnp stand-in on CPU) gives the loss and
-  gradients of XLA's GELU on a (1, 1, 2) mesh (at tp = 1 the same layers skip their
-  collectives). Its activations and output are named
-  (`gelu_mlp.MLP_GELU`): under remat the backward computes the GELU again (a tanh more in the
-  program, besides the derivative's), with `save_dots` it keeps them, and recomputes no
-  weight matmul, as it keeps XLA's matmul outputs."""
-  monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
-  fused, tp = dataclasses.replace(CFG, mlp_gelu="fused"), 2
-  _assert_f32_close(*_fused_mlp_and_xlas(fused, tp, "none"))
+# The block with both fused paths: the MLP's GELU and the QKV split in their GEMMs
+FUSED = dataclasses.replace(CFG, mlp_gelu="fused", qkv_split="fused")
+
+
+def _stand_ins(monkeypatch, on: bool = True):
+  for module in (gelu_mlp, split_qkv):
+    monkeypatch.setattr(module, "STAND_IN", on)
+
+
+def test_fused_blocks_match_xlas_and_save_dots_keeps_their_outputs(monkeypatch):
+  """`model.mlp_gelu='fused'` (`models.gelu_mlp`) and `model.qkv_split='fused'`
+  (`models.split_qkv`), their jnp stand-ins on CPU, give the loss and gradients of XLA's
+  GELU and QKV slices on a (1, 1, 2) mesh (at tp = 1 the same layers skip their
+  collectives). Their outputs are named (`gelu_mlp.MLP_GELU`, `split_qkv.QKV_SPLIT`): under
+  remat the backward computes the GELU again (a tanh more in the program, besides the
+  derivative's), with `save_dots` it keeps them, and recomputes no weight matmul, as it
+  keeps XLA's matmul outputs."""
+  _stand_ins(monkeypatch)
+  tp = 2
+  _assert_f32_close(*_fused_and_xlas(FUSED, tp, "none"))
+  assert _count(_step_jaxpr(FUSED, tp), "name", split_qkv.QKV_SPLIT) == 3  # the layer scan's
   tanhs = lambda c, **saves: _count(_step_jaxpr(c, tp, **saves), "tanh")  # noqa: E731
-  remat = dataclasses.replace(fused, remat=True)
-  assert (tanhs(fused), tanhs(remat), tanhs(remat, save_dots=True)) == (2, 3, 2)
+  remat = dataclasses.replace(FUSED, remat=True)
+  assert (tanhs(FUSED), tanhs(remat), tanhs(remat, save_dots=True)) == (2, 3, 2)
   assert _dot_counts(_step_jaxpr(remat, tp, save_dots=True)) == _dot_counts(
-      _step_jaxpr(fused, tp)) + collections.Counter(batched=2)
+      _step_jaxpr(FUSED, tp)) + collections.Counter(batched=2)
 
 
-def test_fused_mlp_gelu_in_the_kernel_layers_matches_and_communicates_once(monkeypatch):
+def test_fused_blocks_in_the_kernel_layers_match_and_communicate_once(monkeypatch):
   """With the kernel layers (`tp_overlap="kernel"`; on CPU their collectives fall back to
-  XLA's and the GELU epilogues to their references) the fused MLP runs its collectives
-  inside its own matmuls (`fused.KernelMatmuls`): the loss and gradients of XLA's GELU on
-  the plain layers, on a (1, 1, 2) mesh. Under remat with `save_tp_outputs` the backward
-  gathers and scatters no more than without remat: the kernels' outputs are kept, as the
-  layers' are, so the recomputation does not communicate again."""
-  monkeypatch.setattr(gelu_mlp, "STAND_IN", True)
-  fused, tp = dataclasses.replace(CFG, mlp_gelu="fused"), 2
-  _assert_f32_close(*_fused_mlp_and_xlas(fused, tp, "kernel"))
-  jaxpr = _step_jaxpr(fused, tp, tp_overlap="kernel")
+  XLA's and the epilogues to their references) the fused MLP and QKV split run their
+  collectives inside their own matmuls (`fused.KernelMatmuls`): the loss and gradients of
+  XLA's GELU and slices on the plain layers, on a (1, 1, 2) mesh. Under remat with
+  `save_tp_outputs` the backward gathers and scatters no more than without remat: the
+  kernels' outputs are kept, as the layers' are, so the recomputation does not communicate
+  again."""
+  _stand_ins(monkeypatch)
+  tp = 2
+  _assert_f32_close(*_fused_and_xlas(FUSED, tp, "kernel"))
+  jaxpr = _step_jaxpr(FUSED, tp, tp_overlap="kernel")
   assert _count(jaxpr, "name", gelu_mlp.MLP_GELU) > 0
-  remat = _step_jaxpr(dataclasses.replace(fused, remat=True), tp, tp_overlap="kernel",
+  assert _count(jaxpr, "name", split_qkv.QKV_SPLIT) > 0
+  remat = _step_jaxpr(dataclasses.replace(FUSED, remat=True), tp, tp_overlap="kernel",
                       save_tp_outputs=True)
   for collective in ("all_gather", "reduce_scatter"):
     assert _count(remat, collective) == _count(jaxpr, collective) > 0, collective
 
 
 @pytest.mark.parametrize("why", ["no GPU", "collectives run inside their matmuls"])
-def test_fused_mlp_gelu_falls_back_to_xlas_gelu_and_says_so(why, monkeypatch, caplog):
-  """Where the GELU GEMMs cannot run (here: no GPU) or the MLP has no local matmul to fuse
-  (the TP layers' collectives inside their matmuls, `parallel.tp_overlap="ring"` at tp > 1),
-  the MLP runs XLA's GELU, and the run says why."""
-  monkeypatch.setattr(gelu_mlp, "STAND_IN", why != "no GPU")
+def test_fused_blocks_fall_back_to_xlas_and_say_so(why, monkeypatch, caplog):
+  """Where the fused GEMMs cannot run (here: no GPU) or the layers have no local matmul to
+  fuse (the TP layers' collectives inside their matmuls, `parallel.tp_overlap="ring"` at
+  tp > 1), the MLP runs XLA's GELU and XLA slices q, k, v, and the run says why, for
+  each."""
+  _stand_ins(monkeypatch, why != "no GPU")
   monkeypatch.setattr(common, "_warned", set())  # said once a process: said here
-  fused = dataclasses.replace(CFG, mlp_gelu="fused")
   with caplog.at_level("WARNING"):
-    jaxpr = _step_jaxpr(fused, 2, **({} if why == "no GPU" else dict(tp_overlap="ring")))
+    jaxpr = _step_jaxpr(FUSED, 2, **({} if why == "no GPU" else dict(tp_overlap="ring")))
   assert _count(jaxpr, "name", gelu_mlp.MLP_GELU) == 0
-  assert why in caplog.text
+  assert _count(jaxpr, "name", split_qkv.QKV_SPLIT) == 0
+  for flag in ("model.mlp_gelu='fused'", "model.qkv_split='fused'"):
+    assert re.search(re.escape(flag) + ".*" + why, caplog.text), caplog.text
 
 
 def test_save_head_with_a_pipeline_matches():

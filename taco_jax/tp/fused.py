@@ -18,7 +18,9 @@ one fused kernel:
 The backward kernels read w as it is stored and multiply by its transpose
 (``transpose_w``), so no step copies its weights transposed. With ``model.mlp_gelu="fused"``
 the MLP's two layers run as one custom VJP (``models.gelu_mlp`` on ``KernelMatmuls``), the
-all-gather kernels with the GELU GEMMs' epilogues (``gelu_gemm.BiasGelu``, ``GeluGrad``).
+all-gather kernels with the GELU GEMMs' epilogues (``gelu_gemm.BiasGelu``, ``GeluGrad``);
+with ``model.qkv_split="fused"`` the QKV projection's all-gather kernel writes q, k and v
+apart (``models.split_qkv``, ``qkv_gemm.SplitHeads``).
 
 Each kernel is compressed when the codec of its direction pays there: where the FP8 kernel
 beat the plain one on that link, by message size and by the matmul's FLOPs per message byte
@@ -54,7 +56,7 @@ from jax.ad_checkpoint import checkpoint_name
 from taco_jax.pallas_kernels import (ag_matmul, all_to_all_matmul as all_to_all_matmul_kernel,
                                      exchange as exchange_kernel, gelu_gemm, gemm,
                                      matmul_all_to_all as matmul_all_to_all_kernel,
-                                     matmul_rs)
+                                     matmul_rs, qkv_gemm)
 from taco_jax.pallas_kernels.common import hopper_problem, warn_once, warned
 from taco_jax.pallas_kernels.encode import encode
 from taco_jax import collectives
@@ -159,8 +161,9 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
   """``(all_gather(x) @ w, all_gather(x))`` along the sequence: the fused kernel where it
   runs, else the XLA collective (the module docstring). ``transpose_w``: w is given ``[F,
   D]`` and multiplied transposed, as a backward pass holds it (no transposed copy).
-  ``epilogue``: the kernel's in place of the plain store (``gelu_gemm``'s), its outputs in
-  place of the product; where no kernel runs, its ``reference`` of XLA's fp32 product."""
+  ``epilogue``: the kernel's in place of the plain store (``gelu_gemm``'s, ``qkv_gemm``'s),
+  its outputs in place of the product; where no kernel runs, its ``reference`` of XLA's fp32
+  product."""
   n = collectives.axis_size(axis_name, "gather_matmul", x_BSD.shape)
   w_shape = gemm.weight_kn(w_DF.shape, transpose_w)
   sms = gemm.num_sms()
@@ -173,8 +176,8 @@ def all_gather_matmul(x_BSD, w_DF, axis_name, codec: CompressionConfig | None,
     return store.fit(ag_matmul.fp8_tiling(x_BSD.shape, w_shape, kcodec.group_size))
 
   def misfit(kcodec):  # why the plain or the FP8 kernel cannot take these shapes, or None
-    return ag_matmul.misfit(x_BSD.shape, w_shape, tiles(kcodec),
-                            kcodec and kcodec.group_size, num_sms=sms)
+    return (ag_matmul.misfit(x_BSD.shape, w_shape, tiles(kcodec), kcodec and kcodec.group_size,
+                             num_sms=sms) or store.misfit(w_shape[1], tiles(kcodec)))
   b, s, d = x_BSD.shape
   flops = 2 * b * n * s * d * w_shape[1]
   codec, problem = _kernel_or_xla("all_gather", x_BSD, codec, n, misfit, flops)
@@ -273,9 +276,20 @@ class KernelMatmuls:
     tiles do not divide make that kernel fall back alone)."""
     return hopper_problem()
 
+  def split_problem(self, x_shape, w_shape, head_dim: int) -> str | None:
+    """Why no split QKV epilogue can run in this process, or None (as ``problem``)."""
+    return hopper_problem()
+
   def stand_in(self) -> KernelMatmuls:
     """Where no kernel runs, these run XLA's collectives and the epilogues' references."""
     return self
+
+  def in_split(self, x, w, b, head_dim: int):
+    """``models.split_qkv``'s forward: the QKV projection's all-gather + matmul, with the
+    bias and the split into q, k, v in its epilogue (``qkv_gemm.SplitHeads``)."""
+    outs = all_gather_matmul(x, w, self.axis_name, self.gather[0],
+                             epilogue=qkv_gemm.SplitHeads(b, head_dim))
+    return tuple(checkpoint_name(v, TP_OUTPUT) for v in outs)  # q, k, v, the gathered x
 
   def in_gelu(self, x, w_in, b_in):
     outs = all_gather_matmul(x, w_in, self.axis_name, self.gather[0],

@@ -34,14 +34,16 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from taco_jax import mappings, monitor
-from taco_jax.models import attention, gelu_mlp
+from taco_jax.models import attention, gelu_mlp, split_qkv
 from taco_jax.tp import buckets, layers, layout as layout_lib, one_f_one_b, pipeline, zero
 from taco_jax.plan import CompressionPlan
 from taco_jax.tp.mesh import DATA, PIPE, TENSOR, layout_errors, sending_families
 
 DOTS_POLICY = jax.checkpoint_policies.dots_with_no_batch_dims_saveable  # parallel.save_dots
-# and, with model.mlp_gelu='fused', the fused MLP's activations and output (its dots')
-GELU_MLP_POLICY = jax.checkpoint_policies.save_only_these_names(gelu_mlp.MLP_GELU)
+# and, with model.mlp_gelu='fused', the fused MLP's activations and output, with
+# model.qkv_split='fused' the split QKV's q, k, v (in place of their dots' outputs)
+FUSED_POLICY = jax.checkpoint_policies.save_only_these_names(gelu_mlp.MLP_GELU,
+                                                            split_qkv.QKV_SPLIT)
 
 # Unrolled layers (parallel.scan_layers=False) take their parameters from the stacked blocks
 # by one unstack per leaf, whose gradient is one concatenate. Indexing the stack once per
@@ -249,7 +251,8 @@ def remat_policy(spec: ParallelSpec):
     pass needs of them: the QKV and MLP-in outputs [b, T, 3 D / tp + d_ff / tp] (bf16), and
     the attention's out-projection [b, T, D] unless its reduce-scatter's output is kept.
     With `model.mlp_gelu='fused'` the MLP's pre-activation, activation and output
-    (`gelu_mlp.MLP_GELU`) in place of the MLP-in's output: d_ff / tp more a token.
+    (`gelu_mlp.MLP_GELU`) in place of the MLP-in's output: d_ff / tp more a token; with
+    `model.qkv_split='fused'` q, k, v (`split_qkv.QKV_SPLIT`) in place of the QKV output.
     At tp > 1 the gathered inputs are not matmul outputs: add `save_tp_outputs`.
   * `spec.save_attention`: the attention's inputs q, k, v and, with cuDNN, its output and
     softmax statistics (`attention.save_attention_policy`), so the recomputation neither
@@ -261,7 +264,7 @@ def remat_policy(spec: ParallelSpec):
   policies = [policy for on, policy in (
       (spec.save_tp_outputs, mappings.save_tp_outputs_policy()),
       (spec.save_dots, DOTS_POLICY),
-      (spec.save_dots, GELU_MLP_POLICY),
+      (spec.save_dots, FUSED_POLICY),
       (spec.save_attention, attention.save_attention_policy())) if on]
   if len(policies) < 2:
     return policies[0] if policies else None
