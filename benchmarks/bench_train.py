@@ -78,6 +78,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _gelu   the MLP's GELU in its GEMMs' epilogues (`model.mlp_gelu="fused"`,
           `models.gelu_mlp`; with _cm in the all-gather kernels' epilogues,
           `fused.KernelMatmuls`; not with ring_)
+  _qkv    q, k, v written apart by the QKV projection's GEMM (`model.qkv_split="fused"`,
+          `models.split_qkv`; with _cm by the all-gather kernel's epilogue; not with ring_)
   _dbxla  (with _gelu only) the MLP-in bias's gradient summed by XLA from dh
           (`gelu_gemm.BIAS_GRAD` off), where the GELU's backward kernel sums it in its
           epilogue (since 2026-11-29): the step before that
@@ -167,8 +169,8 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "head", "gelu", "dbxla", "ogr", "zero", "unroll",
-             "idx", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs", "cublas")
+             "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr", "zero",
+             "unroll", "idx", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs", "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
@@ -194,6 +196,7 @@ class Variant:
   save_attention: bool = False  # _attn: parallel.save_attention (with remat)
   save_head: bool = False       # _head: parallel.save_head
   fused_gelu: bool = False      # _gelu: model.mlp_gelu="fused"
+  fused_qkv: bool = False       # _qkv: model.qkv_split="fused"
   db_xla: bool = False          # _dbxla: gelu_gemm.BIAS_GRAD off
   remat: bool = True            # False for _noremat (else model.remat as --no-remat says)
   pgle: bool = False            # _pgle: compiled again from a profile
@@ -254,19 +257,20 @@ def parse_variant(name: str) -> Variant:
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods) or (
-      "gelu" in mods and base.startswith("ring_")) or ("dbxla" in mods and "gelu" not in mods):
+      {"gelu", "qkv"} & set(mods) and base.startswith("ring_")) or (
+      "dbxla" in mods and "gelu" not in mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
                      f"_{', _'.join(MODIFIERS)} in that order (GSPMD takes only "
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
-                     "_cif2 or _cif4; no ideal_zero; _idx only with _unroll; _gelu not with "
-                     "ring_; _dbxla only with _gelu)")
+                     "_cif2 or _cif4; no ideal_zero; _idx only with _unroll; _gelu and _qkv "
+                     "not with ring_; _dbxla only with _gelu)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  save_attention="attn" in mods, save_head="head" in mods,
-                 fused_gelu="gelu" in mods, db_xla="dbxla" in mods,
+                 fused_gelu="gelu" in mods, fused_qkv="qkv" in mods, db_xla="dbxla" in mods,
                  remat="noremat" not in mods, pgle="pgle" in mods, kernels="cm" in mods,
                  push="push" in mods, wcopy="wcopy" in mods, rs_wide="rsw" in mods,
                  dw_f32="dwf32" in mods,
@@ -393,6 +397,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
       plan = dataclasses.replace(plan, dp_params=None)
     if variant.fused_gelu:
       cfg = dataclasses.replace(cfg, mlp_gelu="fused")
+    if variant.fused_qkv:
+      cfg = dataclasses.replace(cfg, qkv_split="fused")
     step, state, batch, mesh = build_step(layout, args, cfg, tx, plan, **variant.parallel_fields())
     ctx = _all_of(
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
@@ -507,7 +513,8 @@ def run_layout(layout, args, cfg, tx, corpus, until):
                           f"data={dp * pp},tensor={tp}"),
                     plan=r["plan"], xla_options=xla_options(r["variant"], args),
                     remat=cfg.remat and r["variant"].remat, **r["variant"].parallel_fields(),
-                    fused_gelu=r["variant"].fused_gelu, **r["memory"], **r["state_bytes"],
+                    fused_gelu=r["variant"].fused_gelu, fused_qkv=r["variant"].fused_qkv,
+                    **r["memory"], **r["state_bytes"],
                     pgle_profiled=r["pgle_profiled"],
                     # the schedule's idle share in theory (backward = 2 forwards), beside
                     # the measured step; None without a pipeline

@@ -228,13 +228,15 @@ for job in "$@"; do
         trainer_40 gpt_1_3b "trainer_1gpu_b${BATCH:-8}_$(slug "$v")" 180 \
           --config.parallel.$first --config.parallel.$second --config.data.batch_size=${BATCH:-8}
       done ;;
-    trainer_attn_1gpu | trainer_head_1gpu | trainer_gelu_1gpu)  # the trainer's own 1.3B
-      # step (batch 8, 40 steps) without and with parallel.save_attention / save_head (since
-      # 2026-11-28) / model.mlp_gelu=fused (since 2026-11-29), gpt_1_3b's settings
+    trainer_attn_1gpu | trainer_head_1gpu | trainer_gelu_1gpu | trainer_qkv_1gpu)  # the
+      # trainer's own 1.3B step (batch 8, 40 steps) without and with parallel.save_attention /
+      # save_head (since 2026-11-28) / model.mlp_gelu=fused (since 2026-11-29) /
+      # model.qkv_split=fused, gpt_1_3b's settings
       case $job in
         trainer_attn_1gpu) flags="parallel.save_attention=False parallel.save_attention=True" ;;
         trainer_head_1gpu) flags="parallel.save_head=False parallel.save_head=True" ;;
         trainer_gelu_1gpu) flags="model.mlp_gelu=xla model.mlp_gelu=fused" ;;
+        trainer_qkv_1gpu) flags="model.qkv_split=xla model.qkv_split=fused" ;;
       esac
       for v in $flags; do
         trainer_40 gpt_1_3b "trainer_1gpu_b8_$(slug "${v#*.}")" 180 --config.$v \

@@ -299,8 +299,8 @@ def _mfu_of_measured(d: dict, r: dict):
 POLICY_COLUMNS = ("off", "on", "ring_off", "ring_on", "off_il2", "on_il2", "ideal")
 # The modifiers that make a step program of its own, a row each (its off / on / ideal ...
 # in the columns); any other modifier (_cm, _pgle, _1f1b, ...) is listed among the others.
-ROW_MODIFIERS = ("save", "dots", "attn", "head", "gelu", "dbxla", "ogr", "zero", "unroll",
-                 "noremat")
+ROW_MODIFIERS = ("save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr", "zero",
+                 "unroll", "noremat")
 
 
 def _row_suffix(variant: str) -> str | None:
@@ -324,6 +324,7 @@ def _row_words(suffix: str, remat: bool) -> str:
   words = [("save " + " + ".join(kept).removeprefix("save ") if kept else
             "none" if "noremat" in mods or not remat else "recompute")]
   words += [w for m, w in (("head", "head's softmax kept"), ("gelu", "fused GELU"),
+                           ("qkv", "q, k, v split in the GEMM"),
                            ("dbxla", "its bias's gradient by XLA"),
                            ("ogr", "grads reduced in backward"), ("zero", "ZeRO"),
                            ("unroll", "unrolled")) if m in mods]
@@ -397,7 +398,9 @@ BENCH_TRAIN_WORDS = (
     "cuDNN's outputs (`parallel.save_attention`, `_attn`); `none` = no remat (`_noremat`); "
     "`head's softmax kept` = `parallel.save_head` (`_head`); `fused GELU` = the MLP's GELU "
     "in its GEMMs (`model.mlp_gelu='fused'`, `_gelu`), `its bias's gradient by XLA` = "
-    "summed from dh by XLA, not in the GELU's backward kernel (`_dbxla`). "
+    "summed from dh by XLA, not in the GELU's backward kernel (`_dbxla`); `q, k, v split "
+    "in the GEMM` = written apart by the QKV projection's epilogue (`model.qkv_split='fused'`, "
+    "`_qkv`). "
     "`attention`: "
     "the attention that ran (`model.attention`: cuDNN flash attention or XLA's). "
     "`ideal` = the step with every TP collective replaced by a local stand-in of the "

@@ -5,20 +5,19 @@ its report section), benchmarks/bench_peer_copy.py and bench_exchange.py (smoke 
 NCCL's stand-ins checked, the kernels left to the GPU; the checks' repeated calls),
 benchmarks/probe_energy.py (a smoke run: XLA's matmul timed, no energy counter on CPU),
 benchmarks/probe_waves.py (a smoke run of the GEMM core, and its ratios),
-benchmarks/probe_gelu_gemm.py (a smoke run: every variant checked, the all-gather kernel's
-too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32 beside XLA's),
-benchmarks/probe_sequences.py (a smoke run: every sequence's function runs), its SM clock
-stamps (benchmarks/sm_clock.py: lowered for sm_90, in its place between two ops, and inside
-the GEMM core's epilogue) and
-benchmarks/nvml.py's clock sampler (on fake GPUs)."""
+benchmarks/probe_gelu_gemm.py and probe_qkv_gemm.py (smoke runs: every variant checked, the
+all-gather kernel's too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32
+beside XLA's), benchmarks/probe_sequences.py (a smoke run: every sequence's function runs),
+its SM clock stamps (benchmarks/sm_clock.py: lowered for sm_90, in its place between two ops,
+and inside the GEMM core's epilogue) and benchmarks/nvml.py's clock sampler (on fake GPUs)."""
 import json
 import time
 
 import pytest
 
 from benchmarks import (bench_exchange, bench_peer_copy, bench_transport, gelu_numerics,
-                        probe_energy, probe_fused_decode, probe_gelu_gemm, probe_sequences,
-                        probe_waves, report as report_lib)
+                        probe_energy, probe_fused_decode, probe_gelu_gemm, probe_qkv_gemm,
+                        probe_sequences, probe_waves, report as report_lib)
 from taco_jax import testing
 
 
@@ -179,6 +178,10 @@ def test_best_of_rounds_takes_turns_and_keeps_the_least(monkeypatch):
 
 def test_gelu_gemm_probe_checks_every_variant_against_fp32():
   assert probe_gelu_gemm.main(["--smoke", "--all-gather"]) == 0
+
+
+def test_qkv_gemm_probe_checks_every_variant_against_fp32():
+  assert probe_qkv_gemm.main(["--smoke", "--all-gather"]) == 0
 
 
 def test_gelu_numerics_puts_the_fused_mlp_beside_xla_against_fp32(tmp_path):

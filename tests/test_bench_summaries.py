@@ -147,6 +147,8 @@ def test_bench_train_variant_names():
   cm = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs")
   assert cm.fused_gelu and cm.kernels and not cm.db_xla
   assert bench_train.parse_variant("off_save_dots_attn_head_gelu_dbxla_unroll").db_xla
+  qkv = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs")
+  assert qkv.fused_qkv and qkv.fused_gelu and not cm.fused_qkv
   cublas = bench_train.parse_variant("off_save_unroll_cublas")
   assert cublas.cublas and not cm.cublas
   assert bench_train.xla_options(cublas, bench_train.parse_args([]))[
@@ -160,7 +162,7 @@ def test_bench_train_variant_names():
               "off_cm_save_push", "off_wcopy", "on_cm_save_wcopy", "off_rsw", "off_xchg_bxla",
               "off_dwf32",
               "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit",
-              "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu",
+              "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu", "ring_on_qkv", "off_qkv_gelu",
               "off_gelu_head", "off_dbxla", "off_dbxla_gelu", "gspmd_cublas",
               "off_cublas_unroll"):
     with pytest.raises(ValueError, match="unknown variant"):
