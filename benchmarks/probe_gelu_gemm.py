@@ -26,7 +26,6 @@ CPU: python benchmarks/probe_gelu_gemm.py --smoke   (tiny shapes, interpret mode
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import math
@@ -38,8 +37,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks import common  # noqa: E402
-from benchmarks.args import add_output_args  # noqa: E402
+from benchmarks import epilogue_probe  # noqa: E402
 
 TOL = 2e-2
 
@@ -114,7 +112,7 @@ def variants(sms: int, tiling=None) -> dict:
 
 
 BATCH = 8  # sequences of the all-gather variants' [B, T, D] activations
-FP8 = dict(group_size=128, fmt="e4m3", dual_scale=True, lam=1e-6)  # the codec's defaults
+FP8 = epilogue_probe.FP8
 
 
 def all_gather_variants(sms: int, tp: int, tiling=None, fp8: bool = True) -> dict:
@@ -122,35 +120,12 @@ def all_gather_variants(sms: int, tp: int, tiling=None, fp8: bool = True) -> dic
   shard, gathered dout, w2, h)``): the kernel in local mode as rank 0 of ``tp``; its rows
   come out ``[M, .]`` as the one-GPU variants'. ``fp8``: with the compressed kernel's (which
   jax's interpreter does not run: its decoded operand is a register one)."""
-  from taco_jax.pallas_kernels import ag_matmul, gelu_gemm
-  from taco_jax.pallas_kernels.encode import encode
+  from taco_jax.pallas_kernels import gelu_gemm
 
   def kernel(x, x_full, w, epilogue=None, transpose_w=False, pulled=False, fp8=False):
-    w_kn = w.shape[::-1] if transpose_w else w.shape
-    if tiling:
-      base = tiling
-    elif fp8:
-      base = ag_matmul.fp8_tiling(x.shape, w_kn, FP8["group_size"])
-    else:
-      base = ag_matmul.plain_tiling(x.shape, w_kn, tp, sms)
-    if pulled:
-      base = dataclasses.replace(base, cluster_n=2)
-    kw = dict(tiling=epilogue.fit(base) if epilogue else base, num_sms=sms,
-              transpose_w=transpose_w, epilogue=epilogue, rank=0)
-    if fp8:
-      b, s, k = x.shape
-      codes, alpha, scale = encode(x_full.reshape(-1, k), hadamard=False, **FP8)
-      codes = codes.reshape(x_full.shape)
-      mult = ag_matmul.multipliers(alpha, scale)
-      mine = mult.reshape(-1, b, x_full.shape[1])[:, :, :s].reshape(mult.shape[0], -1)
-      outs = ag_matmul.all_gather_matmul_fp8(
-          codes[:, :s], mine, w, "t", group_size=FP8["group_size"], dtype=x.dtype,
-          local_gathered=(codes, mult), **kw)
-    else:
-      outs = ag_matmul.all_gather_matmul(x, w, "t", local_gathered=x_full, **kw)
-    m = x_full.shape[0] * x_full.shape[1]  # the epilogue's outputs, then the gathered x, ...
-    n_out = 1 if epilogue is None else len(epilogue.outputs(m, w_kn[1], x.dtype))
-    return [o.reshape(-1, o.shape[-1]) for o in outs[:n_out]]
+    return epilogue_probe.rank0_all_gather(x, x_full, w, tp=tp, sms=sms, tiling=tiling,
+                                           epilogue=epilogue, transpose_w=transpose_w,
+                                           pulled=pulled, fp8=fp8)
 
   def xla_fwd(x, x_full, w, b, dout, dout_full, w2, h):
     y, = kernel(x, x_full, w)
@@ -205,7 +180,7 @@ def _references(x, w, b, dout, w2, h):
 
 def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool,
           tiling=None, all_gather_tp: int = 0, batch: int = BATCH) -> dict:
-  from benchmarks.bench_collective_matmul import best_of_rounds, rel_err
+  from benchmarks.bench_collective_matmul import rel_err
   ks = jax.random.split(jax.random.key(m + d + f), 5)
   bf16 = jnp.bfloat16
   x = jax.random.normal(ks[0], (m, d), jnp.float32).astype(bf16)
@@ -245,12 +220,6 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
     errs = [rel_err(g, r) for g, r in zip(got, want)]
     case["variants"][name] = dict(kind=kind, rel_err=errs, ok=max(errs) < TOL, ms=[])
   if timed:
-    vs = case["variants"]
-    for name, times in best_of_rounds(
-        {name: (jax.jit(fn), inputs(name))
-         for name, (_, fn) in fns.items() if vs[name]["ok"] and "[fp8]" not in name},
-        iters, rounds).items():
-      vs[name].update(times)
     pairs = {f"{kind}_fused_over_xla": (f"{kind}_fused", f"{kind}_xla")
              for kind in ("forward", "backward", "ag_forward", "ag_backward")}
     pairs.update(backward_db_fused_over_xla_sum=(
@@ -259,50 +228,25 @@ def probe(m: int, d: int, f: int, sms: int, iters: int, rounds: int, timed: bool
                      "ag_backward_fused", "ag_backward_fused[db=xla]"),
                  backward_factored_over_unfactored=(
                      "backward_fused[approx]", "backward_fused[approx+unfactored]"))
-    for key, (variant, baseline) in pairs.items():
-      if vs.get(variant, {}).get("best_ms") and vs.get(baseline, {}).get("best_ms"):
-        case[key] = vs[variant]["best_ms"] / vs[baseline]["best_ms"]
+    epilogue_probe.time_and_compare(
+        case, {name: (fn, inputs(name)) for name, (_, fn) in fns.items()}, iters, rounds,
+        pairs)
   return case
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--tp", default="1,2", help="the MLP's width is 8192 / tp")
-  p.add_argument("--iters", type=int, default=20)
-  p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--all-gather", action="store_true",
-                 help="at tp > 1, also the kernel layers' all-gather kernel in local mode")
-  add_output_args(p, label="h200", smoke="CPU: tiny shapes, the kernels in interpret mode, untimed")
-  args = p.parse_args(argv)
+  args = epilogue_probe.parse_args(argv, __doc__.splitlines()[0], "8192")
   if args.smoke:
-    try:  # jax's GPU interpreter runs each warpgroup on a thread of the CPU backend's pool,
-      #     and one CPU device's pool starves kernels whose warpgroups wait on each other
-      from taco_jax.train.cli import use_cpu_devices
-      use_cpu_devices(8)
-    except RuntimeError:  # JAX already runs (e.g. under pytest, on 8 devices)
-      pass
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    from taco_jax.pallas_kernels import gemm
-    tiling = gemm.Tiling(tile_m=64, tile_n=64, tile_k=64, stages=2, epi_m=64, epi_n=32,
-                         split="m")  # as the layers' tiles
-    with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams()):
+    with epilogue_probe.smoke_run() as tiling:
       case = probe(256, 128, 256, 2, 1, 1, timed=False, tiling=tiling,
                    all_gather_tp=2 if args.all_gather else 0, batch=1)
-    bad = [n for n, v in case["variants"].items() if not v["ok"]]
-    print(f"smoke: {len(case['variants']) - len(bad)} / {len(case['variants'])} match", bad)
-    return 1 if bad else 0
+    return epilogue_probe.smoke_verdict(case)
   from taco_jax.pallas_kernels import gemm
   sms = gemm.num_sms()
   cases = [probe(16384, 2048, 8192 // int(tp), sms, args.iters, args.rounds, timed=True,
                  all_gather_tp=int(tp) if args.all_gather and int(tp) > 1 else 0)
            for tp in args.tp.split(",")]
-  rows = [dict(f=c["f"], **{n: v.get("best_ms") for n, v in c["variants"].items()},
-               **{k: v for k, v in c.items() if k.endswith("_over_xla")}) for c in cases]
-  print(common.table(rows, list(dict.fromkeys(k for r in rows for k in r))))
-  common.write_results(f"probe_gelu_gemm_{args.label}", dict(
-      env=common.environment(), cases=cases,
-      method=("min over rounds of the median device time (CUPTI, all kernels of a call) of "
-              "iters calls; the variants take turns on the same inputs")), args.out_dir)
+  epilogue_probe.report("probe_gelu_gemm", cases, "f", args)
   return 0
 
 
