@@ -10,9 +10,10 @@ GEMM's epilogue adds the bias and writes each sub-tile into q, k or v
 (``benchmarks/probe_qkv_gemm.py``). One custom VJP:
 
 * forward: ``q, k, v = matmul_bias_split(x, w, b)``;
-* backward: q's, k's and v's gradients interleaved back into the projection's layout, then
-  the input's gradient (in the kernel layers the matmul + reduce-scatter kernel), the
-  weight's (``overlap.weight_gradient``) and the bias's (fp32 sum).
+* backward: q's, k's and v's gradients interleaved back into the projection's layout and
+  the bias's summed, as autodiff of XLA's slices gives them (``slices``; XLA runs both as one
+  fusion), then the input's gradient (in the kernel layers the matmul + reduce-scatter
+  kernel) and the weight's (``overlap.weight_gradient``).
 
 Where the matmuls run is the layers' to say (``fused_operands``, as for ``gelu_mlp``):
 ``gelu_mlp.LocalMatmuls`` (TP = 1, or after XLA's all-gather) or the kernel layers'
