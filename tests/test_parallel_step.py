@@ -587,6 +587,36 @@ def test_unrolled_layers_unstack_their_parameters(monkeypatch):
     np.testing.assert_array_equal(a, b)
 
 
+def test_unrolled_layers_keep_their_weights_cast(monkeypatch):
+  """With `scan_layers=False` and remat each layer takes its matmuls' weights already in the
+  compute dtype (`step.CAST_LAYER_WEIGHTS`): its remat keeps bf16 weights
+  for the backward pass, not fp32 slices of the stacked ones (which XLA copies out of the
+  stack). Loss and gradients are the fp32 slices', bit for bit."""
+  cfg = dataclasses.replace(CFG, dtype="bfloat16", remat=True)
+  mesh = make_mesh(1, 1, 2, devices=jax.devices()[:2])
+  params = layout_lib.shard_params(cfg, _parallel(layout_lib.single_device_model(cfg, seed=0)),
+                                  mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  spec = step_lib.ParallelSpec(cfg, 1, 1, 2, MICRO, scan_layers=False, save_dots=True)
+  shapes = {tuple(w.sharding.shard_shape(w.shape)[1:])  # one device's [in, out] of each
+            for path, w in jax.tree_util.tree_flatten_with_path(params["blocks"])[0]
+            if path[-1].key == "kernel"}
+  got = {}
+  for cast in (True, False):
+    monkeypatch.setattr(step_lib, "CAST_LAYER_WEIGHTS", cast)
+    fn = step_lib.loss_and_grads_fn(spec, mesh)
+    weights = collections.Counter(  # what the backward's remats take of the weights
+        str(v.aval.dtype) for e in _eqns(jax.make_jaxpr(fn)(params, tokens).jaxpr)
+        if e.primitive.name in ("checkpoint", "remat2") for v in e.invars
+        if v.aval.shape in shapes)
+    got[cast] = weights, jax.device_get(jax.jit(fn)(params, tokens))
+  (cast, _), (f32, _) = got[True], got[False]  # (an fp32 activation may share a shape)
+  assert cast["bfloat16"] == 4 * cfg.n_layers and f32["bfloat16"] == 0
+  assert f32["float32"] - cast["float32"] == 4 * cfg.n_layers
+  for a, b in zip(jax.tree.leaves(got[True][1]), jax.tree.leaves(got[False][1])):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("tp", [2, 1])
 def test_save_head_keeps_the_backward_from_redoing_the_head(tp):
   """`save_head` keeps the loss head's softmax (`layers.HEAD_SOFTMAX`) and gathered input: the
