@@ -94,6 +94,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _idx    (with _unroll) the unrolled layers index the stacked parameters once a layer
           (`step.UNSTACK_LAYERS` off), where the layers unstack them (since 2026-11-28):
           the layers before that
+  _f32w   (with _unroll) the unrolled layers keep their fp32 weight slices for the backward
+          pass (`step.CAST_LAYER_WEIGHTS` off), where they keep the weights cast to the
+          compute dtype (since 2026-11-29): the step before that
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _cif2   (GSPMD too) XLA's latency-hiding scheduler may keep two asynchronous collectives
@@ -170,7 +173,8 @@ BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
              "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr", "zero",
-             "unroll", "idx", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs", "cublas")
+             "unroll", "idx", "f32w", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs",
+             "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
@@ -214,6 +218,7 @@ class Variant:
   overlap_grad_reduce: bool = False  # _ogr: parallel.overlap_grad_reduce
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
   indexed: bool = False         # _idx: step.UNSTACK_LAYERS off
+  f32_weights: bool = False     # _f32w: step.CAST_LAYER_WEIGHTS off
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
   graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
   cublas: bool = False          # _cublas: xla_gpu_enable_triton_gemm off
@@ -256,7 +261,8 @@ def parse_variant(name: str) -> Variant:
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
       {"bxla", "bsplit"} <= set(mods)) or (
-      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or ("idx" in mods and "unroll" not in mods) or (
+      len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or (
+      {"idx", "f32w"} & set(mods) and "unroll" not in mods) or (
       {"gelu", "qkv"} & set(mods) and base.startswith("ring_")) or (
       "dbxla" in mods and "gelu" not in mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
@@ -265,8 +271,8 @@ def parse_variant(name: str) -> Variant:
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
-                     "_cif2 or _cif4; no ideal_zero; _idx only with _unroll; _gelu and _qkv "
-                     "not with ring_; _dbxla only with _gelu)")
+                     "_cif2 or _cif4; no ideal_zero; _idx and _f32w only with _unroll; _gelu and "
+                     "_qkv not with ring_; _dbxla only with _gelu)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
                  save_attention="attn" in mods, save_head="head" in mods,
@@ -282,6 +288,7 @@ def parse_variant(name: str) -> Variant:
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
                  scan_layers="unroll" not in mods, indexed="idx" in mods,
+                 f32_weights="f32w" in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
                  graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
                              "none"), cublas="cublas" in mods)
@@ -409,6 +416,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         + [mock.patch.object(overlap, "WEIGHT_GRADIENTS_F32", True)] * variant.dw_f32
         + [mock.patch.object(gelu_gemm, "BIAS_GRAD", False)] * variant.db_xla
         + [mock.patch.object(step_lib, "UNSTACK_LAYERS", False)] * variant.indexed
+        + [mock.patch.object(step_lib, "CAST_LAYER_WEIGHTS", False)] * variant.f32_weights
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange),
            mock.patch.object(fused, "EXCHANGE_FORWARD", variant.forward_exchange)])
   return step, state, batch, mesh, plan, ctx
