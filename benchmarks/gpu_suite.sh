@@ -312,6 +312,16 @@ for job in "$@"; do
       BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label nvlink_cm_gelu \
         --layouts 1,1,${TP:-2} --attention cudnn --link nvlink --deadline-s 500 \
         --build-timeout-s 170 --variants $v --out-dir "$out" ;;
+    cm_qkv)  # issue 15 on 2 GPUs (TP=2): q, k, v written apart by the QKV all-gather kernel's
+      # epilogue (model.qkv_split=fused, since 2026-11-29: 0.88x the kernel plus XLA's slices
+      # as rank 0 on one GPU) against the kernel layers with XLA's slices, beside the bf16
+      # step and its ideal
+      v=off_save_dots_attn_head_gelu_unroll,ideal_save_dots_attn_head_gelu_unroll
+      v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs
+      v=$v,on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs
+      BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label nvlink_cm_qkv \
+        --layouts 1,1,${TP:-2} --attention cudnn --link nvlink --deadline-s 500 \
+        --build-timeout-s 170 --variants $v --out-dir "$out" ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
       # and the bf16 step's remat policies (keep matmul outputs, no remat)
       timeout 590 python3 benchmarks/bench_train.py --label nvlink_cm --layouts 1,1,2 \
