@@ -317,8 +317,8 @@ def _trunk(spec: ParallelSpec, constrain: Callable | None = None, reduce_grads_o
   if cfg.remat:
     layer = jax.checkpoint(layer, policy=remat_policy(spec))
   if CAST_LAYER_WEIGHTS and not spec.scan_layers:  # outside the remat, inside the reduction
-    remat_layer = layer
-    layer = lambda hs, p: remat_layer(hs, _cast_weights(p, cfg.compute_dtype))  # noqa: E731
+    uncast = layer
+    layer = lambda hs, p: uncast(hs, _cast_weights(p, cfg.compute_dtype))  # noqa: E731
   if reduce_grads_over_data:
     checkpointed, codec = layer, spec.plan.codec("dp")
     layer = lambda hs, p: checkpointed(hs, buckets.all_reduce_in_backward(  # noqa: E731
@@ -348,7 +348,7 @@ def _layer_params(blocks) -> list:
 def _cast_weights(p, dtype):
   """A layer's parameters with its matmuls' weights (the "kernel" leaves) in `dtype`."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: x.astype(dtype) if path[-1].key == "kernel" else x, p)
+      lambda path, x: x.astype(dtype) if getattr(path[-1], "key", None) == "kernel" else x, p)
 
 
 def _head_loss(spec: ParallelSpec, params, h_BSD, tgt_BT):
