@@ -303,23 +303,20 @@ for job in "$@"; do
           --config.parallel.tp_overlap=$v --config.parallel.save_tp_outputs=True \
           --config.data.batch_size=8
       done ;;
-    cm_gelu)  # issue 15 on 2 GPUs (TP=2): the MLP's GELU in the all-gather kernels' epilogues
-      # (model.mlp_gelu=fused with the kernel layers, since 2026-11-29) against the kernel
-      # layers with XLA's GELU, beside the bf16 step and its ideal with the fused GELU
+    cm_gelu | cm_qkv)  # issue 15 on 2 GPUs (TP=2), the kernel layers with an epilogue
+      # against them without it, beside the bf16 step and its ideal with the fused GELU:
+      # cm_gelu, the MLP's GELU in the all-gather kernels' epilogues (model.mlp_gelu=fused,
+      # since 2026-11-29); cm_qkv, q, k, v written apart by the QKV all-gather kernel
+      # (model.qkv_split=fused, since 2026-11-29: 0.88x the kernel plus XLA's slices as rank
+      # 0 on one GPU)
       v=off_save_dots_attn_head_gelu_unroll,ideal_save_dots_attn_head_gelu_unroll
-      v=$v,on_cm_xchg_save_dots_attn_head_unroll_fgraphs
-      v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs
-      BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label nvlink_cm_gelu \
-        --layouts 1,1,${TP:-2} --attention cudnn --link nvlink --deadline-s 500 \
-        --build-timeout-s 170 --variants $v --out-dir "$out" ;;
-    cm_qkv)  # issue 15 on 2 GPUs (TP=2): q, k, v written apart by the QKV all-gather kernel's
-      # epilogue (model.qkv_split=fused, since 2026-11-29: 0.88x the kernel plus XLA's slices
-      # as rank 0 on one GPU) against the kernel layers with XLA's slices, beside the bf16
-      # step and its ideal
-      v=off_save_dots_attn_head_gelu_unroll,ideal_save_dots_attn_head_gelu_unroll
-      v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs
-      v=$v,on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs
-      BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label nvlink_cm_qkv \
+      case $job in
+        cm_gelu) v=$v,on_cm_xchg_save_dots_attn_head_unroll_fgraphs
+                 v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs ;;
+        cm_qkv) v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_fgraphs
+                v=$v,on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs ;;
+      esac
+      BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label "nvlink_$job" \
         --layouts 1,1,${TP:-2} --attention cudnn --link nvlink --deadline-s 500 \
         --build-timeout-s 170 --variants $v --out-dir "$out" ;;
     cm_baseline)  # issues 15 + 19 in one run on 2xH200 (TP=2): the kernel layers, GSPMD,
