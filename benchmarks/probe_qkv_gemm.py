@@ -30,16 +30,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import epilogue_probe  # noqa: E402
+from taco_jax.models.split_qkv import slices  # noqa: E402  (XLA's bias and slices)
 
 TOL = 2e-2
 BATCH = 8  # sequences of the all-gather variants' [B, T, D] activations
 FP8 = epilogue_probe.FP8
-
-
-def _split(y, b, head_dim):
-  """XLA's way: the bias, then q, k, v sliced out of y's ``[heads, 3, head_dim]`` columns."""
-  from taco_jax.models.split_qkv import slices
-  return slices(y, b, head_dim)
 
 
 def variants(sms: int, head_dim: int, tiling=None) -> dict:
@@ -47,9 +42,9 @@ def variants(sms: int, head_dim: int, tiling=None) -> dict:
   from taco_jax.pallas_kernels import gemm, qkv_gemm
   kw = dict(num_sms=sms, **({"tiling": tiling} if tiling else {}))
   return {
-      "xla": lambda x, w, b: _split(x @ w, b, head_dim),
+      "xla": lambda x, w, b: slices(x @ w, b, head_dim),
       "fused": lambda x, w, b: qkv_gemm.matmul_bias_split(x, w, b, head_dim=head_dim, **kw),
-      "core": lambda x, w, b: _split(gemm.matmul(x, w, **kw), b, head_dim),
+      "core": lambda x, w, b: slices(gemm.matmul(x, w, **kw), b, head_dim),
       "cublas": lambda x, w, b: (x @ w,),
   }
 
@@ -64,7 +59,7 @@ def all_gather_variants(sms: int, tp: int, head_dim: int, tiling=None,
     epilogue = qkv_gemm.SplitHeads(b, head_dim) if split else None
     outs = epilogue_probe.rank0_all_gather(x, x_full, w, tp=tp, sms=sms, tiling=tiling,
                                            epilogue=epilogue, fp8=fp8)
-    return tuple(outs) if split else _split(outs[0], b, head_dim)
+    return tuple(outs) if split else slices(outs[0], b, head_dim)
 
   out = {"ag_xla": lambda *a: kernel(*a, split=False),
          "ag_fused": lambda *a: kernel(*a, split=True)}
@@ -83,7 +78,7 @@ def probe(m: int, d: int, n: int, head_dim: int, sms: int, iters: int, rounds: i
   b = 0.1 * jax.random.normal(ks[2], (n,), jnp.float32)
 
   def reference(x):
-    return _split(jnp.dot(x, w, preferred_element_type=jnp.float32), b, head_dim)
+    return slices(jnp.dot(x, w, preferred_element_type=jnp.float32), b, head_dim)
   refs = {"split": reference(x), "matmul": (jnp.dot(x, w, preferred_element_type=jnp.float32),)}
   fns = {name: (fn, (x, w, b)) for name, fn in variants(sms, head_dim, tiling).items()}
   if all_gather_tp:

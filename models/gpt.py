@@ -74,10 +74,7 @@ class Block(DecoderBlock):
       qkv = split_qkv.fused_qkv(self.qkv, x_BTD, self.head_dim)
       if qkv is not None:
         return qkv
-    qkv_BTF = self.qkv(x_BTD)
-    b, t, f = qkv_BTF.shape
-    qkv = qkv_BTF.reshape(b, t, f // (3 * self.head_dim), 3, self.head_dim)
-    return tuple(qkv[:, :, :, p].reshape(b, t, -1) for p in range(3))
+    return split_qkv.split_heads(self.qkv(x_BTD), self.head_dim)
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:
     if self.mlp_gelu == 'fused':

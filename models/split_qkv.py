@@ -51,11 +51,16 @@ def _split_qkv_fwd(x, w, b, head_dim, matmuls):
   return tuple(checkpoint_name(a, QKV_SPLIT) for a in qkv), (x_w, w, b)
 
 
-def slices(y, b, head_dim: int):
-  """XLA's way: ``y + b`` (b rounded to y's dtype), then q, k, v sliced out of its
-  ``[heads, 3, head_dim]`` columns, each ``[..., heads * head_dim]``."""
-  y = (y + b.astype(y.dtype)).reshape(*y.shape[:-1], -1, 3, head_dim)
+def split_heads(y, head_dim: int):
+  """q, k, v sliced out of the QKV projection's output y, its columns ``[heads, 3,
+  head_dim]``: each ``[..., heads * head_dim]`` (XLA's pass over y)."""
+  y = y.reshape(*y.shape[:-1], -1, 3, head_dim)
   return tuple(y[..., p, :].reshape(*y.shape[:-3], -1) for p in range(3))
+
+
+def slices(y, b, head_dim: int):
+  """XLA's way: ``y + b`` (b rounded to y's dtype), then ``split_heads``."""
+  return split_heads(y + b.astype(y.dtype), head_dim)
 
 
 def _split_qkv_bwd(head_dim, matmuls, res, grads):
