@@ -23,7 +23,8 @@ def test_split_qkv_gemm_is_its_reference_and_xlas_slices():
   that tiles start inside a head and parts of two heads share one), each of q, k, v is
   the reference's to bf16 rounding, under the interpreter's race detector (the bias loaded
   into shared memory as a tile starts, each sub-tile's store to its part); the reference is
-  XLA's bias and slices of the fp32 product."""
+  XLA's bias and slices of the fp32 product. Its base, `gemm.AddBias`, alone stores
+  acc + b."""
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as interpreter
   kx, kw, kb = jax.random.split(jax.random.key(5), 3)
   x = jax.random.normal(kx, (2, 128, 128), jnp.float32).astype(jnp.bfloat16)
@@ -32,7 +33,12 @@ def test_split_qkv_gemm_is_its_reference_and_xlas_slices():
   interpreter.reset_gpu_interpret_mode_state()
   with plgpu.force_gpu_interpret_mode(plgpu.InterpretGPUParams(detect_races=True)):
     got = qkv_gemm.matmul_bias_split(x, w, b, head_dim=32, num_sms=2, tiling=TILING)
+    biased, = gemm.matmul_epilogue(x, w, gemm.AddBias(b), num_sms=2, tiling=TILING)
   assert not interpreter.get_races().races_found
+  # its base on its own: the plain store of acc + b
+  np.testing.assert_allclose(np.asarray(biased, np.float32), np.asarray(
+      gemm.AddBias(b).reference(jnp.dot(x, w, preferred_element_type=jnp.float32),
+                                jnp.bfloat16)[0], np.float32), rtol=2e-2, atol=2e-2)
   want = qkv_gemm.matmul_bias_split_reference(x, w, b, head_dim=32)
   y = (jnp.dot(x, w, preferred_element_type=jnp.float32) + b).astype(jnp.bfloat16)
   y = y.reshape(2, 128, 2, 3, 32)
