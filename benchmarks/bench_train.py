@@ -97,6 +97,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _f32w   (with _unroll) the unrolled layers keep their fp32 weight slices for the backward
           pass (`step.CAST_LAYER_WEIGHTS` off), where they keep the weights cast to the
           compute dtype (since 2026-11-29): the step before that
+  _wgat   (with _xchg and _unroll) the exchange's weights gathered in one all-gather a
+          weight family before the first layer (`step.GATHER_EXCHANGE_WEIGHTS`), where each
+          layer gathers its own
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _cif2   (GSPMD too) XLA's latency-hiding scheduler may keep two asynchronous collectives
@@ -173,8 +176,8 @@ BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
              "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr", "zero",
-             "unroll", "idx", "f32w", "noremat", "cif2", "cif4", "pgle", "graphs", "fgraphs",
-             "cublas")
+             "unroll", "idx", "f32w", "wgat", "noremat", "cif2", "cif4", "pgle", "graphs",
+             "fgraphs", "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
@@ -219,6 +222,7 @@ class Variant:
   scan_layers: bool = True      # False for _unroll: parallel.scan_layers=False
   indexed: bool = False         # _idx: step.UNSTACK_LAYERS off
   f32_weights: bool = False     # _f32w: step.CAST_LAYER_WEIGHTS off
+  gather_weights: bool = False  # _wgat: step.GATHER_EXCHANGE_WEIGHTS on
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
   graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
   cublas: bool = False          # _cublas: xla_gpu_enable_triton_gemm off
@@ -263,6 +267,7 @@ def parse_variant(name: str) -> Variant:
       {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or (
       {"idx", "f32w"} & set(mods) and "unroll" not in mods) or (
+      "wgat" in mods and not {"xchg", "unroll"} <= set(mods)) or (
       {"gelu", "qkv"} & set(mods) and base.startswith("ring_")) or (
       "dbxla" in mods and "gelu" not in mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
@@ -271,7 +276,8 @@ def parse_variant(name: str) -> Variant:
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
-                     "_cif2 or _cif4; no ideal_zero; _idx and _f32w only with _unroll; _gelu and "
+                     "_cif2 or _cif4; no ideal_zero; _idx and _f32w only with _unroll; _wgat only "
+                     "with _xchg and _unroll; _gelu and "
                      "_qkv not with ring_; _dbxla only with _gelu)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
@@ -288,7 +294,7 @@ def parse_variant(name: str) -> Variant:
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
                  scan_layers="unroll" not in mods, indexed="idx" in mods,
-                 f32_weights="f32w" in mods,
+                 f32_weights="f32w" in mods, gather_weights="wgat" in mods,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
                  graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
                              "none"), cublas="cublas" in mods)
@@ -417,6 +423,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
         + [mock.patch.object(gelu_gemm, "BIAS_GRAD", False)] * variant.db_xla
         + [mock.patch.object(step_lib, "UNSTACK_LAYERS", False)] * variant.indexed
         + [mock.patch.object(step_lib, "CAST_LAYER_WEIGHTS", False)] * variant.f32_weights
+        + [mock.patch.object(step_lib, "GATHER_EXCHANGE_WEIGHTS", True)] * variant.gather_weights
         + [mock.patch.object(fused, "EXCHANGE_GRADIENT", variant.gradient_exchange),
            mock.patch.object(fused, "EXCHANGE_FORWARD", variant.forward_exchange)])
   return step, state, batch, mesh, plan, ctx

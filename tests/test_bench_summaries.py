@@ -148,6 +148,8 @@ def test_bench_train_variant_names():
   assert cm.fused_gelu and cm.kernels and not cm.db_xla
   assert bench_train.parse_variant("off_save_dots_attn_head_gelu_dbxla_unroll").db_xla
   assert bench_train.parse_variant("off_save_dots_unroll_f32w").f32_weights
+  assert bench_train.parse_variant("on_cm_xchg_save_dots_unroll_wgat").gather_weights
+  assert not cm.gather_weights
   qkv = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs")
   assert qkv.fused_qkv and qkv.fused_gelu and not cm.fused_qkv
   cublas = bench_train.parse_variant("off_save_unroll_cublas")
@@ -165,6 +167,7 @@ def test_bench_train_variant_names():
               "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit",
               "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu", "ring_on_qkv", "off_qkv_gelu",
               "off_gelu_head", "off_dbxla", "off_dbxla_gelu", "gspmd_cublas", "off_save_f32w",
+              "off_save_unroll_wgat", "off_xchg_save_wgat",
               "off_cublas_unroll"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)

@@ -433,6 +433,39 @@ def test_exchange_matches_single_device_and_sends_the_attention_input(reference)
   assert len(attention_input("kernel", True)) == len(attention_input("none", True))
 
 
+@pytest.mark.parametrize("layout, overlap", [((1, 1, 4), "kernel"), ((2, 1, 2), "none")])
+def test_exchange_weights_gathered_before_the_layers(monkeypatch, reference, layout, overlap):
+  """`step.GATHER_EXCHANGE_WEIGHTS`: the unrolled layers' exchange weights are gathered in one
+  all-gather a weight family (here the out-projection's, and at tp = 4 the MLP-out's too: its
+  input is narrower than its output) before the first layer, none in a layer; the loss and
+  gradients are the single-device ones (and with `overlap_grad_reduce` at dp > 1, whose
+  reduction the gather follows)."""
+  ref_params, ref_loss, ref_grads = reference
+  cfg = dataclasses.replace(CFG, remat=True)
+  dp, pp, tp = layout
+  mesh = make_mesh(*layout, devices=jax.devices()[:dp * pp * tp])
+  params = layout_lib.shard_params(CFG, ref_params, mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  spec = step_lib.ParallelSpec(cfg, dp, pp, tp, 1, save_tp_outputs=True, tp_overlap=overlap,
+                               tp_exchange=True, scan_layers=False, overlap_grad_reduce=dp > 1)
+  weights = [(CFG.d_model // tp, CFG.d_model)]  # one layer's shard of each exchange weight
+  if CFG.d_ff // tp < CFG.d_model:
+    weights.append((CFG.d_ff // tp, CFG.d_model))
+  gathers = {}
+  for gather in (False, True):
+    monkeypatch.setattr(step_lib, "GATHER_EXCHANGE_WEIGHTS", gather)
+    jaxpr = jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(params, tokens).jaxpr
+    gathers[gather] = collections.Counter(
+        e.invars[0].aval.shape for e in _eqns(jaxpr) if e.primitive.name == "all_gather"
+        and e.invars[0].aval.shape[-2:] in weights)
+  assert gathers[False] == {w: CFG.n_layers for w in weights}, gathers[False]
+  assert gathers[True] == {(CFG.n_layers, *w): 1 for w in weights}, gathers[True]
+  loss, grads, _ = _loss_grads_collectives(spec, mesh, params, tokens)
+  np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
+  for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
+    assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+
+
 def test_save_tp_outputs_keeps_the_recomputation_from_communicating():
   """With `model.remat` the backward layer scan recomputes each block, its TP collectives
   included; `save_tp_outputs=True` keeps their outputs instead (`step.remat_policy`), so

@@ -153,8 +153,9 @@ class RowParallelLinear(nnx.Module):
   def __init__(self, d_in: int, d_out: int, *, init_std: float, ctx: TPContext,
                rngs: nnx.Rngs):
     self.ctx = ctx
-    d_local = _split(d_in, ctx.tp, "row-parallel input width")
-    self.kernel = nnx.Param(normal_init(init_std)(rngs.params(), (d_local, d_out), jnp.float32))
+    self.d_local = _split(d_in, ctx.tp, "row-parallel input width")
+    self.kernel = nnx.Param(
+        normal_init(init_std)(rngs.params(), (self.d_local, d_out), jnp.float32))
     self.bias = nnx.Param(jnp.zeros((d_out,), jnp.float32))
 
   @property
@@ -162,14 +163,14 @@ class RowParallelLinear(nnx.Module):
     """Whether this layer sends its input instead of its output (``parallel.tp_exchange``):
     where the local input is narrower than the output, an all-to-all of the input sends
     fewer bytes than the output's reduce-scatter (the attention's out-projection: 1/tp)."""
-    d_local, d_out = self.kernel.shape
-    return self.ctx.exchange and self.ctx.tp > 1 and d_local < d_out
+    return self.ctx.exchange and self.ctx.tp > 1 and self.d_local < self.bias.shape[0]
 
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     y_BTF = y_BTF.astype(ctx.dtype)
     if self.exchanges:
-      x_BSD = exchange_matmul(y_BTF, w, ctx)
+      # a kernel of d_in rows was gathered before the layers (`step.GATHER_EXCHANGE_WEIGHTS`)
+      x_BSD = exchange_matmul(y_BTF, w, ctx, gathered=w.shape[0] != self.d_local)
     elif ctx.overlap == "ring" and ctx.tp > 1:
       x_BSD = overlap.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp"))
     elif ctx.overlap == "kernel" and ctx.tp > 1:
@@ -196,7 +197,7 @@ class RowParallelLinear(nnx.Module):
     return y_BSD + self.bias[...].astype(ctx.dtype)
 
 
-def exchange_matmul(y_BTF, w_FD, ctx: TPContext):
+def exchange_matmul(y_BTF, w_FD, ctx: TPContext, gathered: bool = False):
   """The row-parallel product with sequence parallelism by an exchange of inputs: this
   rank's sequence shard of ``y @ w`` from every rank's columns of y for it (all-to-all
   over "tensor", [B, T, F/tp] -> [B, S, F]) times the whole weight (all-gathered; its
@@ -206,12 +207,36 @@ def exchange_matmul(y_BTF, w_FD, ctx: TPContext):
   of its own and the backward's matmul and exchange one kernel (`fused.exchange_matmul`).
   The exchanged y, the gathered weight (and with the kernel layers the product) carry
   ``TP_OUTPUT``, so that the recomputation under ``parallel.save_tp_outputs`` does not
-  communicate again."""
-  w_full = checkpoint_name(collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
+  communicate again. ``gathered``: w_FD is the whole weight already (`gather_exchange_weights`)."""
+  w_full = w_FD if gathered else checkpoint_name(
+      collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
   if ctx.overlap == "kernel":
     return checkpoint_name(fused.exchange_matmul(y_BTF, w_full, TENSOR), TP_OUTPUT)
   y_BSF = collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ, concat_axis=2)
   return jnp.einsum("...i,io->...o", checkpoint_name(y_BSF, TP_OUTPUT), w_full)
+
+
+def exchange_kernel_paths(block: nnx.Module) -> list[tuple[str, ...]]:
+  """Where the weights of `block`'s exchanging layers (`RowParallelLinear.exchanges`) sit in
+  its parameter tree."""
+  return [(*map(str, path), "kernel") for path, m in nnx.iter_modules(block)
+          if isinstance(m, RowParallelLinear) and m.exchanges]
+
+
+def gather_exchange_weights(layer_params: list, paths: list[tuple[str, ...]]) -> list:
+  """The layers' parameter trees with the weights at `paths` whole ([d_in / tp, d_out] ->
+  [d_in, d_out]): each path's in one all-gather over "tensor" of every layer's, whose
+  backward reduce-scatters their gradients. The layers take a whole weight as gathered
+  (`exchange_matmul`)."""
+  key = lambda kp: tuple(str(getattr(k, "key", k)) for k in kp)  # noqa: E731
+  shards = [{key(kp): w for kp, w in jax.tree_util.tree_leaves_with_path(p) if key(kp) in paths}
+            for p in layer_params]
+  whole = {path: jnp.unstack(collectives.all_gather(jnp.stack([s[path] for s in shards]),
+                                                    TENSOR, axis=1, tiled=True))
+           for path in paths}
+  return [jax.tree_util.tree_map_with_path(
+              lambda kp, x, i=i: whole[key(kp)][i] if key(kp) in whole else x, p)
+          for i, p in enumerate(layer_params)]
 
 
 @dataclasses.dataclass(frozen=True)

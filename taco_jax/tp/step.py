@@ -60,6 +60,15 @@ UNSTACK_LAYERS = True
 # bench_train's A/B (`_f32w`).
 CAST_LAYER_WEIGHTS = True
 
+# Unrolled layers whose attention exchanges its input (`parallel.tp_exchange`) take their
+# out-projection weights whole, all gathered in one all-gather before the first layer
+# (`layers.gather_exchange_weights`), instead of each gathered inside its layer. XLA
+# combines those per-layer gathers into NCCL all-gathers of three layers each, started
+# early, that run beside the layers' kernels: at TP=2 7 of a step's 24 QKV all-gather kernels
+# ran beside one, ~75 us slower each (`profile_step_nvlink_gelu_xchg_tp2`, 2026-11-29). The
+# one gather has only the embedding to hide behind. Off until measured (bench_train `_wgat`).
+GATHER_EXCHANGE_WEIGHTS = False
+
 # XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
 # chain: DotMerger fuses dots sharing an operand (here the weight: A's and B's projection
 # become one dot over both gathered inputs, which waits for both all-gathers), and the
@@ -307,7 +316,7 @@ def _trunk(spec: ParallelSpec, constrain: Callable | None = None, reduce_grads_o
   without interleaving.
   """
   cfg, k = spec.cfg, spec.interleave
-  block_gd, _ = layout_lib.block_template(cfg, spec.ctx)
+  block_gd, block_state = layout_lib.block_template(cfg, spec.ctx)
   constrain = constrain or (lambda h: h)
 
   def layer(hs, p):  # one block on each sub-batch: k chains with no data between them
@@ -316,21 +325,27 @@ def _trunk(spec: ParallelSpec, constrain: Callable | None = None, reduce_grads_o
 
   if cfg.remat:
     layer = jax.checkpoint(layer, policy=remat_policy(spec))
-  if CAST_LAYER_WEIGHTS and not spec.scan_layers:  # outside the remat, inside the reduction
-    uncast = layer
-    layer = lambda hs, p: uncast(hs, _cast_weights(p, cfg.compute_dtype))  # noqa: E731
-  if reduce_grads_over_data:
-    checkpointed, codec = layer, spec.plan.codec("dp")
-    layer = lambda hs, p: checkpointed(hs, buckets.all_reduce_in_backward(  # noqa: E731
-        p, DATA, codec, "dp", scale=1 / spec.dp))
+
+  def prepare(p):  # a layer's parameters as its block takes them, outside the remat
+    if reduce_grads_over_data:
+      p = buckets.all_reduce_in_backward(p, DATA, spec.plan.codec("dp"), "dp", scale=1 / spec.dp)
+    if CAST_LAYER_WEIGHTS and not spec.scan_layers:  # inside the reduction
+      p = _cast_weights(p, cfg.compute_dtype)
+    return p
 
   def trunk(blocks, h_BSD):
     hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)
     if spec.scan_layers:
-      hs = jax.lax.scan(layer, hs, blocks)[0]
+      hs = jax.lax.scan(lambda hs, p: layer(hs, prepare(p)), hs, blocks)[0]
+    elif GATHER_EXCHANGE_WEIGHTS and (paths := layers.exchange_kernel_paths(
+        nnx.merge(block_gd, block_state))):
+      ps = layers.gather_exchange_weights([prepare(p) for p in _layer_params(blocks)], paths)
+      ps, hs = jax.lax.optimization_barrier((ps, hs))  # all gathered before the first layer
+      for p in ps:
+        hs = layer(hs, p)[0]
     else:
       for p in _layer_params(blocks):
-        hs = layer(hs, p)[0]
+        hs = layer(hs, prepare(p))[0]
     return jnp.concatenate(hs) if k > 1 else hs[0]
 
   return trunk
