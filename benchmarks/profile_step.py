@@ -103,11 +103,15 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
   kernel called alike in both passes, each layer's forward calls come before its
   backward's, so the halves are the forward and the backward pass; a kernel called in one
   pass only, as cuBLAS's are, each layout of operands a kernel of its own, needs the
-  passes)."""
+  passes). ``beside_nccl``: for each timed kernel some of whose calls ran beside one of
+  NCCL's collective kernels (not the barriers XLA runs before a peer kernel, on its
+  stream), those calls per step and their mean length against the others' (an NCCL kernel
+  takes SMs and link from a kernel it runs beside)."""
   names = {e["pid"]: e["args"]["name"] for e in events
            if e.get("ph") == "M" and e.get("name") == "process_name"}
   per_dev = collections.defaultdict(lambda: collections.defaultdict(list))
   durations = collections.defaultdict(lambda: collections.defaultdict(list))
+  collectives = collections.defaultdict(list)  # NCCL's collective kernels, not its barriers
   for e in events:
     if e.get("ph") != "X" or "dur" not in e:
       continue
@@ -116,6 +120,8 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
       continue
     per_dev[dev][family(e["name"])].append((e["ts"], e["ts"] + e["dur"]))
     durations[dev][kernel_name(e["name"])].append((e["ts"], e["dur"]))
+    if e["name"].lower().startswith("nccl"):
+      collectives[dev].append((e["ts"], e["ts"] + e["dur"]))
   out = {}
   for dev, fams in sorted(per_dev.items()):
     kernels = collections.Counter({k: sum(d for _, d in v) for k, v in durations[dev].items()})
@@ -138,6 +144,9 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
                                     for k, us in kernels.most_common(top)},
                     call_us={k: _buckets([d for _, d in durations[dev][k]], steps)
                              for k in timed})
+    beside = {k: _beside(durations[dev][k], _merge(collectives[dev]), steps) for k in timed
+              if family(k) != "nccl"}
+    out[dev]["beside_nccl"] = {k: v for k, v in beside.items() if v["calls"]}
     bounds = pass_bounds(fams.get("gemm", []), steps)
     if bounds:
       out[dev]["call_us_passes"] = {k: _by_pass(durations[dev][k], bounds, steps)
@@ -145,6 +154,16 @@ def summarize_trace(events: list[dict], steps: int, top: int = 24, calls: int = 
     else:
       out[dev]["call_us_halves"] = {k: _halves(durations[dev][k], steps) for k in timed}
   return out
+
+
+def _beside(calls: list[tuple[float, float]], cover, steps: int) -> dict:
+  """{calls: those per step that overlap `cover` (merged intervals), us: their mean length,
+  alone_us: the other calls' mean length} of (start, duration) calls."""
+  split = {True: [], False: []}
+  for t, d in calls:
+    split[_covered([[t, t + d]], cover) > 0].append(d)
+  mean = lambda ds: sum(ds) / len(ds) if ds else None  # noqa: E731
+  return dict(calls=len(split[True]) / steps, us=mean(split[True]), alone_us=mean(split[False]))
 
 
 HEAD_FACTOR = 4  # a GEMM call this many times the median one is the head's (vocabulary)

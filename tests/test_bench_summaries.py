@@ -333,9 +333,27 @@ def test_trace_summary_counts_only_uncovered_nccl_time_and_the_idle_device():
   assert list(got["top_kernels_ms"])[0] == "sm90_xmma_gemm_bf16"
   assert got["call_us"]["loop_add_fusion"] == {20: 0.5, 30: 0.5}  # a 20 and a 30 us call
   assert len(got["call_us"]) == 4 and got["call_us"]["sm90_xmma_gemm_bf16"] == {100: 0.5}
+  assert got["beside_nccl"] == {"sm90_xmma_gemm_bf16": dict(calls=0.5, us=100, alone_us=None)}
   (_, only_copies), = profile_step.summarize_trace(events[:2] + [x("MemcpyH2D", 0, 5)],
                                                    steps=1).items()
   assert only_copies["idle_ms"] == 0
+
+
+def test_trace_summary_times_the_calls_that_ran_beside_an_nccl_collective():
+  """A kernel's calls that overlap one of NCCL's collective kernels, against its others; the
+  barrier kernel XLA runs before a peer kernel, on its stream, is no collective."""
+  def x(name, ts, dur):
+    return dict(ph="X", name=name, ts=ts, dur=dur, pid=1, tid=0)
+
+  events = [dict(ph="M", name="process_name", pid=1, args=dict(name="/device:GPU:0")),
+            x("taco_all_gather_matmul_2_mosaic_gpu_kernel", 0, 30),
+            x("taco_all_gather_matmul_2_mosaic_gpu_kernel", 40, 40),   # beside the gather
+            x("ncclDevKernel_AllGather_RING_LL", 50, 10),
+            x("taco_all_gather_matmul_2_mosaic_gpu_kernel", 100, 34),
+            x("stream_executor::gpu::MultiGpuBarrierWithNcclKernelImpl", 96, 6)]
+  (_, got), = profile_step.summarize_trace(events, steps=1).items()
+  assert got["beside_nccl"] == {"taco_all_gather_matmul_2_mosaic_gpu_kernel": dict(
+      calls=1.0, us=40.0, alone_us=32.0)}
 
 
 def test_trace_summary_splits_each_steps_gemm_calls_into_halves():
