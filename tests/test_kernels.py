@@ -15,6 +15,7 @@ import pytest
 from taco_jax import pallas_kernels  # noqa: F401  (registers the modules below)
 
 from taco_jax.pallas_kernels import wire
+from taco_jax.testing import cuda_lowering
 
 enc = sys.modules["taco_jax.pallas_kernels.encode"]
 dec = sys.modules["taco_jax.pallas_kernels.decode"]
@@ -211,22 +212,21 @@ def test_kernels_lower_to_triton(monkeypatch):
                                     (3, 512, 256, jnp.float32, True)]:
     k = d // g
     for fmt in ("e4m3", "e5m2"):
-      f = functools.partial(enc.encode_pallas, group_size=g, fmt=fmt, h_iota=h_iota)
-      jax.jit(f).trace(sds((rows, d), dtype)).lower(lowering_platforms=("cuda",))
+      cuda_lowering(functools.partial(enc.encode_pallas, group_size=g, fmt=fmt, h_iota=h_iota),
+                    sds((rows, d), dtype))
     fp8 = jnp.float8_e4m3fn
-    f = functools.partial(dec.decode_pallas, group_size=g, h_iota=h_iota)
-    jax.jit(f).trace(sds((rows, d), fp8), sds((rows, k), jnp.float32),
-                     sds((rows, k), jnp.float32)).lower(lowering_platforms=("cuda",))
-    f = functools.partial(dec.decode_sum_pallas, group_size=g, hadamard=not h_iota)
-    jax.jit(f).trace(sds((3, rows, d), fp8), sds((3, rows, k), jnp.float32),
-                     sds((3, rows, k), jnp.float32)).lower(lowering_platforms=("cuda",))
+    cuda_lowering(functools.partial(dec.decode_pallas, group_size=g, h_iota=h_iota),
+                  sds((rows, d), fp8), sds((rows, k), jnp.float32), sds((rows, k), jnp.float32))
+    cuda_lowering(functools.partial(dec.decode_sum_pallas, group_size=g, hadamard=not h_iota),
+                  sds((3, rows, d), fp8), sds((3, rows, k), jnp.float32),
+                  sds((3, rows, k), jnp.float32))
     # The wire format: packed encode, decode and decode-and-sum of wire rows.
-    f = functools.partial(enc.encode_pallas, group_size=g, h_iota=h_iota, packed=True)
-    jax.jit(f).trace(sds((rows, d), dtype)).lower(lowering_platforms=("cuda",))
+    cuda_lowering(functools.partial(enc.encode_pallas, group_size=g, h_iota=h_iota, packed=True),
+                  sds((rows, d), dtype))
     w = wire.width(d, g)
     for fn, shape in ((dec.decode_wire, (rows, w)), (dec.decode_sum_wire, (3, rows, w))):
-      f = functools.partial(fn, group_size=g, h_iota=h_iota, implementation="pallas")
-      jax.jit(f).trace(sds(shape, jnp.uint8)).lower(lowering_platforms=("cuda",))
+      cuda_lowering(functools.partial(fn, group_size=g, h_iota=h_iota, implementation="pallas"),
+                    sds(shape, jnp.uint8))
 
 
 def test_kernel_rejects_bad_shapes_and_dtypes():
