@@ -163,7 +163,7 @@ class RowParallelLinear(nnx.Module):
     """Whether this layer sends its input instead of its output (``parallel.tp_exchange``):
     where the local input is narrower than the output, an all-to-all of the input sends
     fewer bytes than the output's reduce-scatter (the attention's out-projection: 1/tp)."""
-    return self.ctx.exchange and self.ctx.tp > 1 and self.d_local < self.bias.shape[0]
+    return self.ctx.exchange and self.ctx.tp > 1 and self.d_local < self.kernel.shape[1]
 
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
