@@ -580,8 +580,7 @@ def summarize(rows) -> list[dict]:
           s[f"recovered{mods}"] = (t[v.name] - t[on]) / (t[v.name] - t[ideal])
       # a kernel or exchange variant against the collectives-between-matmuls pair of its
       # other modifiers
-      pair = "".join(f"_{m}" for m in mods.split("_")[1:] if m not in PAIRED_WITH_COLLECTIVES)
-      off, ideal = f"off{pair}", f"ideal{pair}"
+      off, ideal = f"off{_pair(v)}", f"ideal{_pair(v)}"
       if (v.kernels or v.tp_exchange) and off in t and ideal in t and t[off] > t[ideal]:
         name = "ceiling" if v.base == "ideal" else "recovered"
         s[f"{name}_{v.name}"] = (t[off] - t[v.name]) / (t[off] - t[ideal])
@@ -597,12 +596,20 @@ def summarize(rows) -> list[dict]:
                best_on_ms=t.get(best_on))
       if best_off and best_on:
         s["speedup_best"] = t[best_off] / t[best_on]
-        if "ideal" in t and t[best_off] > t["ideal"]:
-          s["recovered_best"] = (t[best_off] - t[best_on]) / (t[best_off] - t["ideal"])
+        ideal = t.get(f"ideal{_pair(parse_variant(best_off))}", t.get("ideal"))
+        if ideal is not None and t[best_off] > ideal:
+          s["recovered_best"] = (t[best_off] - t[best_on]) / (t[best_off] - ideal)
       if best_off and "gspmd" in t:
         s["best_off_vs_gspmd"] = t["gspmd"] / t[best_off]
     out.append(s)
   return out
+
+
+def _pair(v: Variant) -> str:
+  """The modifiers of `v`'s pair among the collectives between the matmuls ('_save_dots' for
+  on_cm_xchg_save_dots_fgraphs): its own, less those of the kernel layers and the exchange."""
+  mods = v.name.removeprefix(v.base).split("_")[1:]
+  return "".join(f"_{m}" for m in mods if m not in PAIRED_WITH_COLLECTIVES)
 
 
 def add_overlap_flags(args) -> None:

@@ -67,6 +67,8 @@ def test_bench_train_summary_never_picks_a_graphs_variant_the_trainer_does_not_c
   assert s["recovered_off_xchg_save"] == pytest.approx(0.2)  # against the collectives
   assert s["recovered_on_cm_xchg_save_fgraphs"] == pytest.approx(0.6)
   assert s["recovered_on_cm_xchg_bxla_save_fgraphs"] == pytest.approx(0.7)
+  # the best of each side, against the ideal of the best off variant's remat policy
+  assert s["recovered_best"] == pytest.approx((190 - 165) / (190 - 150))
   (s,) = bench_train.summarize(_rows(off=200.0, ideal=150.0, gspmd=210.0, off_cm_fgraphs=175.0,
                                      ideal_cm_fgraphs=160.0))
   assert s["ceiling_ideal_cm_fgraphs"] == pytest.approx(0.8)  # (200 - 160) / 50
