@@ -43,6 +43,8 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
   _ffused (with _cm and _xchg) the exchange and the matmul of the forward as one kernel
           (`fused.EXCHANGE_FORWARD` "fused", `pallas_kernels/all_to_all_matmul.py`), where
           the layers run our exchange kernel, then cuBLAS
+  _nolink (on_ only) every collective and kernel of --compress in FP8, as without --link,
+          where the run's --link picks what pays on that link (as the trainer does)
   _push   (with _cm only) every plain all-gather kernel on the ring, pushing its chunks,
           where the layers pull the peers' rows (`ag_matmul.PULL_CLUSTERS`, since
           2026-11-27): the layers' all-gather before that
@@ -174,7 +176,8 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
-MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "1f1b",
+MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "nolink",
+             "1f1b",
              "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr", "zero",
              "unroll", "idx", "f32w", "wgat", "noremat", "cif2", "cif4", "pgle", "graphs",
              "fgraphs", "cublas")
@@ -183,7 +186,7 @@ CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
 PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit",
-                           "ffused", *GRAPHS_MODIFIERS)
+                           "ffused", "nolink", *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots", "attn")  # modifiers that say what the remat keeps: not with noremat
 # the `ParallelSpec` fields a variant sets (build_step's keywords), written into its results too
@@ -215,6 +218,7 @@ class Variant:
   tp_exchange: bool = False     # _xchg: parallel.tp_exchange
   gradient_exchange: str = "fused"  # _bxla: "xla", _bsplit: "kernel" (fused.EXCHANGE_GRADIENT)
   forward_exchange: str = "kernel"  # _ffused: "fused" (fused.EXCHANGE_FORWARD)
+  every_link: bool = False      # _nolink: compressed as if no --link was given
   schedule: str = "gpipe"       # _1f1b: parallel.schedule="1f1b"; _vs2: "interleaved"
   virtual_stages: int = 1       # _vs2: parallel.virtual_stages=2
   shard_optimizer: bool = False  # _zero: parallel.shard_optimizer
@@ -264,6 +268,7 @@ def parse_variant(name: str) -> Variant:
       {"push", "wcopy", "rsw"} & set(mods) and "cm" not in mods) or (
       "dwf32" in mods and "cm" not in mods and not base.startswith("ring_")) or (
       {"bxla", "bsplit", "ffused"} & set(mods) and not {"cm", "xchg"} <= set(mods)) or (
+      "nolink" in mods and base.removeprefix("ring_") != "on") or (
       {"bxla", "bsplit"} <= set(mods)) or (
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or (
       {"idx", "f32w"} & set(mods) and "unroll" not in mods) or (
@@ -275,9 +280,9 @@ def parse_variant(name: str) -> Variant:
                      f"_{', _'.join(GSPMD_MODIFIERS)}; _noremat none of _"
                      f"{', _'.join(REMAT_SAVES)}; _cm only after off / on / ideal, _push, "
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
-                     "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _1f1b or _vs2; "
-                     "_cif2 or _cif4; no ideal_zero; _idx and _f32w only with _unroll; _wgat only "
-                     "with _xchg and _unroll; _gelu and "
+                     "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _nolink only "
+                     "after on; _1f1b or _vs2; _cif2 or _cif4; no ideal_zero; _idx and _f32w "
+                     "only with _unroll; _wgat only with _xchg and _unroll; _gelu and "
                      "_qkv not with ring_; _dbxla only with _gelu)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
@@ -290,6 +295,7 @@ def parse_variant(name: str) -> Variant:
                  gradient_exchange=("xla" if "bxla" in mods else "kernel" if "bsplit" in mods
                                     else "fused"),
                  forward_exchange="fused" if "ffused" in mods else "kernel",
+                 every_link="nolink" in mods,
                  schedule="1f1b" if "1f1b" in mods else "interleaved" if "vs2" in mods else
                  "gpipe", virtual_stages=2 if "vs2" in mods else 1,
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
@@ -384,7 +390,6 @@ def _program(variant: Variant, layout, args, cfg, tx):
   from taco_jax import collectives
   from taco_jax.pallas_kernels import ag_matmul, gelu_gemm, matmul_rs
   from taco_jax.tp import fused, overlap, step as step_lib
-  from taco_jax.plan import CompressionPlan
   from taco_jax.tp.mesh import TENSOR
   from taco_jax.train.trainer import opt_state_target, shardings
 
@@ -405,9 +410,7 @@ def _program(variant: Variant, layout, args, cfg, tx):
                                                         lambda i: tokens[i])
     plan, ctx = None, contextlib.nullcontext()
   else:
-    plan = compression_plan(args, link=args.link) if variant.compressed else CompressionPlan()
-    if not variant.shard_optimizer:  # nothing to gather: the replicated optimizer
-      plan = dataclasses.replace(plan, dp_params=None)
+    plan = variant_plan(variant, args)
     if variant.fused_gelu:
       cfg = dataclasses.replace(cfg, mlp_gelu="fused")
     if variant.fused_qkv:
@@ -603,6 +606,16 @@ def summarize(rows) -> list[dict]:
         s["best_off_vs_gspmd"] = t["gspmd"] / t[best_off]
     out.append(s)
   return out
+
+
+def variant_plan(variant: Variant, args):
+  """The codecs a variant of ours compresses with: none for off / ideal; --compress's, on
+  what pays on --link (everything without it or with _nolink); dp_params only with ZeRO."""
+  from taco_jax.plan import CompressionPlan
+  if not variant.compressed:
+    return CompressionPlan()
+  plan = compression_plan(args, link=None if variant.every_link else args.link)
+  return plan if variant.shard_optimizer else dataclasses.replace(plan, dp_params=None)
 
 
 def _pair(v: Variant) -> str:

@@ -151,6 +151,15 @@ def test_bench_train_variant_names():
   assert bench_train.parse_variant("off_save_dots_attn_head_gelu_dbxla_unroll").db_xla
   assert bench_train.parse_variant("off_save_dots_unroll_f32w").f32_weights
   assert bench_train.parse_variant("on_cm_xchg_save_dots_unroll_wgat").gather_weights
+  assert bench_train.parse_variant("on_cm_xchg_nolink_save_fgraphs").every_link
+  assert bench_train.parse_variant("ring_on_nolink_save").every_link and not cm.every_link
+  args = bench_train.parse_args(["--variants", "off", "--link", "nvlink", "--compress",
+                                 "tp_forward,dp_params"])
+  plans = {v: bench_train.variant_plan(bench_train.parse_variant(v), args)
+           for v in ("off_cm", "on_cm", "on_cm_nolink", "on_cm_zero")}
+  assert plans["off_cm"].tp_forward is None
+  assert plans["on_cm"].tp_forward.link == "nvlink" and plans["on_cm_nolink"].tp_forward.link is None
+  assert plans["on_cm"].dp_params is None and plans["on_cm_zero"].dp_params is not None
   assert not cm.gather_weights
   qkv = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs")
   assert qkv.fused_qkv and qkv.fused_gelu and not cm.fused_qkv
@@ -169,7 +178,7 @@ def test_bench_train_variant_names():
               "on_cm_bxla", "on_cm_bxla_xchg", "on_cm_xchg_bxla_bsplit", "off_xchg_bsplit",
               "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu", "ring_on_qkv", "off_qkv_gelu",
               "off_gelu_head", "off_dbxla", "off_dbxla_gelu", "gspmd_cublas", "off_save_f32w",
-              "off_save_unroll_wgat", "off_xchg_save_wgat",
+              "off_save_unroll_wgat", "off_xchg_save_wgat", "off_cm_nolink", "ideal_nolink",
               "off_cublas_unroll"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)
