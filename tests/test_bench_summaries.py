@@ -158,7 +158,8 @@ def test_bench_train_variant_names():
   plans = {v: bench_train.variant_plan(bench_train.parse_variant(v), args)
            for v in ("off_cm", "on_cm", "on_cm_nolink", "on_cm_zero")}
   assert plans["off_cm"].tp_forward is None
-  assert plans["on_cm"].tp_forward.link == "nvlink" and plans["on_cm_nolink"].tp_forward.link is None
+  assert plans["on_cm"].tp_forward.link == "nvlink"
+  assert plans["on_cm_nolink"].tp_forward.link is None
   assert plans["on_cm"].dp_params is None and plans["on_cm_zero"].dp_params is not None
   assert not cm.gather_weights
   qkv = bench_train.parse_variant("on_cm_xchg_save_dots_attn_head_gelu_qkv_unroll_fgraphs")
