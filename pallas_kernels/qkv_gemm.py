@@ -43,12 +43,7 @@ class SplitHeads(gemm.AddBias):
     self.head_dim = head_dim
 
   def misfit(self, n: int, tiling: gemm.Tiling) -> str | None:
-    """Why this epilogue cannot split ``n`` columns on ``tiling``'s sub-tiles, or None."""
-    if n % (PARTS * self.head_dim):
-      return f"{n} columns are not whole heads of {PARTS} x {self.head_dim}"
-    if self.head_dim % tiling.epi_n:
-      return f"epilogue sub-tiles of {tiling.epi_n} columns straddle heads of {self.head_dim}"
-    return None
+    return heads_misfit(n, self.head_dim, tiling)
 
   def outputs(self, m, n, dtype):
     self.check_width(n, "matmul_bias_split")
@@ -82,11 +77,20 @@ def matmul_bias_split_reference(x, w_KN, b_N, *, head_dim: int):
   return SplitHeads(b_N, head_dim).reference(acc, x.dtype)
 
 
+def heads_misfit(n: int, head_dim: int, tiling: gemm.Tiling) -> str | None:
+  """Why ``SplitHeads`` cannot split ``n`` columns on ``tiling``'s sub-tiles, or None."""
+  if n % (PARTS * head_dim):
+    return f"{n} columns are not whole heads of {PARTS} x {head_dim}"
+  if head_dim % tiling.epi_n:
+    return f"epilogue sub-tiles of {tiling.epi_n} columns straddle heads of {head_dim}"
+  return None
+
+
 def misfit(m: int, k: int, n: int, head_dim: int, tiling: gemm.Tiling) -> str | None:
   """Why the kernel cannot take an ``[m, k] @ [k, n]`` product on ``tiling``, or None."""
   if tiling.cluster_n != 1:
     return "the split QKV GEMM runs without clusters (cluster_n = 1)"
-  return (SplitHeads(jnp.zeros(n), head_dim).misfit(n, tiling)
+  return (heads_misfit(n, head_dim, tiling)
           or tiling.misfit(rows_per_seq=tiling.cta_m, m=m, n=n, k=k))
 
 
