@@ -337,15 +337,14 @@ def _trunk(spec: ParallelSpec, constrain: Callable | None = None, reduce_grads_o
     hs = tuple(jnp.split(h_BSD, k)) if k > 1 else (h_BSD,)
     if spec.scan_layers:
       hs = jax.lax.scan(lambda hs, p: layer(hs, prepare(p)), hs, blocks)[0]
-    elif GATHER_EXCHANGE_WEIGHTS and (paths := layers.exchange_kernel_paths(
-        nnx.merge(block_gd, block_state))):
-      ps = layers.gather_exchange_weights([prepare(p) for p in _layer_params(blocks)], paths)
-      ps, hs = jax.lax.optimization_barrier((ps, hs))  # all gathered before the first layer
+    else:
+      ps = map(prepare, _layer_params(blocks))  # lazily: each layer's just before the layer
+      if GATHER_EXCHANGE_WEIGHTS and (paths := layers.exchange_kernel_paths(
+          nnx.merge(block_gd, block_state))):
+        ps = layers.gather_exchange_weights(list(ps), paths)
+        ps, hs = jax.lax.optimization_barrier((ps, hs))  # all gathered before the first layer
       for p in ps:
         hs = layer(hs, p)[0]
-    else:
-      for p in _layer_params(blocks):
-        hs = layer(hs, prepare(p))[0]
     return jnp.concatenate(hs) if k > 1 else hs[0]
 
   return trunk
