@@ -177,9 +177,8 @@ from benchmarks.train_parallel import (  # noqa: E402 (no JAX import)
 BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "nolink",
-             "1f1b",
-             "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr", "zero",
-             "unroll", "idx", "f32w", "wgat", "noremat", "cif2", "cif4", "pgle", "graphs",
+             "1f1b", "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr",
+             "zero", "unroll", "idx", "f32w", "wgat", "noremat", "cif2", "cif4", "pgle", "graphs",
              "fgraphs", "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
