@@ -20,6 +20,12 @@ def get_config():
   # keep the TP collectives' outputs through remat: 10% faster on 4xH200 (189 against 210
   # ms a step at batch 8, bf16), for 320 MiB per layer per GPU at batch 16 (7.5 GiB)
   c.parallel.save_tp_outputs = True
+  # the collectives inside the matmuls, FP8 where the link policy measured it to pay: on
+  # 4xH200 (NVLink) 98.0-98.6 ms a bench_train step against 119.6-119.7 for the bf16
+  # collectives and 113.4 for the FP8 ones (bench_train_nvlink_cm_policy*_4gpu); the trainer 1.135x
+  # (trainer_summary_1.3b_tp4_*_4gpu_20261127); where a kernel cannot run (P2P off, no
+  # Hopper GPU) that collective is XLA's, compressed as before, said once
+  c.parallel.tp_overlap = 'kernel'
   for family in ('tp_forward', 'tp_backward', 'pp'):
     c.compression[family].group_size = 128
   return c
