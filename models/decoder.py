@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_jax.models.attention import ATTENTION, attention_implementation
+from taco_jax.models.attention import ATTENTION, attention_implementation, causal_attention
 from taco_jax.models.layers import DenseFactory, Embedding, LinearFactory
 
 DTYPES = {'float32': jnp.float32, 'bfloat16': jnp.bfloat16, 'float16': jnp.float16}
@@ -124,6 +124,20 @@ class DecoderBlock(nnx.Module):
     self.mlp_in = linear.column(d, self.mlp_in_per_hidden * cfg.d_ff, init_std=cfg.init_std,
                                 rngs=rngs)
     self.mlp_out = linear.row(cfg.d_ff, d, init_std=out_std, rngs=rngs)
+
+  def attend(self, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+    """Causal attention of the heads q, k, v carry, then the out-projection: in as many
+    slices of the batch as the out-projection asks (`batch_parts`: a TP layer that exchanges
+    its input, whose exchange of one slice may then run beside the next one's attention),
+    each slice's attention apart."""
+    b, t = q_BTNH.shape[:2]
+    parts = self.attn_out.batch_parts(b)
+    if parts == 1:
+      o_BTNH = causal_attention(q_BTNH, k_BTKH, v_BTKH, self.attention_impl)
+      return self.attn_out(o_BTNH.reshape(b, t, -1))
+    os = [causal_attention(*qkv, self.attention_impl).reshape(b // parts, t, -1)
+          for qkv in zip(*(jnp.split(a, parts) for a in (q_BTNH, k_BTKH, v_BTKH)))]
+    return self.attn_out.in_parts(os)
 
   def __call__(self, h_BTD: jax.Array) -> jax.Array:
     h_BTD = h_BTD + self.attention(self.ln1(h_BTD)).astype(h_BTD.dtype)

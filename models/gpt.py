@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from taco_jax.models import gelu_mlp, split_qkv
-from taco_jax.models.attention import causal_attention
 from taco_jax.models.decoder import Decoder, DecoderBlock, DecoderConfig
 from taco_jax.models.layers import layer_norm, normal_init
 
@@ -64,9 +63,7 @@ class Block(DecoderBlock):
     q_BTF, k_BTF, v_BTF = self.project_qkv(x_BTD)
     b, t, f = q_BTF.shape
     n_local = f // self.head_dim  # local heads: whatever the projection produced
-    o_BTNH = causal_attention(*(a.reshape(b, t, n_local, self.head_dim)
-                                for a in (q_BTF, k_BTF, v_BTF)), self.attention_impl)
-    return self.attn_out(o_BTNH.reshape(b, t, n_local * self.head_dim))
+    return self.attend(*(a.reshape(b, t, n_local, self.head_dim) for a in (q_BTF, k_BTF, v_BTF)))
 
   def project_qkv(self, x_BTD: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q, k, v ``[b, t, local heads * head_dim]`` from the QKV projection."""

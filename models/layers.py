@@ -54,6 +54,10 @@ class Linear(nnx.Module):
       y_BTO = y_BTO + self.bias[...].astype(self.dtype)
     return y_BTO
 
+  def batch_parts(self, batch: int) -> int:
+    """In how many batch slices a block feeds this out-projection (a TP layer's hook)."""
+    return 1
+
   # `models.gelu_mlp.fused_mlp`'s hooks: the layer's local matmul operands and output
   def fused_operands(self, x_BTI: jax.Array):
     """``(x, w, b, matmuls)`` of this in-projection, in the compute dtype (b in fp32)."""

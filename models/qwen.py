@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from taco_jax.models.attention import causal_attention
 from taco_jax.models.decoder import Decoder, DecoderBlock, DecoderConfig
 from taco_jax.models.layers import LinearFactory
 
@@ -87,8 +86,7 @@ class QwenBlock(DecoderBlock):
     qkv = qkv_BTF.reshape(b, t, k_local, g + 2, hd)
     q_BTNH = rope(qkv[:, :, :, :g].reshape(b, t, k_local * g, hd), self.theta)
     k_BTKH = rope(qkv[:, :, :, g], self.theta)
-    o_BTNH = causal_attention(q_BTNH, k_BTKH, qkv[:, :, :, g + 1], self.attention_impl)
-    return self.attn_out(o_BTNH.reshape(b, t, k_local * g * hd))
+    return self.attend(q_BTNH, k_BTKH, qkv[:, :, :, g + 1])
 
   def mlp(self, x_BTD: jax.Array) -> jax.Array:
     gu = self.mlp_in(x_BTD)

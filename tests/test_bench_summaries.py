@@ -102,6 +102,12 @@ def test_bench_train_summary_of_a_modified_pair():
   assert s["comm_share_save"] == pytest.approx(40 / 190)
   assert s["off_save_vs_gspmd"] == pytest.approx(192 / 190)
   assert "recovered" not in s  # no plain ideal
+  # the exchange program's levers are measured against the collectives' pair, as it is
+  (s,) = bench_train.summarize(_rows(off_save_unroll=180.0, ideal_save_unroll=150.0,
+                                     on_cm_xchg_save_unroll=160.0,
+                                     on_cm_xchg_save_unroll_wgat_xparts=156.0))
+  assert s["recovered_on_cm_xchg_save_unroll"] == pytest.approx(20 / 30)
+  assert s["recovered_on_cm_xchg_save_unroll_wgat_xparts"] == pytest.approx(24 / 30)
   (s,) = bench_train.summarize(_rows(off_save_dots=160.0, ideal_save_dots=140.0))
   assert s["comm_share_save_dots"] == pytest.approx(20 / 160)  # no compressed step needed
   assert "recovered_save_dots" not in s
@@ -151,6 +157,8 @@ def test_bench_train_variant_names():
   assert bench_train.parse_variant("off_save_dots_attn_head_gelu_dbxla_unroll").db_xla
   assert bench_train.parse_variant("off_save_dots_unroll_f32w").f32_weights
   assert bench_train.parse_variant("on_cm_xchg_save_dots_unroll_wgat").gather_weights
+  assert [bench_train.parse_variant(n).exchange_parts
+          for n in ("off_xchg_save_xparts", "on_cm_xchg_save_dots_unroll_wgat")] == [2, 1]
   assert bench_train.parse_variant("on_cm_xchg_nolink_save_fgraphs").every_link
   assert bench_train.parse_variant("ring_on_nolink_save").every_link and not cm.every_link
   args = bench_train.parse_args(["--variants", "off", "--link", "nvlink", "--compress",
@@ -180,6 +188,7 @@ def test_bench_train_variant_names():
               "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu", "ring_on_qkv", "off_qkv_gelu",
               "off_gelu_head", "off_dbxla", "off_dbxla_gelu", "gspmd_cublas", "off_save_f32w",
               "off_save_unroll_wgat", "off_xchg_save_wgat", "off_cm_nolink", "ideal_nolink",
+              "off_cm_save_xparts", "off_xchg_xparts_wgat",
               "off_cublas_unroll"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)

@@ -1111,6 +1111,17 @@ def test_exchange_matmul_gradient_runs_as_exchange_gradient_says(monkeypatch):
                             jax.ShapeDtypeStruct((512, 512), jnp.bfloat16))
   assert [text.count(f"taco_{name}_2") for name in ("all_to_all", "all_to_all_matmul",
                                                     "matmul_all_to_all")] == [0, k, k]
+  for forward in ("xla", None):  # asked for by the call (layers.EXCHANGE_PARTS) or the switch
+    monkeypatch.setattr(fused, "EXCHANGE_FORWARD", "fused" if forward else "xla")
+    loss = lambda y, w: jnp.sum(  # noqa: E731
+        fused.exchange_matmul(y, w, "tensor", forward).astype(jnp.float32) ** 2)
+    fn = jax.shard_map(jax.grad(loss, (0, 1)), mesh=mesh, in_specs=(P("data"), P()),
+                       out_specs=(P("data"), P()), check_vma=False)
+    text = _lowers_for_hopper(fn, jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16),
+                              jax.ShapeDtypeStruct((512, 512), jnp.bfloat16))
+    assert [text.count(f"taco_{name}_2") for name in ("all_to_all", "all_to_all_matmul",
+                                                      "matmul_all_to_all")] == [0, 0, k]
+    assert text.count("stablehlo.all_to_all") == 1, forward
   monkeypatch.setattr(fused, "EXCHANGE_GRADIENT", "nccl")
   with pytest.raises(ValueError, match="EXCHANGE_GRADIENT='nccl'"):
     fused.matmul_all_to_all(jnp.zeros((2, 64, 128), jnp.bfloat16),

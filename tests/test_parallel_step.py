@@ -20,7 +20,7 @@ from taco_jax.models.decoder import loss_fn
 from taco_jax.pallas_kernels import common, wire
 from taco_jax import testing
 from taco_jax.codec import CompressionConfig
-from taco_jax.tp import layout as layout_lib, step as step_lib
+from taco_jax.tp import layers as tp_layers, layout as layout_lib, step as step_lib
 from taco_jax.testing import hlo
 from taco_jax.plan import CompressionPlan
 from taco_jax.tp.mesh import make_mesh
@@ -460,6 +460,37 @@ def test_exchange_weights_gathered_before_the_layers(monkeypatch, reference, lay
         and e.invars[0].aval.shape[-2:] in weights)
   assert gathers[False] == {w: CFG.n_layers for w in weights}, gathers[False]
   assert gathers[True] == {(CFG.n_layers, *w): 1 for w in weights}, gathers[True]
+  loss, grads, _ = _loss_grads_collectives(spec, mesh, params, tokens)
+  np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
+  for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):
+    assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
+
+
+@pytest.mark.parametrize("overlap, gather_before", [("kernel", False), ("none", True)])
+def test_exchange_in_batch_slices_matches_single_device(monkeypatch, reference, overlap,
+                                                        gather_before):
+  """`layers.EXCHANGE_PARTS`: each block runs its attention and exchanging out-projection
+  per half of the batch, each half's exchange its own all-to-all (with the kernel layers
+  XLA's, `fused.all_to_all_matmul`'s "xla") and the weight gathered once a layer (or
+  before the layers); the loss and gradients are the single-device ones."""
+  ref_params, ref_loss, ref_grads = reference
+  cfg = dataclasses.replace(CFG, remat=True)
+  mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
+  params = layout_lib.shard_params(CFG, ref_params, mesh)
+  tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
+  spec = step_lib.ParallelSpec(cfg, 1, 1, 4, 1, save_tp_outputs=True, tp_overlap=overlap,
+                               tp_exchange=True, scan_layers=False)
+  monkeypatch.setattr(tp_layers, "EXCHANGE_PARTS", 2)
+  monkeypatch.setattr(step_lib, "GATHER_EXCHANGE_WEIGHTS", gather_before)
+  jaxpr = jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(params, tokens).jaxpr
+  shapes = collections.Counter(e.invars[0].aval.shape for e in _eqns(jaxpr)
+                               if e.primitive.name in ("all_to_all", "all_gather"))
+  y = (BATCH, SEQ, CFG.d_model // 4)  # one rank's attention output, the whole batch
+  half_y = (BATCH // 2, *y[1:])
+  assert shapes[half_y] == 2 * CFG.n_layers and not shapes[y], shapes  # forward a2a per half
+  weight = (CFG.d_model // 4, CFG.d_model)
+  assert shapes[(CFG.n_layers, *weight) if gather_before else weight] == (
+      1 if gather_before else CFG.n_layers), shapes
   loss, grads, _ = _loss_grads_collectives(spec, mesh, params, tokens)
   np.testing.assert_allclose(loss, ref_loss, rtol=F32_TOL)
   for (path, g), (_, r) in zip(_leaves(grads), _leaves(ref_grads), strict=True):

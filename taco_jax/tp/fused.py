@@ -109,8 +109,10 @@ EXCHANGE_GRADIENT = "fused"
 # others multiply the rows that have landed (``pallas_kernels.all_to_all_matmul``): 1.05-1.10x
 # faster alone, a wash in the step at TP=4 (92.57 ms against 92.54,
 # bench_train_nvlink_ffused24_tp4_4gpu_20261128) and slower at TP=2 (163.01 against 160.83,
-# bench_train_nvlink_ffused_tp2_2gpu_20261128).
-EXCHANGE_FORWARDS = ("kernel", "fused")
+# bench_train_nvlink_ffused_tp2_2gpu_20261128). "xla": XLA's all-to-all then cuBLAS, an
+# asynchronous collective its scheduler may run beside independent work: what the batch
+# slices of ``layers.EXCHANGE_PARTS`` ask for, whatever this says.
+EXCHANGE_FORWARDS = ("kernel", "fused", "xla")
 EXCHANGE_FORWARD = "kernel"
 
 
@@ -392,29 +394,35 @@ def _xla_all_to_all(x, axis_name, split_axis: int):
   return collectives.all_to_all(x, axis_name, split_axis=split_axis, concat_axis=3 - split_axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def exchange_matmul(y_BTF, w_FD, axis_name):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def exchange_matmul(y_BTF, w_FD, axis_name, forward: str | None = None):
   """``all_to_all(y, split_axis=1, concat_axis=2) @ w`` over ``axis_name``: this rank's
   sequence shard of the product from every rank's columns of y, times the whole (gathered)
-  weight; plain. Backward: the input's gradient by `matmul_all_to_all`, the weight's from
-  the exchanged y, which the forward keeps (``TP_OUTPUT``)."""
-  return _exchange_matmul_fwd(y_BTF, w_FD, axis_name)[0]
+  weight; plain; the forward as ``forward`` says (None: ``EXCHANGE_FORWARD``). Backward:
+  the input's gradient by `matmul_all_to_all`, the weight's from the exchanged y, which the
+  forward keeps (``TP_OUTPUT``)."""
+  return _exchange_matmul_fwd(y_BTF, w_FD, axis_name, forward)[0]
 
 
-def _exchange_matmul_fwd(y, w, axis_name):
-  out, y_BSF = all_to_all_matmul(y, w, axis_name)
+def _exchange_matmul_fwd(y, w, axis_name, forward):
+  out, y_BSF = all_to_all_matmul(y, w, axis_name, forward)
   return out, (checkpoint_name(y_BSF, TP_OUTPUT), w)
 
 
-def all_to_all_matmul(y_BTF, w_FD, axis_name):
+def all_to_all_matmul(y_BTF, w_FD, axis_name, forward: str | None = None):
   """``(all_to_all(y, split_axis=1, concat_axis=2) @ w, the exchanged y)`` over
-  ``axis_name``: as ``EXCHANGE_FORWARD`` says, our exchange kernel then cuBLAS, or one
-  kernel where it runs (else the two apart, the reason said once); under free
-  communication the stand-in all-to-all and the kernel's matmul on our GEMM core."""
-  if EXCHANGE_FORWARD not in EXCHANGE_FORWARDS:
-    raise ValueError(f"fused.EXCHANGE_FORWARD={EXCHANGE_FORWARD!r}: expected one of "
+  ``axis_name``: as ``forward`` (None: ``EXCHANGE_FORWARD``) says, our exchange kernel then
+  cuBLAS, one kernel where it runs (else the two apart, the reason said once), or XLA's
+  all-to-all then cuBLAS; under free communication the stand-in all-to-all and the
+  kernel's matmul on our GEMM core (XLA's for "xla")."""
+  forward = EXCHANGE_FORWARD if forward is None else forward
+  if forward not in EXCHANGE_FORWARDS:
+    raise ValueError(f"fused.EXCHANGE_FORWARD={forward!r}: expected one of "
                      f"{EXCHANGE_FORWARDS}")
-  if EXCHANGE_FORWARD == "fused":
+  if forward == "xla":
+    y_BSF = _xla_all_to_all(y_BTF, axis_name, 1)
+    return xla_matmul(y_BSF, w_FD, False), y_BSF
+  if forward == "fused":
     n = collectives.axis_size(axis_name, "exchange_matmul", y_BTF.shape)
     tiling = all_to_all_matmul_kernel.default_tiling(y_BTF.shape, w_FD.shape, n)
     problem = (platform_problem(_mesh_devices(n)) or all_to_all_matmul_kernel.misfit(
@@ -430,7 +438,7 @@ def all_to_all_matmul(y_BTF, w_FD, axis_name):
   return xla_matmul(y_BSF, w_FD, False), y_BSF
 
 
-def _exchange_matmul_bwd(axis_name, res, dout):
+def _exchange_matmul_bwd(axis_name, forward, res, dout):
   y_BSF, w = res
   dy = matmul_all_to_all(dout.astype(y_BSF.dtype), w, axis_name)
   return dy.astype(y_BSF.dtype), weight_gradient("bsf,bsd->fd", y_BSF, dout, w.dtype)

@@ -47,6 +47,16 @@ from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activation
 
 
 
+# In how many slices of the batch a block whose out-projection exchanges its input
+# (`RowParallelLinear.exchanges`) runs its attention and out-projection, each slice's
+# exchange XLA's asynchronous all-to-all (`RowParallelLinear.in_parts`), so that its
+# scheduler may run one slice's exchange beside the next slice's attention and the last
+# slice's beside the previous slice's out-projection, where the exchange kernel runs alone
+# between them. 1: one slice, the exchange as `fused.EXCHANGE_FORWARD` says. Not measured yet
+# (bench_train's ``_xparts``: 2).
+EXCHANGE_PARTS = 1
+
+
 @dataclasses.dataclass(frozen=True)
 class TPContext:
   """What a tensor-parallel layer needs to know besides its sizes."""
@@ -165,12 +175,36 @@ class RowParallelLinear(nnx.Module):
     fewer bytes than the output's reduce-scatter (the attention's out-projection: 1/tp)."""
     return self.ctx.exchange and self.ctx.tp > 1 and self.d_local < self.kernel.shape[1]
 
+  def batch_parts(self, batch: int) -> int:
+    """In how many slices of its batch the block should feed this layer (`in_parts`):
+    `EXCHANGE_PARTS` where it exchanges and they divide the batch, else 1."""
+    parts = EXCHANGE_PARTS if self.exchanges else 1
+    return parts if batch % parts == 0 else 1
+
+  def in_parts(self, ys_BTF: list[jax.Array]) -> jax.Array:
+    """This layer's output for the batch slices ``ys_BTF`` (`batch_parts` of them),
+    concatenated along the batch: the weight gathered once, each slice exchanged by XLA's
+    asynchronous all-to-all, which may run beside the other slices' work. Exchanging
+    layers only."""
+    if not self.exchanges:
+      raise ValueError("RowParallelLinear.in_parts: only a layer that exchanges its input "
+                       "(parallel.tp_exchange) takes its batch in slices")
+    ctx, w = self.ctx, self._whole_weight()
+    x_BSD = jnp.concatenate([exchange_matmul(y.astype(ctx.dtype), w, ctx, gathered=True,
+                                             forward="xla") for y in ys_BTF])
+    return x_BSD + self.bias[...].astype(ctx.dtype)
+
+  def _whole_weight(self) -> jax.Array:
+    """The exchange's whole weight [d_in, d_out]: gathered here, or before the layers
+    (`step.GATHER_EXCHANGE_WEIGHTS`), which leaves this layer a kernel of d_in rows."""
+    w = self.kernel[...].astype(self.ctx.dtype)
+    return w if w.shape[0] != self.d_local else gather_weight(w)
+
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     y_BTF = y_BTF.astype(ctx.dtype)
     if self.exchanges:
-      # a kernel of d_in rows was gathered before the layers (`step.GATHER_EXCHANGE_WEIGHTS`)
-      x_BSD = exchange_matmul(y_BTF, w, ctx, gathered=w.shape[0] != self.d_local)
+      x_BSD = exchange_matmul(y_BTF, self._whole_weight(), ctx, gathered=True)
     elif ctx.overlap == "ring" and ctx.tp > 1:
       x_BSD = overlap.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp"))
     elif ctx.overlap == "kernel" and ctx.tp > 1:
@@ -197,7 +231,14 @@ class RowParallelLinear(nnx.Module):
     return y_BSD + self.bias[...].astype(ctx.dtype)
 
 
-def exchange_matmul(y_BTF, w_FD, ctx: TPContext, gathered: bool = False):
+def gather_weight(w_FD):
+  """An exchange's whole weight from this rank's rows (all-gathered over "tensor"; its
+  gradient reduce-scattered), kept through remat (``TP_OUTPUT``)."""
+  return checkpoint_name(collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
+
+
+def exchange_matmul(y_BTF, w_FD, ctx: TPContext, gathered: bool = False,
+                    forward: str | None = None):
   """The row-parallel product with sequence parallelism by an exchange of inputs: this
   rank's sequence shard of ``y @ w`` from every rank's columns of y for it (all-to-all
   over "tensor", [B, T, F/tp] -> [B, S, F]) times the whole weight (all-gathered; its
@@ -207,11 +248,11 @@ def exchange_matmul(y_BTF, w_FD, ctx: TPContext, gathered: bool = False):
   of its own and the backward's matmul and exchange one kernel (`fused.exchange_matmul`).
   The exchanged y, the gathered weight (and with the kernel layers the product) carry
   ``TP_OUTPUT``, so that the recomputation under ``parallel.save_tp_outputs`` does not
-  communicate again. ``gathered``: w_FD is the whole weight already (`gather_exchange_weights`)."""
-  w_full = w_FD if gathered else checkpoint_name(
-      collectives.all_gather(w_FD, TENSOR, axis=0, tiled=True), TP_OUTPUT)
+  communicate again. ``gathered``: w_FD is the whole weight already (`gather_weight`).
+  ``forward``: how the kernel layers run the forward (`fused.all_to_all_matmul`)."""
+  w_full = w_FD if gathered else gather_weight(w_FD)
   if ctx.overlap == "kernel":
-    return checkpoint_name(fused.exchange_matmul(y_BTF, w_full, TENSOR), TP_OUTPUT)
+    return checkpoint_name(fused.exchange_matmul(y_BTF, w_full, TENSOR, forward), TP_OUTPUT)
   y_BSF = collectives.all_to_all(y_BTF, TENSOR, split_axis=SEQ, concat_axis=2)
   return jnp.einsum("...i,io->...o", checkpoint_name(y_BSF, TP_OUTPUT), w_full)
 
