@@ -389,9 +389,10 @@ def build(variant: Variant, layout, args, cfg, tx):
   return exe, state, batch, mesh, plan, profiled
 
 
-def _program(variant: Variant, layout, args, cfg, tx):
+def _program(variant: Variant, layout, args, cfg, tx, abstract: bool = False):
   """(jitted step, (params, opt_state), batch_fn, mesh, plan, tracing context) of
-  `variant` (its first compile); parameters from seed 0."""
+  `variant` (its first compile); parameters from seed 0; with `abstract` (ours only) the
+  state and batch as shapes with their shardings (`build_step`), to compile only."""
   import jax
   from benchmarks import gspmd
   from taco_jax import collectives
@@ -403,6 +404,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
   dp, pp, tp = layout
   cfg = variant_config(variant, cfg)
   if not variant.ours:
+    if abstract:
+      raise ValueError(f"{variant.name}: GSPMD's programs are built with their state")
     mesh = gspmd.make_mesh(dp * pp, tp)
     p_sh = gspmd.shardings(cfg, mesh)
     params = gspmd.init_params(cfg, mesh, seed=0)
@@ -422,7 +425,8 @@ def _program(variant: Variant, layout, args, cfg, tx):
       cfg = dataclasses.replace(cfg, mlp_gelu="fused")
     if variant.fused_qkv:
       cfg = dataclasses.replace(cfg, qkv_split="fused")
-    step, state, batch, mesh = build_step(layout, args, cfg, tx, plan, **variant.parallel_fields())
+    step, state, batch, mesh = build_step(layout, args, cfg, tx, plan, abstract,
+                                          **variant.parallel_fields())
     ctx = _all_of(
         [collectives.free_communication(TENSOR)] * (variant.base == "ideal")
         + [mock.patch.object(ag_matmul, "PULL_CLUSTERS", ())] * variant.push

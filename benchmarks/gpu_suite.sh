@@ -54,6 +54,10 @@
 #                                                  # GPUs, then a trace (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh energy            # one GPU: the GEMM core's and cuBLAS's
 #                                                  # energy per call (CORE_TILINGS; <= 4 min)
+#   bash benchmarks/gpu_suite.sh schedule_1gpu     # one GPU: what XLA schedules beside each
+#                                                  # async collective of TP=2 programs, the
+#                                                  # exchange in batch halves too (mock NCCL;
+#                                                  # compiles only, <= 6 min)
 #   bash benchmarks/gpu_suite.sh ring_wgrad        # the ring layers' weight gradients as bf16
 #                                                  # or fp32-output dots, P2P off (<= 7.5 min)
 #   bash benchmarks/gpu_suite.sh cm_1gpu pgle_1gpu   # one GPU: the kernels at TP=2 shapes, rank 0
@@ -410,6 +414,14 @@ for job in "$@"; do
       BENCH_WATCHDOG_S=200 timeout 220 python3 benchmarks/probe_energy.py --rounds 3 \
         --seconds 1.5 --core-tilings "${CORE_TILINGS:-default}" --label "${LABEL:-h200}" \
         ${TRANSPOSED:+--transposed} --out-dir "$out" ;;
+    schedule_1gpu)  # one GPU standing in for TP=2 (XLA's mock NCCL): the exchange program
+      # compiled with the whole batch's exchange and in batch halves (layers.EXCHANGE_PARTS),
+      # collectives and kernel layers; what the scheduler puts beside each all-to-all
+      v=off_xchg_save_dots_attn_head_gelu_unroll,off_xchg_save_dots_attn_head_gelu_unroll_xparts
+      v=$v,off_cm_xchg_save_dots_attn_head_gelu_unroll_xparts_fgraphs
+      BENCH_WATCHDOG_S=340 timeout 350 python3 benchmarks/probe_schedule.py --layouts 1,1,2 \
+        --attention cudnn --mock 2 --label "${LABEL:-xparts_mock}" --variants "${VARIANTS:-$v}" \
+        --out-dir "$out" ;;
     ring_wgrad)  # the ring layers' (parallel.tp_overlap="ring") gathered weight gradients as
       # dots in the weight's dtype (the layers) or with fp32 outputs (_dwf32), plain and
       # compressed, through host memory, TP = the visible GPUs (<= 7.5 min)

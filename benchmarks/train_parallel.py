@@ -150,11 +150,13 @@ def compression_plan(args, link=None):
   return CompressionPlan(**{f: codec for f in args.compress.split(",") if f})
 
 
-def build_step(layout, args, cfg, tx, plan, **spec_fields):
+def build_step(layout, args, cfg, tx, plan, abstract: bool = False, **spec_fields):
   """Our sharded train step for one (dp, pp, tp) layout and codec plan, not yet compiled:
   (jitted step, (params, opt_state), tokens -> global batch, mesh). Parameters come from
-  seed 0, so every variant of a layout starts from the same ones. `spec_fields`: further
-  `ParallelSpec` fields (tp_overlap, interleave). Shared with bench_train."""
+  seed 0, so every variant of a layout starts from the same ones; with `abstract`, the
+  state and the batch are shapes with their shardings, nothing allocated (to compile
+  only). `spec_fields`: further `ParallelSpec` fields (tp_overlap, interleave). Shared
+  with bench_train."""
   import jax
   from taco_jax.tp import layout as layout_lib, step as step_lib
   from taco_jax.tp.mesh import make_mesh
@@ -167,9 +169,13 @@ def build_step(layout, args, cfg, tx, plan, **spec_fields):
   p_abs = layout_lib.abstract_params(cfg, mesh)
   o_abs = opt_state_target(tx, p_abs, mesh, spec)
   p_sh, o_sh = shardings(p_abs), shardings(o_abs)
-  params, opt_state = fresh_state(spec, mesh, tx, o_abs, seed=0)
   step = jax.jit(step_lib.make_train_step(spec, mesh, tx), donate_argnums=(0, 1),
                  out_shardings=(p_sh, o_sh, None))
+  if abstract:
+    b_sh = step_lib.batch_sharding(mesh)
+    return step, (p_abs, o_abs), lambda tokens: jax.ShapeDtypeStruct(
+        tokens.shape, tokens.dtype, sharding=b_sh), mesh
+  params, opt_state = fresh_state(spec, mesh, tx, o_abs, seed=0)
   return step, (params, opt_state), lambda tokens: global_batch(tokens, mesh), mesh
 
 

@@ -9,7 +9,9 @@ benchmarks/probe_gelu_gemm.py and probe_qkv_gemm.py (smoke runs: every variant c
 all-gather kernel's too), benchmarks/gelu_numerics.py (the fused MLP's math against fp32
 beside XLA's), benchmarks/probe_sequences.py (a smoke run: every sequence's function runs),
 its SM clock stamps (benchmarks/sm_clock.py: lowered for sm_90, in its place between two ops,
-and inside the GEMM core's epilogue) and benchmarks/nvml.py's clock sampler (on fake GPUs)."""
+and inside the GEMM core's epilogue), benchmarks/nvml.py's clock sampler (on fake GPUs) and
+benchmarks/probe_schedule.py (what a scheduled HLO runs beside each asynchronous collective;
+a smoke run compiling bench_train's programs from their shapes)."""
 import json
 import time
 
@@ -294,3 +296,53 @@ def test_clock_sampler_summarizes_each_gpus_samples():
   assert reasons["sw_power_cap"] == reasons["hw_thermal"] == 1.0 and reasons["idle"] == 0.0
   assert nvml.ClockSampler([]).summary() is None
   assert nvml.gpus() == []  # no NVML here
+
+
+_SCHEDULED = """HloModule step, is_scheduled=true
+
+%command_buffer.1 (p: <T>) -> <T> {
+  %p = <T> parameter(0)
+  %attn = (<T>, u8[0]{0}) custom-call(<T> %p), custom_call_target="__cudnn$fmhaSoftmax"
+  ROOT %gte = <T> get-tuple-element((<T>, u8[0]{0}) %attn), index=0
+}
+
+%a2a.1 (x: <T>) -> <T> {
+  %x = <T> parameter(0)
+  ROOT %all-to-all.1 = <T> all-to-all(<T> %x), dimensions={0}
+}
+
+ENTRY %main (a: <T>, w: <W>) -> <T> {
+  %a = <T> parameter(0)
+  %w = <W> parameter(1)
+  %all-to-all-start = ((<T>), <T>) async-start(<T> %a), calls=%a2a.1
+  %all-gather-start = (<T>, <W>) all-gather-start(<T> %w), dimensions={0}
+  %call = <T> call(<T> %a), to_apply=%command_buffer.1
+  %all-to-all-done = <T> async-done(((<T>), <T>) %all-to-all-start)
+  %gemm = (<T>, s8[0]{0}) custom-call(<T> %all-to-all-done), custom_call_target="__cublas$gemm"
+  %mosaic = <T> custom-call(<T> %a), custom_call_target="mosaic_gpu_v2", metadata={op_name="<K>"}
+  %all-gather-done = <W> all-gather-done((<T>, <W>) %all-gather-start)
+  ROOT %add.2 = <T> fusion(<T> %a), kind=kLoop, calls=%fused
+}
+""".replace("<T>", "f32[4]").replace("<W>", "f32[8]").replace("<K>", "taco_all_gather_matmul_2")
+
+
+def test_probe_schedule_reads_the_work_beside_each_asynchronous_collective():
+  from benchmarks import probe_schedule
+  found = probe_schedule.overlaps(_SCHEDULED)
+  assert [(c["kind"], c["work"]) for c in found] == [
+      ("all-to-all", {"graph:cudnn": 1}),
+      ("all-gather", {"graph:cudnn": 1, "cublas": 1, "mosaic:taco_all_gather_matmul": 1})]
+  assert found[0]["shape"] == "f32[4]"
+  assert probe_schedule.summary(found + [dict(kind="all-to-all", work={})])["all-to-all"] == {
+      "count": 2, "with_work": 1, "work": {"graph:cudnn": 1}}
+
+
+def test_probe_schedule_smoke_compiles_the_exchange_in_batch_halves(tmp_path):
+  """On CPU (no asynchronous collectives) the probe builds bench_train's programs from
+  their shapes alone and compiles them, the exchange in batch halves too."""
+  from benchmarks import probe_schedule
+  path = probe_schedule.main(["--smoke", "--out-dir", str(tmp_path)])
+  report = json.loads(path.read_text())
+  assert set(report["variants"]) == set(probe_schedule.VARIANTS.split(","))
+  assert all(v["compile_s"] > 0 for v in report["variants"].values())
+  assert list(tmp_path.glob("hlo_smoke_off_xchg_save_unroll_xparts.txt.gz"))
