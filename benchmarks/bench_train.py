@@ -361,7 +361,8 @@ def xla_options(variant: Variant, args) -> dict:
   from taco_jax.tp.step import compiler_options
   options = compiler_options(1 if args.no_interleave_options else variant.interleave,
                              collectives_in_flight=variant.collectives_in_flight,
-                             kernels=variant.kernels, kernel_graphs=variant.graphs)
+                             kernels=variant.kernels, kernel_graphs=variant.graphs,
+                             exchange_parts=variant.exchange_parts)
   return {**options, "xla_gpu_enable_triton_gemm": False} if variant.cublas else options
 
 

@@ -162,6 +162,9 @@ def main(argv=None):
   start_watchdog()
   if args.mock:
     os.environ["JAX_MOCK_GPU_TOPOLOGY"] = f"1x{args.mock}x1"
+    # the autotuner would share its work with the mock processes, which never answer
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
+                                        "--xla_gpu_shard_autotuning=false"]).strip()
   if args.smoke:
     from taco_jax.train.cli import use_cpu_devices
     use_cpu_devices(8)

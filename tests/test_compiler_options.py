@@ -85,6 +85,15 @@ def test_kernel_graphs_change_only_the_kernel_layers_command_buffers():
     step_lib.compiler_options(kernels=True, kernel_graphs="some")
 
 
+def test_exchange_slices_compile_without_the_dot_merger():
+  """`layers.EXCHANGE_PARTS` > 1 (bench_train's ``_xparts``): XLA's DotMerger off, which
+  would join the slices' out-projections; nothing else changes."""
+  assert step_lib.compiler_options(exchange_parts=2) == step_lib.NO_DOT_MERGER
+  assert step_lib.compiler_options(2, exchange_parts=2) == step_lib.INTERLEAVE_XLA_OPTIONS
+  assert step_lib.compiler_options(exchange_parts=1) == {}
+  _lowered().compile(step_lib.NO_DOT_MERGER)  # an option the compiler takes
+
+
 def test_an_unknown_option_is_refused_by_the_compile():
   with pytest.raises(Exception, match="No such compile option: 'xla_gpu_enable_pipelined_all"):
     _lowered().compile({"xla_gpu_enable_pipelined_all_gather": True})  # an XLA_FLAGS name

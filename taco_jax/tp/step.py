@@ -75,8 +75,9 @@ GATHER_EXCHANGE_WEIGHTS = False
 # all-gather / reduce-scatter combiners fuse independent collectives of the same kind (A's
 # and B's become one, which waits for both producers). Thresholds of 0 switch them off
 # (docs/parallel.md: when each would apply). The CPU compiler accepts and ignores them.
+NO_DOT_MERGER = {"xla_gpu_dot_merger_threshold_mb": 0}
 INTERLEAVE_XLA_OPTIONS = {
-    "xla_gpu_dot_merger_threshold_mb": 0,
+    **NO_DOT_MERGER,
     "xla_gpu_all_gather_combine_threshold_bytes": 0,
     "xla_gpu_reduce_scatter_combine_threshold_bytes": 0,
 }
@@ -228,7 +229,7 @@ def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
 
 def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
                      collectives_in_flight: int = 1, kernels: bool = False,
-                     kernel_graphs: str = "fusions") -> dict:
+                     kernel_graphs: str = "fusions", exchange_parts: int = 1) -> dict:
   """XLA options to compile a step with (`jax.jit(..., compiler_options=)` or
   `.compile(...)`): `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches
   (`ParallelSpec.interleave` > 1), `XLA_OVERLAP_OPTIONS` with `xla_overlap`
@@ -236,13 +237,18 @@ def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
   the latency-hiding scheduler allowed that many asynchronous collectives at once (the limit
   is that scheduler's, so asking for it turns the scheduler on), and with `kernels`
   (tp_overlap="kernel") the kernel layers' CUDA graphs as `kernel_graphs` says
-  (`KERNEL_GRAPHS`; the trainer's: fusions). The one place the trainer and the benchmarks get
-  a step's options from."""
+  (`KERNEL_GRAPHS`; the trainer's: fusions); with `exchange_parts` > 1
+  (`layers.EXCHANGE_PARTS`) `NO_DOT_MERGER`: XLA's DotMerger would join the batch slices'
+  out-projections into one matmul that waits for every slice's exchange (seen in the
+  scheduled HLO, `probe_schedule_xparts_mock_2gpu_20261129`). The one place the trainer and
+  the benchmarks get a step's options from."""
   if not (isinstance(collectives_in_flight, int) and collectives_in_flight >= 1):
     raise ValueError(f"collectives_in_flight={collectives_in_flight!r} must be an integer >= 1")
   if kernel_graphs not in KERNEL_GRAPHS:
     raise ValueError(f"kernel_graphs={kernel_graphs!r} must be one of {tuple(KERNEL_GRAPHS)}")
   out = dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
+  if exchange_parts > 1:
+    out.update(NO_DOT_MERGER)
   if kernels:
     out.update(KERNEL_GRAPHS[kernel_graphs])
   if xla_overlap:
