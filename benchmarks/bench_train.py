@@ -103,9 +103,9 @@ Modifiers after the name of one of our steps, in this order (e.g. `on_il2_save_p
           weight family before the first layer (`step.GATHER_EXCHANGE_WEIGHTS`), where each
           layer gathers its own
   _xparts (with _xchg) each block's attention and exchanging out-projection in two halves
-          of the batch, each half's exchange XLA's asynchronous all-to-all, which may run
-          beside the other half's attention or out-projection (`layers.EXCHANGE_PARTS`=2),
-          where the whole batch's exchange runs alone between them
+          of the batch, the first half's exchange XLA's asynchronous all-to-all beside the
+          second half's attention (`layers.EXCHANGE_PARTS`=2), where the whole batch's
+          exchange runs alone between them; `_xparts4`: in four quarters
   _noremat  (GSPMD too) no remat at all (`model.remat=False`: every activation kept), in
           the same process as the remat variants (`--no-remat` drops remat for all of them)
   _cif2   (GSPMD too) XLA's latency-hiding scheduler may keep two asynchronous collectives
@@ -182,14 +182,15 @@ BASES = ("off", "on", "ideal", "gspmd", "ring_off", "ring_on")
 # in order, e.g. off_cm_save_pgle
 MODIFIERS = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit", "ffused", "nolink",
              "1f1b", "vs2", "il2", "save", "dots", "attn", "head", "gelu", "qkv", "dbxla", "ogr",
-             "zero", "unroll", "idx", "f32w", "wgat", "xparts", "noremat", "cif2", "cif4",
-             "pgle", "graphs", "fgraphs", "cublas")
+             "zero", "unroll", "idx", "f32w", "wgat", "xparts", "xparts4", "noremat", "cif2",
+             "cif4", "pgle", "graphs", "fgraphs", "cublas")
 GSPMD_MODIFIERS = ("noremat", "cif2", "cif4", "pgle")
 CIF = {"cif2": 2, "cif4": 4}  # modifier -> parallel.collectives_in_flight
 GRAPHS_MODIFIERS = {"graphs": "all", "fgraphs": "fusions"}  # -> the kernel layers' graphs
 # a variant with these is measured against the collectives' step of its other modifiers
 PAIRED_WITH_COLLECTIVES = ("cm", "push", "wcopy", "rsw", "dwf32", "xchg", "bxla", "bsplit",
-                           "ffused", "nolink", "wgat", "xparts", *GRAPHS_MODIFIERS)
+                           "ffused", "nolink", "wgat", "xparts", "xparts4",
+                           *GRAPHS_MODIFIERS)
 COMPILE_SHARE = 0.75  # of --deadline-s: no variant starts compiling after it (all layouts)
 REMAT_SAVES = ("save", "dots", "attn")  # modifiers that say what the remat keeps: not with noremat
 # the `ParallelSpec` fields a variant sets (build_step's keywords), written into its results too
@@ -230,7 +231,7 @@ class Variant:
   indexed: bool = False         # _idx: step.UNSTACK_LAYERS off
   f32_weights: bool = False     # _f32w: step.CAST_LAYER_WEIGHTS off
   gather_weights: bool = False  # _wgat: step.GATHER_EXCHANGE_WEIGHTS on
-  exchange_parts: int = 1       # _xparts: layers.EXCHANGE_PARTS=2
+  exchange_parts: int = 1       # _xparts / _xparts4: layers.EXCHANGE_PARTS=2 / 4
   collectives_in_flight: int = 1  # _cif2 / _cif4: parallel.collectives_in_flight
   graphs: str = "none"          # the kernel layers' CUDA graphs (GRAPHS_MODIFIERS)
   cublas: bool = False          # _cublas: xla_gpu_enable_triton_gemm off
@@ -277,7 +278,8 @@ def parse_variant(name: str) -> Variant:
       len(set(GRAPHS_MODIFIERS) & set(mods)) > 1) or (
       {"idx", "f32w"} & set(mods) and "unroll" not in mods) or (
       "wgat" in mods and not {"xchg", "unroll"} <= set(mods)) or (
-      "xparts" in mods and "xchg" not in mods) or (
+      {"xparts", "xparts4"} & set(mods) and "xchg" not in mods) or (
+      {"xparts", "xparts4"} <= set(mods)) or (
       {"gelu", "qkv"} & set(mods) and base.startswith("ring_")) or (
       "dbxla" in mods and "gelu" not in mods):
     raise ValueError(f"unknown variant {name!r}: one of {', '.join(BASES)}, then any of "
@@ -287,8 +289,8 @@ def parse_variant(name: str) -> Variant:
                      "_wcopy, _rsw, _graphs and _fgraphs only with _cm; _dwf32 with _cm or ring_; "
                      "_bxla or _bsplit, and _ffused, only with _cm and _xchg; _nolink only "
                      "after on; _1f1b or _vs2; _cif2 or _cif4; no ideal_zero; _idx and _f32w "
-                     "only with _unroll; _wgat only with _xchg and _unroll; _xparts only with "
-                     "_xchg; _gelu and "
+                     "only with _unroll; _wgat only with _xchg and _unroll; _xparts or _xparts4 "
+                     "only with _xchg; _gelu and "
                      "_qkv not with ring_; _dbxla only with _gelu)")
   return Variant(name, base, interleave=2 if "il2" in mods else 1,
                  save_tp_outputs="save" in mods, save_dots="dots" in mods,
@@ -307,7 +309,7 @@ def parse_variant(name: str) -> Variant:
                  shard_optimizer="zero" in mods, overlap_grad_reduce="ogr" in mods,
                  scan_layers="unroll" not in mods, indexed="idx" in mods,
                  f32_weights="f32w" in mods, gather_weights="wgat" in mods,
-                 exchange_parts=2 if "xparts" in mods else 1,
+                 exchange_parts=2 if "xparts" in mods else 4 if "xparts4" in mods else 1,
                  collectives_in_flight=next((CIF[m] for m in mods if m in CIF), 1),
                  graphs=next((GRAPHS_MODIFIERS[m] for m in mods if m in GRAPHS_MODIFIERS),
                              "none"), cublas="cublas" in mods)

@@ -158,7 +158,8 @@ def test_bench_train_variant_names():
   assert bench_train.parse_variant("off_save_dots_unroll_f32w").f32_weights
   assert bench_train.parse_variant("on_cm_xchg_save_dots_unroll_wgat").gather_weights
   assert [bench_train.parse_variant(n).exchange_parts
-          for n in ("off_xchg_save_xparts", "on_cm_xchg_save_dots_unroll_wgat")] == [2, 1]
+          for n in ("off_xchg_save_xparts", "on_cm_xchg_save_dots_unroll_wgat",
+                    "off_cm_xchg_unroll_xparts4")] == [2, 1, 4]
   assert bench_train.parse_variant("on_cm_xchg_nolink_save_fgraphs").every_link
   assert bench_train.parse_variant("ring_on_nolink_save").every_link and not cm.every_link
   args = bench_train.parse_args(["--variants", "off", "--link", "nvlink", "--compress",
@@ -188,7 +189,7 @@ def test_bench_train_variant_names():
               "on_cm_ffused", "on_cm_ffused_xchg", "ring_off_gelu", "ring_on_qkv", "off_qkv_gelu",
               "off_gelu_head", "off_dbxla", "off_dbxla_gelu", "gspmd_cublas", "off_save_f32w",
               "off_save_unroll_wgat", "off_xchg_save_wgat", "off_cm_nolink", "ideal_nolink",
-              "off_cm_save_xparts", "off_xchg_xparts_wgat",
+              "off_cm_save_xparts", "off_xchg_xparts_wgat", "off_xchg_xparts_xparts4",
               "off_cublas_unroll"):
     with pytest.raises(ValueError, match="unknown variant"):
       bench_train.parse_variant(bad)

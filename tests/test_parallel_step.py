@@ -466,13 +466,15 @@ def test_exchange_weights_gathered_before_the_layers(monkeypatch, reference, lay
     assert np.max(np.abs(g - r)) <= F32_TOL * np.max(np.abs(r)), path
 
 
-@pytest.mark.parametrize("overlap, gather_before", [("kernel", False), ("none", True)])
+@pytest.mark.parametrize("overlap, gather_before, parts", [("kernel", False, 2),
+                                                            ("none", True, 4)])
 def test_exchange_in_batch_slices_matches_single_device(monkeypatch, reference, overlap,
-                                                        gather_before):
+                                                        gather_before, parts):
   """`layers.EXCHANGE_PARTS`: each block runs its attention and exchanging out-projection
-  per half of the batch, each half's exchange its own all-to-all (with the kernel layers
-  XLA's, `fused.all_to_all_matmul`'s "xla") and the weight gathered once a layer (or
-  before the layers); the loss and gradients are the single-device ones."""
+  per slice of the batch, each slice's exchange its own all-to-all (with the kernel layers
+  XLA's, `fused.all_to_all_matmul`'s "xla", but the last slice's, which is the kernel's
+  and on CPU XLA's too) and the weight gathered once a layer (or before the layers); the
+  loss and gradients are the single-device ones."""
   ref_params, ref_loss, ref_grads = reference
   cfg = dataclasses.replace(CFG, remat=True)
   mesh = make_mesh(1, 1, 4, devices=jax.devices()[:4])
@@ -480,14 +482,14 @@ def test_exchange_in_batch_slices_matches_single_device(monkeypatch, reference, 
   tokens = jax.device_put(_tokens(), step_lib.batch_sharding(mesh))
   spec = step_lib.ParallelSpec(cfg, 1, 1, 4, 1, save_tp_outputs=True, tp_overlap=overlap,
                                tp_exchange=True, scan_layers=False)
-  monkeypatch.setattr(tp_layers, "EXCHANGE_PARTS", 2)
+  monkeypatch.setattr(tp_layers, "EXCHANGE_PARTS", parts)
   monkeypatch.setattr(step_lib, "GATHER_EXCHANGE_WEIGHTS", gather_before)
   jaxpr = jax.make_jaxpr(step_lib.loss_and_grads_fn(spec, mesh))(params, tokens).jaxpr
   shapes = collections.Counter(e.invars[0].aval.shape for e in _eqns(jaxpr)
                                if e.primitive.name in ("all_to_all", "all_gather"))
   y = (BATCH, SEQ, CFG.d_model // 4)  # one rank's attention output, the whole batch
-  half_y = (BATCH // 2, *y[1:])
-  assert shapes[half_y] == 2 * CFG.n_layers and not shapes[y], shapes  # forward a2a per half
+  slice_y = (BATCH // parts, *y[1:])
+  assert shapes[slice_y] == parts * CFG.n_layers and not shapes[y], shapes  # a2a per slice
   weight = (CFG.d_model // 4, CFG.d_model)
   assert shapes[(CFG.n_layers, *weight) if gather_before else weight] == (
       1 if gather_before else CFG.n_layers), shapes

@@ -48,12 +48,13 @@ from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activation
 
 
 # In how many slices of the batch a block whose out-projection exchanges its input
-# (`RowParallelLinear.exchanges`) runs its attention and out-projection, each slice's
-# exchange XLA's asynchronous all-to-all (`RowParallelLinear.in_parts`), so that its
-# scheduler may run one slice's exchange beside the next slice's attention and the last
-# slice's beside the previous slice's out-projection, where the exchange kernel runs alone
-# between them. 1: one slice, the exchange as `fused.EXCHANGE_FORWARD` says. Not measured yet
-# (bench_train's ``_xparts``: 2).
+# (`RowParallelLinear.exchanges`) runs its attention and out-projection
+# (`RowParallelLinear.in_parts`): every slice's exchange but the last is XLA's asynchronous
+# all-to-all, which its scheduler runs beside the next slice's attention (in every layer of
+# the 1.3B TP=2 step's scheduled HLO, `probe_schedule_xparts_mock_2gpu_20261129`), and the
+# last slice's, which nothing is left to hide, runs as `fused.EXCHANGE_FORWARD` says (our
+# kernel with the kernel layers), where the whole batch's runs alone. 1: one slice. Not
+# timed yet (bench_train's ``_xparts``: 2, ``_xparts4``: 4).
 EXCHANGE_PARTS = 1
 
 
@@ -183,15 +184,16 @@ class RowParallelLinear(nnx.Module):
 
   def in_parts(self, ys_BTF: list[jax.Array]) -> jax.Array:
     """This layer's output for the batch slices ``ys_BTF`` (`batch_parts` of them),
-    concatenated along the batch: the weight gathered once, each slice exchanged by XLA's
-    asynchronous all-to-all, which may run beside the other slices' work. Exchanging
-    layers only."""
+    concatenated along the batch: the weight gathered once, each slice but the last
+    exchanged by XLA's asynchronous all-to-all, which may run beside the next slices' work
+    (`EXCHANGE_PARTS`). Exchanging layers only."""
     if not self.exchanges:
       raise ValueError("RowParallelLinear.in_parts: only a layer that exchanges its input "
                        "(parallel.tp_exchange) takes its batch in slices")
     ctx, w = self.ctx, self._whole_weight()
+    forwards = ["xla"] * (len(ys_BTF) - 1) + [None]
     x_BSD = jnp.concatenate([exchange_matmul(y.astype(ctx.dtype), w, ctx, gathered=True,
-                                             forward="xla") for y in ys_BTF])
+                                             forward=f) for y, f in zip(ys_BTF, forwards)])
     return x_BSD + self.bias[...].astype(ctx.dtype)
 
   def _whole_weight(self) -> jax.Array:
