@@ -19,6 +19,10 @@ their place, as in the trainer.
 GPU (one H200, TP=2): python benchmarks/probe_schedule.py --layouts 1,1,2 --attention cudnn \
     --variants off_xchg_save_unroll_xparts --mock 2 --out-dir $OUT
 CPU smoke:            python benchmarks/probe_schedule.py --smoke   (no asynchronous collectives)
+
+Writes probe_schedule_<label>_<devices>gpu_<date>.json (the program's devices, mock ones
+included: ``local_devices`` says how many were real) and, with --out-dir, each variant's
+scheduled HLO (hlo_<label>_<variant>.txt.gz).
 """
 from __future__ import annotations
 
