@@ -120,7 +120,7 @@
 #   bash benchmarks/gpu_suite.sh cm_gelu             # issue 15, TP=2: the fused GELU in the
 #                                                    # kernel layers, against the strong step's
 #                                                    # (<= 5 min; cm_qkv alike; cm_levers
-#                                                    # <= 9 min)
+#                                                    # and cm_xparts <= 9 min)
 #   bash benchmarks/gpu_suite.sh trainer_cm          # issue 15, TP=2: the trainer's own step,
 #                                                    # kernels or not (<= 9.5 min)
 #   bash benchmarks/gpu_suite.sh cm_baseline         # issues 15 + 19 at TP=2 in one run (<= 10 min)
@@ -308,8 +308,8 @@ for job in "$@"; do
           --config.parallel.tp_overlap=$v --config.parallel.save_tp_outputs=True \
           --config.data.batch_size=8
       done ;;
-    cm_gelu | cm_qkv | cm_levers)  # issue 15 on 2 GPUs (TP=2), the kernel layers with a
-      # change against them without it, beside the bf16 step and its ideal with the fused
+    cm_gelu | cm_qkv | cm_levers | cm_xparts)  # issue 15 on 2 GPUs (TP=2), the kernel layers
+      # with a change against them without it, beside the bf16 step and its ideal with the fused
       # GELU: cm_gelu, the MLP's GELU in the all-gather kernels' epilogues
       # (model.mlp_gelu=fused, since 2026-11-29); cm_qkv, q, k, v written apart by the QKV
       # all-gather kernel (model.qkv_split=fused, since 2026-11-29: a tie at TP=2);
@@ -317,7 +317,10 @@ for job in "$@"; do
       # before the first layer (step.GATHER_EXCHANGE_WEIGHTS, 2026-11-29: XLA's per-layer
       # gathers slowed 7 of 24 QKV kernels a step), and _nolink, every kernel in FP8 where
       # the link policy picks none at TP=2 (the steps run at the power limit, the kernel
-      # layers' at lower clocks: fewer bytes may pay there)
+      # layers' at lower clocks: fewer bytes may pay there); cm_xparts, the attention and
+      # its exchange in batch halves / quarters, all but the last slice's exchange beside the
+      # next slice's attention (layers.EXCHANGE_PARTS; with _wgat, which frees the
+      # scheduler's one collective in flight for them: probe_schedule_xparts_wgat_mock)
       v=off_save_dots_attn_head_gelu_unroll,ideal_save_dots_attn_head_gelu_unroll
       case $job in
         cm_gelu) v=$v,on_cm_xchg_save_dots_attn_head_unroll_fgraphs
@@ -328,6 +331,9 @@ for job in "$@"; do
                    v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_wgat_fgraphs
                    v=$v,on_cm_xchg_nolink_save_dots_attn_head_gelu_unroll_fgraphs
                    v=$v,on_cm_xchg_nolink_save_dots_attn_head_gelu_unroll_wgat_fgraphs ;;
+        cm_xparts) v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_wgat_fgraphs
+                   v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_wgat_xparts_fgraphs
+                   v=$v,on_cm_xchg_save_dots_attn_head_gelu_unroll_wgat_xparts4_fgraphs ;;
       esac
       BENCH_WATCHDOG_S=530 timeout 540 python3 benchmarks/bench_train.py --label "nvlink_$job" \
         --layouts 1,1,${TP:-2} --attention cudnn --link nvlink --deadline-s 500 \
