@@ -84,7 +84,10 @@ def work_labels(ins: dict, comps: dict) -> list[str]:
       return [f"mosaic:{kernel[1]}" if kernel else "mosaic"]
     return [f"custom:{target}"]
   if op == "fusion":
-    return ["triton_gemm" if "gemm" in ins["name"] or "__triton_gemm" in rest else "fusion"]
+    inner = [label for i in comps.get(_attr(rest, "calls"), ()) if i["op"] == "custom-call"
+             for label in work_labels(i, comps)]  # e.g. a custom call on slices of its operands
+    return inner or ["triton_gemm" if "gemm" in ins["name"] or "__triton_gemm" in rest
+                     else "fusion"]
   if op in ("call", "while", "conditional"):
     called = [c for c in re.findall(r"(?:to_apply|body|branch_computations)=\{?%?([\w.\-]+)",
                                     rest) if c in comps]

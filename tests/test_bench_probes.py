@@ -306,6 +306,11 @@ _SCHEDULED = """HloModule step, is_scheduled=true
   ROOT %gte = <T> get-tuple-element((<T>, u8[0]{0}) %attn), index=0
 }
 
+%dynamic-slice-fusion.2 (q: <T>) -> <T> {
+  %q = <T> parameter(0)
+  ROOT %rs = <T> custom-call(<T> %q), custom_call_target="mosaic_gpu_v2", metadata={op_name="<R>"}
+}
+
 %a2a.1 (x: <T>) -> <T> {
   %x = <T> parameter(0)
   ROOT %all-to-all.1 = <T> all-to-all(<T> %x), dimensions={0}
@@ -320,10 +325,14 @@ ENTRY %main (a: <T>, w: <W>) -> <T> {
   %all-to-all-done = <T> async-done(((<T>), <T>) %all-to-all-start)
   %gemm = (<T>, s8[0]{0}) custom-call(<T> %all-to-all-done), custom_call_target="__cublas$gemm"
   %mosaic = <T> custom-call(<T> %a), custom_call_target="mosaic_gpu_v2", metadata={op_name="<K>"}
+  %sliced = <T> fusion(<T> %a), kind=kCustom, calls=%dynamic-slice-fusion.2
   %all-gather-done = <W> all-gather-done((<T>, <W>) %all-gather-start)
   ROOT %add.2 = <T> fusion(<T> %a), kind=kLoop, calls=%fused
 }
-""".replace("<T>", "f32[4]").replace("<W>", "f32[8]").replace("<K>", "taco_all_gather_matmul_2")
+"""
+for _key, _text in (("<T>", "f32[4]"), ("<W>", "f32[8]"), ("<K>", "taco_all_gather_matmul_2"),
+                    ("<R>", "jit(matmul_reduce_scatter)/taco_matmul_reduce_scatter_2/mpmd_map")):
+  _SCHEDULED = _SCHEDULED.replace(_key, _text)
 
 
 def test_probe_schedule_reads_the_work_beside_each_asynchronous_collective():
@@ -331,7 +340,8 @@ def test_probe_schedule_reads_the_work_beside_each_asynchronous_collective():
   found = probe_schedule.overlaps(_SCHEDULED)
   assert [(c["kind"], c["work"]) for c in found] == [
       ("all-to-all", {"graph:cudnn": 1}),
-      ("all-gather", {"graph:cudnn": 1, "cublas": 1, "mosaic:taco_all_gather_matmul": 1})]
+      ("all-gather", {"graph:cudnn": 1, "cublas": 1, "mosaic:taco_all_gather_matmul": 1,
+                      "mosaic:taco_matmul_reduce_scatter": 1})]
   assert found[0]["shape"] == "f32[4]"
   assert probe_schedule.summary(found + [dict(kind="all-to-all", work={})])["all-to-all"] == {
       "count": 2, "with_work": 1, "work": {"graph:cudnn": 1}}
