@@ -85,12 +85,16 @@ def test_kernel_graphs_change_only_the_kernel_layers_command_buffers():
     step_lib.compiler_options(kernels=True, kernel_graphs="some")
 
 
-def test_exchange_slices_compile_without_the_dot_merger():
+def test_exchange_slices_compile_without_the_dot_merger(monkeypatch):
   """`layers.EXCHANGE_PARTS` > 1 (bench_train's ``_xparts``): XLA's DotMerger off, which
   would join the slices' out-projections; nothing else changes."""
+  from taco_jax.tp import layers
+  monkeypatch.setattr(layers, "EXCHANGE_PARTS", 4)
+  assert step_lib.compiler_options() == step_lib.NO_DOT_MERGER
+  monkeypatch.setattr(layers, "EXCHANGE_PARTS", 1)
   assert step_lib.compiler_options(exchange_parts=2) == step_lib.NO_DOT_MERGER
   assert step_lib.compiler_options(2, exchange_parts=2) == step_lib.INTERLEAVE_XLA_OPTIONS
-  assert step_lib.compiler_options(exchange_parts=1) == {}
+  assert step_lib.compiler_options(exchange_parts=1) == step_lib.compiler_options() == {}
   _lowered().compile(step_lib.NO_DOT_MERGER)  # an option the compiler takes
 
 

@@ -50,11 +50,12 @@ from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activation
 # In how many slices of the batch a block whose out-projection exchanges its input
 # (`RowParallelLinear.exchanges`) runs its attention and out-projection
 # (`RowParallelLinear.in_parts`): every slice's exchange but the last is XLA's asynchronous
-# all-to-all, which its scheduler runs beside the next slice's attention (in every layer of
-# the 1.3B TP=2 step's scheduled HLO, `probe_schedule_xparts_mock_2gpu_20261129`), and the
-# last slice's, which nothing is left to hide, runs as `fused.EXCHANGE_FORWARD` says (our
-# kernel with the kernel layers), where the whole batch's runs alone. 1: one slice. Not
-# timed yet (bench_train's ``_xparts``: 2, ``_xparts4``: 4).
+# all-to-all, which its scheduler runs beside the next slice's attention (in the 1.3B TP=2
+# step's scheduled HLO: in 16 of 24 layers, in all 24 with the exchange weights gathered
+# before the layers, `probe_schedule_*_mock_2gpu_20261129`), and the last slice's, which
+# nothing is left to hide, runs as `fused.EXCHANGE_FORWARD` says (our kernel with the kernel
+# layers), where the whole batch's runs alone. 1: one slice. Not timed yet (bench_train's
+# ``_xparts``: 2, ``_xparts4``: 4).
 EXCHANGE_PARTS = 1
 
 

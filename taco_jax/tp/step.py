@@ -229,7 +229,8 @@ def _check_batch(spec: ParallelSpec, tokens_BT1) -> None:
 
 def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
                      collectives_in_flight: int = 1, kernels: bool = False,
-                     kernel_graphs: str = "fusions", exchange_parts: int = 1) -> dict:
+                     kernel_graphs: str = "fusions", exchange_parts: int | None = None
+                     ) -> dict:
   """XLA options to compile a step with (`jax.jit(..., compiler_options=)` or
   `.compile(...)`): `INTERLEAVE_XLA_OPTIONS` when it interleaves sub-batches
   (`ParallelSpec.interleave` > 1), `XLA_OVERLAP_OPTIONS` with `xla_overlap`
@@ -237,8 +238,8 @@ def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
   the latency-hiding scheduler allowed that many asynchronous collectives at once (the limit
   is that scheduler's, so asking for it turns the scheduler on), and with `kernels`
   (tp_overlap="kernel") the kernel layers' CUDA graphs as `kernel_graphs` says
-  (`KERNEL_GRAPHS`; the trainer's: fusions); with `exchange_parts` > 1
-  (`layers.EXCHANGE_PARTS`) `NO_DOT_MERGER`: XLA's DotMerger would join the batch slices'
+  (`KERNEL_GRAPHS`; the trainer's: fusions); with `exchange_parts` (None:
+  `layers.EXCHANGE_PARTS`) > 1 `NO_DOT_MERGER`: XLA's DotMerger would join the batch slices'
   out-projections into one matmul that waits for every slice's exchange (seen in the
   scheduled HLO, `probe_schedule_xparts_mock_2gpu_20261129`). The one place the trainer and
   the benchmarks get a step's options from."""
@@ -247,7 +248,7 @@ def compiler_options(interleave: int = 1, *, xla_overlap: bool = False,
   if kernel_graphs not in KERNEL_GRAPHS:
     raise ValueError(f"kernel_graphs={kernel_graphs!r} must be one of {tuple(KERNEL_GRAPHS)}")
   out = dict(INTERLEAVE_XLA_OPTIONS) if interleave > 1 else {}
-  if exchange_parts > 1:
+  if (layers.EXCHANGE_PARTS if exchange_parts is None else exchange_parts) > 1:
     out.update(NO_DOT_MERGER)
   if kernels:
     out.update(KERNEL_GRAPHS[kernel_graphs])
