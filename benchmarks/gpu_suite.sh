@@ -420,11 +420,12 @@ for job in "$@"; do
       BENCH_WATCHDOG_S=200 timeout 220 python3 benchmarks/probe_energy.py --rounds 3 \
         --seconds 1.5 --core-tilings "${CORE_TILINGS:-default}" --label "${LABEL:-h200}" \
         ${TRANSPOSED:+--transposed} --out-dir "$out" ;;
-    schedule_1gpu)  # one GPU standing in for TP=2 (XLA's mock NCCL): the exchange program
-      # compiled with the whole batch's exchange and in batch halves (layers.EXCHANGE_PARTS),
-      # collectives and kernel layers; what the scheduler puts beside each all-to-all
-      v=off_xchg_save_dots_attn_head_gelu_unroll,off_xchg_save_dots_attn_head_gelu_unroll_xparts
-      v=$v,off_cm_xchg_save_dots_attn_head_gelu_unroll_xparts_fgraphs
+    schedule_1gpu)  # one GPU standing in for TP=2 (XLA's mock NCCL): the kernel layers'
+      # exchange program as it is, with the weights gathered before the layers, and in batch
+      # halves / quarters (layers.EXCHANGE_PARTS); what the scheduler puts beside each
+      # asynchronous collective
+      p=off_cm_xchg_save_dots_attn_head_gelu_unroll
+      v=${p}_fgraphs,${p}_wgat_fgraphs,${p}_wgat_xparts_fgraphs,${p}_xparts4_fgraphs
       BENCH_WATCHDOG_S=340 timeout 350 python3 benchmarks/probe_schedule.py --layouts 1,1,2 \
         --attention cudnn --mock 2 --label "${LABEL:-xparts_mock}" --variants "${VARIANTS:-$v}" \
         --out-dir "$out" ;;
