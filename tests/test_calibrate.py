@@ -86,6 +86,22 @@ def test_choice_follows_the_rule(run):
       assert 0 < r["rel_l2"] < 0.2 and 0 < r["max_abs_over_absmax"] < 1, (site, r)
 
 
+def test_capture_runs_xla_collectives_where_the_kernels_would_run(tmp_path):
+  """A config whose TP collectives run inside the matmuls (kernel or ring layers) is
+  captured through XLA's collectives, which report their messages, and says so; the
+  config itself is left as it is."""
+  config = _config(tmp_path)
+  assert calibrate.capture_config(config) == (config, None)  # tp_overlap='none'
+  for overlap in ("kernel", "ring"):
+    config.parallel.tp_overlap = overlap
+    captured, note = calibrate.capture_config(config)
+    assert captured.parallel.tp_overlap == "none" and config.parallel.tp_overlap == overlap
+    assert f"parallel.tp_overlap={overlap!r}" in note
+    assert captured.compression.to_dict() == config.compression.to_dict()
+  config.parallel.tp = 1
+  assert calibrate.capture_config(config)[1] is None
+
+
 def test_pick_prefers_fewer_bytes_then_the_configs_own():
   base = dict(format="e4m3", group_size=64, hadamard=True)
   scores = {("e4m3", 32, True): 0.01,   # best, but costs more bytes than the base

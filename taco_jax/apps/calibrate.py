@@ -86,9 +86,26 @@ def bits_per_element(setting: dict, width: int) -> float:
 # --- 1. capture --------------------------------------------------------------------------
 
 
+def capture_config(config):
+  """The config whose steps `capture` runs: `config` itself, or where its TP collectives run
+  inside the matmuls (``parallel.tp_overlap`` ring or kernel at tp > 1), which report no
+  messages, a copy with XLA's collectives (``tp_overlap='none'``): they compress the same
+  tensors. The written config keeps the user's ``tp_overlap``. Returns (config, what to say
+  or None)."""
+  p = config.parallel
+  if p.tp_overlap == 'none' or p.tp == 1:
+    return config, None
+  config = config.copy_and_resolve_references()
+  config.parallel.tp_overlap = 'none'
+  return config, (f"note: parallel.tp_overlap={p.tp_overlap!r} sends its messages from inside "
+                  "the matmuls, which report none: the capture runs XLA's collectives "
+                  "(tp_overlap='none'), which compress the same tensors")
+
+
 def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
             compiler_options=None) -> monitor.Capture:
-  """Runs `steps` training steps of `config` and returns what each compressed site sent."""
+  """Runs `steps` training steps of `config` (`capture_config`'s) and returns what each
+  compressed site sent."""
   from taco_jax.tp import step as step_lib
   from taco_jax.train import trainer as ptrain
   from taco_jax.train import checkpoint
@@ -96,6 +113,9 @@ def capture(config, steps: int, workdir=None, rows_per_call: int = 1024,
   from taco_jax.train.trainer import load_data
 
   validate(config)
+  config, note = capture_config(config)
+  if note:
+    print(note, file=sys.stderr)
   mesh, spec, tx, p_abs, o_abs = ptrain.run_parts(config)
   if not spec.plan.any:
     raise ValueError("compression is off in this config: there is nothing to calibrate")
