@@ -179,6 +179,11 @@ def test_best_of_rounds_takes_turns_and_keeps_the_least(monkeypatch):
 
 
 def test_gelu_gemm_probe_checks_every_variant_against_fp32():
+  assert probe_gelu_gemm.main(["--smoke"]) == 0
+
+
+@pytest.mark.slow  # its all-gather kernels' epilogues: test_collective_matmul checks them
+def test_gelu_gemm_probe_checks_the_all_gather_variants_too():
   assert probe_gelu_gemm.main(["--smoke", "--all-gather"]) == 0
 
 
