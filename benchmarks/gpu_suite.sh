@@ -320,7 +320,8 @@ for job in "$@"; do
       # layers' at lower clocks: fewer bytes may pay there); cm_xparts, the attention and
       # its exchange in batch halves / quarters, all but the last slice's exchange beside the
       # next slice's attention (layers.EXCHANGE_PARTS; with _wgat, which frees the
-      # scheduler's one collective in flight for them: probe_schedule_xparts_wgat_mock)
+      # scheduler's one collective in flight for them: probe_schedule_xparts_wgat_mock).
+      # 2026-11-29, one process (nvlink_wgat_xparts_tp2): _wgat tied, _xparts lost 3.9 ms
       v=off_save_dots_attn_head_gelu_unroll,ideal_save_dots_attn_head_gelu_unroll
       case $job in
         cm_gelu) v=$v,on_cm_xchg_save_dots_attn_head_unroll_fgraphs

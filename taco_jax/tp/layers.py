@@ -54,8 +54,10 @@ from taco_jax.tp.overlap import SEQ  # the sequence axis of [B, T, D] activation
 # step's scheduled HLO: in 16 of 24 layers, in all 24 with the exchange weights gathered
 # before the layers, `probe_schedule_*_mock_2gpu_20261129`), and the last slice's, which
 # nothing is left to hide, runs as `fused.EXCHANGE_FORWARD` says (our kernel with the kernel
-# layers), where the whole batch's runs alone. 1: one slice. Not timed yet (bench_train's
-# ``_xparts``: 2, ``_xparts4``: 4).
+# layers), where the whole batch's runs alone. 1 (one slice): in halves, with the weights
+# gathered before the layers, the 1.3B TP=2 step took 149.10 ms against 145.23 without the
+# halves (bench_train ``_xparts``, bench_train_nvlink_wgat_xparts_tp2_2gpu_20261129, one
+# process; ``_xparts4``: quarters, not timed).
 EXCHANGE_PARTS = 1
 
 

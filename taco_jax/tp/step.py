@@ -66,7 +66,9 @@ CAST_LAYER_WEIGHTS = True
 # combines those per-layer gathers into NCCL all-gathers of three layers each, started
 # early, that run beside the layers' kernels: at TP=2 7 of a step's 24 QKV all-gather kernels
 # ran beside one, ~75 us slower each (`profile_step_nvlink_gelu_xchg_tp2`, 2026-11-29). The
-# one gather has only the embedding to hide behind. Off until measured (bench_train `_wgat`).
+# one gather has only the embedding and the weights' casts to hide behind. Off: a tie in the
+# 1.3B TP=2 step, 145.23 ms against 144.95 (bench_train `_wgat`,
+# bench_train_nvlink_wgat_xparts_tp2_2gpu_20261129, one process).
 GATHER_EXCHANGE_WEIGHTS = False
 
 # XLA GPU passes that can merge the interleaved sub-batches' independent work back into one
