@@ -167,9 +167,7 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   start_watchdog()
-  if args.mock:
-    os.environ["JAX_MOCK_GPU_TOPOLOGY"] = f"1x{args.mock}x1"
-    # the autotuner would share its work with the mock processes, which never answer
+  if args.mock:  # the autotuner would share its work with the mock processes, which never answer
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""),
                                         "--xla_gpu_shard_autotuning=false"]).strip()
   if args.smoke:
@@ -177,7 +175,7 @@ def main(argv=None):
     use_cpu_devices(8)
   bench_train.add_overlap_flags(args)
   import jax
-  if args.mock:  # before the backend starts (the environment variable may come too late)
+  if args.mock:  # before the backend starts
     jax.config.update("jax_mock_gpu_topology", f"1x{args.mock}x1")
   import numpy as np
   from benchmarks import common

@@ -193,23 +193,23 @@ class RowParallelLinear(nnx.Module):
     if not self.exchanges:
       raise ValueError("RowParallelLinear.in_parts: only a layer that exchanges its input "
                        "(parallel.tp_exchange) takes its batch in slices")
-    ctx, w = self.ctx, self._whole_weight()
+    ctx, w = self.ctx, self._whole_weight(self.kernel[...].astype(self.ctx.dtype))
     forwards = ["xla"] * (len(ys_BTF) - 1) + [None]
     x_BSD = jnp.concatenate([exchange_matmul(y.astype(ctx.dtype), w, ctx, gathered=True,
                                              forward=f) for y, f in zip(ys_BTF, forwards)])
     return x_BSD + self.bias[...].astype(ctx.dtype)
 
-  def _whole_weight(self) -> jax.Array:
-    """The exchange's whole weight [d_in, d_out]: gathered here, or before the layers
-    (`step.GATHER_EXCHANGE_WEIGHTS`), which leaves this layer a kernel of d_in rows."""
-    w = self.kernel[...].astype(self.ctx.dtype)
+  def _whole_weight(self, w: jax.Array) -> jax.Array:
+    """The exchange's whole weight [d_in, d_out] from this layer's kernel ``w`` (cast):
+    gathered here, or already before the layers (`step.GATHER_EXCHANGE_WEIGHTS`), which
+    leaves this layer a kernel of d_in rows."""
     return w if w.shape[0] != self.d_local else gather_weight(w)
 
   def __call__(self, y_BTF: jax.Array) -> jax.Array:
     ctx, w = self.ctx, self.kernel[...].astype(self.ctx.dtype)
     y_BTF = y_BTF.astype(ctx.dtype)
     if self.exchanges:
-      x_BSD = exchange_matmul(y_BTF, self._whole_weight(), ctx, gathered=True)
+      x_BSD = exchange_matmul(y_BTF, self._whole_weight(w), ctx, gathered=True)
     elif ctx.overlap == "ring" and ctx.tp > 1:
       x_BSD = overlap.matmul_scatter(y_BTF, w, TENSOR, *ctx.codecs("reduce_scatter_to_sp"))
     elif ctx.overlap == "kernel" and ctx.tp > 1:
